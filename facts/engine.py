@@ -1,0 +1,188 @@
+"""Facts about the FreeToken engine: what is installed (one venv per engine version under a
+base dir, an ``active`` symlink choosing one) and what ``GET /health`` answers."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass, field
+
+from pyinfra.api import FactBase
+
+from ._output import MARKER, parse_int, quote, sections
+
+# --------------------------------------------------------------------------- install
+
+
+@dataclass(frozen=True)
+class EngineInstallInfo:
+    base_dir: str
+    versions: dict[str, str | None] = field(default_factory=dict)
+    active: str | None = None
+    # What the ``active`` link literally points to (None when it is absent or not a link).
+    active_target: str | None = None
+
+
+def parse_engine_install_output(base_dir: str, lines: list[str]) -> EngineInstallInfo:
+    versions: dict[str, str | None] = {}
+    active = None
+    active_target = None
+    dirs: set[str] = set()
+    for name, arg, body in sections(lines):
+        if name == "base" and not base_dir:
+            base_dir = arg
+        elif name == "venv":
+            dirs.add(arg)
+            values = [line.partition(":")[2].strip() for line in body if line.startswith("Version:")]
+            versions[arg] = values[0] if values else None
+        elif name == "dir":
+            dirs.add(arg)
+        elif name == "active":
+            active_target = arg or None
+            if active_target:
+                candidate = posixpath.basename(active_target.rstrip("/"))
+                active = candidate if candidate in dirs or candidate in versions else None
+    return EngineInstallInfo(base_dir, versions, active, active_target)
+
+
+class EngineInstall(FactBase[EngineInstallInfo]):
+    """
+    Returns ``EngineInstallInfo``: for each venv under ``base_dir`` (``/opt/freetoken/0.2.1``),
+    the freetoken version its dist-info declares (None when not installed), and which version
+    dir the ``active`` symlink points to. Reads metadata files only; never runs the venv.
+
+    + base_dir: e.g. ``/opt/freetoken``
+    """
+
+    def command(self, base_dir: str) -> str:
+        self._base_dir = base_dir
+        return (
+            f"B={quote(base_dir)}; if [ -d \"$B\" ]; then echo \"{MARKER}base $B\"; "
+            "for D in \"$B\"/*/; do D=${D%/}; [ -d \"$D\" ] && [ ! -L \"$D\" ] || continue; "
+            "N=${D##*/}; "
+            "if [ -f \"$D/pyvenv.cfg\" ]; then "
+            f"echo \"{MARKER}venv $N\"; "
+            "for M in \"$D\"/lib/python3*/site-packages/freetoken-*.dist-info/METADATA; do "
+            "[ -f \"$M\" ] && awk '/^Version:/{print; exit} /^$/{exit}' \"$M\" && break; done; "
+            f"else echo \"{MARKER}dir $N\"; fi; done; "
+            f"if [ -L \"$B/active\" ]; then echo \"{MARKER}active $(readlink \"$B/active\")\"; fi; "
+            "fi; true"
+        )
+
+    @staticmethod
+    def default() -> EngineInstallInfo:
+        return EngineInstallInfo("", {}, None)
+
+    def process(self, output: list[str]) -> EngineInstallInfo:
+        return parse_engine_install_output(getattr(self, "_base_dir", ""), output)
+
+
+# --------------------------------------------------------------------------- health
+
+
+@dataclass(frozen=True)
+class EngineHealthInfo:
+    reachable: bool
+    status: str | None
+    phase: str | None
+    done_bytes: int | None
+    total_bytes: int | None
+    version: str | None
+    model: str | None
+    message: str | None
+    error: str | None
+    http_status: int | None = None
+    uptime_s: float | None = None
+
+
+# python3 is always on the targets; urllib with proxies disabled (http_proxy in the
+# environment must not capture a loopback health check).
+HEALTH_SCRIPT = r"""
+import sys, urllib.request, urllib.error
+url = sys.argv[1]
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+try:
+    resp = opener.open(url, timeout=5)
+    code, body = resp.status, resp.read()
+except urllib.error.HTTPError as e:
+    code, body = e.code, e.read()
+except Exception as e:
+    print("@@ft:unreachable %s: %s" % (type(e).__name__, getattr(e, "reason", e)))
+    sys.exit(0)
+print("@@ft:http %d" % code)
+print(body.decode("utf-8", "replace"))
+"""
+
+
+def _opt_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _opt_str(value) -> str | None:
+    return None if value is None else str(value)
+
+
+def parse_health_body(http_status: int | None, body: str) -> EngineHealthInfo:
+    """Parse ``GET /health``'s JSON; the status code says nothing (it is always 200)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return EngineHealthInfo(True, None, None, None, None, None, None, None,
+                                f"non-JSON /health body: {body.strip()[:200]!r}", http_status)
+    if not isinstance(data, dict):
+        return EngineHealthInfo(True, None, None, None, None, None, None, None,
+                                f"unexpected /health JSON: {body.strip()[:200]!r}", http_status)
+    progress = data.get("progress") if isinstance(data.get("progress"), dict) else {}
+    uptime = data.get("uptime_s")
+    return EngineHealthInfo(
+        reachable=True,
+        status=_opt_str(data.get("status")),
+        phase=_opt_str(data.get("phase")),
+        done_bytes=_opt_int(progress.get("done_bytes")),
+        total_bytes=_opt_int(progress.get("total_bytes")),
+        version=_opt_str(data.get("version")),
+        model=_opt_str(data.get("model")),
+        message=_opt_str(data.get("message")),
+        error=None,
+        http_status=http_status,
+        uptime_s=float(uptime) if isinstance(uptime, (int, float)) and not isinstance(uptime, bool) else None,
+    )
+
+
+def parse_health_output(lines: list[str]) -> EngineHealthInfo:
+    for index, line in enumerate(lines):
+        if line.startswith(MARKER + "unreachable"):
+            return EngineHealthInfo(False, None, None, None, None, None, None, None,
+                                    line[len(MARKER + "unreachable"):].strip() or "unreachable")
+        if line.startswith(MARKER + "no-python"):
+            return EngineHealthInfo(False, None, None, None, None, None, None, None, "python3 not found")
+        if line.startswith(MARKER + "http "):
+            return parse_health_body(parse_int(line.split()[1]), "\n".join(lines[index + 1:]))
+    return EngineHealthInfo(False, None, None, None, None, None, None, None, "no output")
+
+
+class EngineHealth(FactBase[EngineHealthInfo]):
+    """
+    Returns ``EngineHealthInfo`` from ``GET http://HOST:PORT/health``: ``reachable`` False when
+    nothing listens; otherwise the JSON's ``status`` (loading / ok / error) and its details.
+
+    + host: address the engine listens on (default 127.0.0.1)
+    + port: engine port (default 8000)
+    """
+
+    def command(self, host: str = "127.0.0.1", port: int = 8000) -> str:
+        port = int(port)
+        netloc = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        url = f"http://{netloc}:{port}/health"
+        return (
+            "if command -v python3 >/dev/null 2>&1; then "
+            f"python3 -c {quote(HEALTH_SCRIPT)} {quote(url)} 2>&1 </dev/null; "
+            f"else echo '{MARKER}no-python'; fi; true"
+        )
+
+    @staticmethod
+    def default() -> EngineHealthInfo:
+        return EngineHealthInfo(False, None, None, None, None, None, None, None, "no output")
+
+    def process(self, output: list[str]) -> EngineHealthInfo:
+        return parse_health_output(output)

@@ -1,0 +1,153 @@
+"""Fact about the NVIDIA GPUs visible to the target, through ``nvidia-smi``.
+
+Under WSL, ``nvidia-smi`` and ``libcuda.so.1`` come from the Windows driver and live in
+``/usr/lib/wsl/lib`` (often not on PATH); ``driver_version`` is the Windows driver's number.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+
+from pyinfra.api import FactBase
+
+from ._output import parse_int, section_map
+
+WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"
+QUERY_FIELDS = "index,name,compute_cap,memory.total,memory.used,memory.free,driver_version"
+
+# Values nvidia-smi prints where NVML cannot answer (partial NVML under WSL).
+_UNAVAILABLE = {"[n/a]", "n/a", "[not supported]", "[unknown error]", "[insufficient permissions]", ""}
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    compute_cap: tuple[int, int] | None
+    memory_total_mib: int
+    memory_used_mib: int
+    memory_free_mib: int
+    driver_version: str
+    # Query fields nvidia-smi could not answer ("[N/A]", "[Not Supported]"): their int value is 0.
+    unavailable_fields: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    gpus: tuple[GpuInfo, ...]
+    cuda_version: str | None
+    smi_path: str | None
+    error: str | None
+
+
+def _unavailable(value: str) -> bool:
+    return value.strip().lower() in _UNAVAILABLE
+
+
+def _mib(value: str) -> int | None:
+    match = re.fullmatch(r"\s*(\d+)(?:\s*MiB)?\s*", value)
+    return int(match.group(1)) if match else None
+
+
+def parse_query_csv(text: str) -> tuple[tuple[GpuInfo, ...], str | None]:
+    """Parse ``--query-gpu=QUERY_FIELDS --format=csv[,noheader][,nounits]`` output.
+
+    Returns ``(gpus, error)``; error is the tool's message when a line is not a GPU row
+    (e.g. ``No devices were found``, NVML initialisation failures).
+    """
+    gpus: list[GpuInfo] = []
+    problems: list[str] = []
+    for row in csv.reader(text.splitlines(), skipinitialspace=True):
+        row = [cell.strip() for cell in row]
+        if not row or not any(row):
+            continue
+        if row[0].lower() == "index":
+            continue  # header line of --format=csv without noheader
+        if len(row) != 7 or parse_int(row[0]) is None:
+            problems.append(", ".join(row))
+            continue
+        index, name, cap, total, used, free, driver = row
+        unavailable: list[str] = []
+        compute_cap = None
+        if _unavailable(cap):
+            unavailable.append("compute_cap")
+        else:
+            match = re.fullmatch(r"(\d+)\.(\d+)", cap)
+            if match:
+                compute_cap = (int(match.group(1)), int(match.group(2)))
+            else:
+                unavailable.append("compute_cap")
+        mems: list[int] = []
+        for field_name, value in (("memory.total", total), ("memory.used", used), ("memory.free", free)):
+            number = None if _unavailable(value) else _mib(value)
+            if number is None:
+                unavailable.append(field_name)
+            mems.append(number or 0)
+        if _unavailable(driver):
+            unavailable.append("driver_version")
+            driver = ""
+        gpus.append(
+            GpuInfo(
+                index=int(index),
+                name=name,
+                compute_cap=compute_cap,
+                memory_total_mib=mems[0],
+                memory_used_mib=mems[1],
+                memory_free_mib=mems[2],
+                driver_version=driver,
+                unavailable_fields=tuple(unavailable),
+            )
+        )
+    error = None
+    if problems and not gpus:
+        error = " ".join(problems)[:500]
+    elif not gpus:
+        error = "nvidia-smi listed no GPUs"
+    return tuple(gpus), error
+
+
+def parse_cuda_version(table: str) -> str | None:
+    """The ``CUDA Version: 13.0`` of the plain ``nvidia-smi`` table header."""
+    match = re.search(r"CUDA Version:\s*(\d+(?:\.\d+)*)", table)
+    return match.group(1) if match else None
+
+
+def parse_nvidia_smi_output(lines: list[str]) -> GpuReport:
+    secs = section_map(lines)
+    if "missing" in secs:
+        return GpuReport((), None, None, "nvidia-smi not found")
+    smi_path = secs.get("path", ("", []))[0] or None
+    query_rc = parse_int(secs.get("query-rc", ("", []))[0])
+    query = "\n".join(line.rstrip("\r") for line in secs.get("query", ("", []))[1])
+    table = "\n".join(line.rstrip("\r") for line in secs.get("table", ("", []))[1])
+    gpus, error = parse_query_csv(query)
+    if error and query_rc not in (0, None):
+        error = f"{error} (exit {query_rc})"
+    return GpuReport(gpus, parse_cuda_version(table), smi_path, error)
+
+
+class NvidiaGpus(FactBase[GpuReport]):
+    """
+    Returns ``GpuReport``: each GPU's name, compute capability and memory, the driver's CUDA
+    version, or the error nvidia-smi printed (no driver, no device, GPU access blocked).
+    """
+
+    def command(self) -> str:
+        return (
+            "S=$(command -v nvidia-smi 2>/dev/null); "
+            f"if [ -z \"$S\" ] && [ -x {WSL_NVIDIA_SMI} ]; then S={WSL_NVIDIA_SMI}; fi; "
+            "if [ -z \"$S\" ]; then echo '@@ft:missing'; else "
+            "echo \"@@ft:path $S\"; echo '@@ft:query'; "
+            f"\"$S\" --query-gpu={QUERY_FIELDS} --format=csv,noheader,nounits 2>&1 </dev/null; "
+            "echo \"@@ft:query-rc $?\"; "
+            "echo '@@ft:table'; \"$S\" 2>&1 </dev/null; echo \"@@ft:table-rc $?\"; fi; true"
+        )
+
+    @staticmethod
+    def default() -> GpuReport:
+        return GpuReport((), None, None, "no output")
+
+    def process(self, output: list[str]) -> GpuReport:
+        return parse_nvidia_smi_output(output)

@@ -1,0 +1,185 @@
+"""Facts about the Windows Subsystem for Linux the target runs in.
+
+``WslKernel`` tells WSL2 from WSL1 from "not WSL" by the kernel string; ``WslVersion`` reads the
+WSL package version, which decides the field report's pitfall 4 (idle reaping and the WDDM
+allocation lock-up are fixed from WSL 2.7.13 on).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from pyinfra.api import FactBase
+
+from ._output import b64decode_lines, parse_int, section_map
+
+# --------------------------------------------------------------------------- kernel
+
+
+@dataclass(frozen=True)
+class WslKernelInfo:
+    kind: Literal["wsl2", "wsl1", "none"]
+    release: str
+    raw: str
+
+
+def parse_proc_version(text: str | None) -> WslKernelInfo:
+    """Classify the contents of ``/proc/version`` (None: the file could not be read)."""
+    raw = (text or "").strip()
+    match = re.match(r"Linux version (\S+)", raw)
+    release = match.group(1) if match else ""
+    lowered = raw.lower()
+    if "wsl2" in lowered:
+        kind: Literal["wsl2", "wsl1", "none"] = "wsl2"
+    elif "microsoft" in lowered:
+        # WSL1's fake kernel: "4.4.0-19041-Microsoft (Microsoft@Microsoft.com)".
+        kind = "wsl1"
+    else:
+        kind = "none"
+    return WslKernelInfo(kind=kind, release=release, raw=raw)
+
+
+class WslKernel(FactBase[WslKernelInfo]):
+    """
+    Returns ``WslKernelInfo``: whether the kernel is WSL2's, WSL1's or not WSL at all.
+
+    Reads ``/proc/version`` rather than ``uname -r``: it is what a test container can fake.
+    """
+
+    def command(self) -> str:
+        return "cat /proc/version 2>/dev/null || echo '@@ft:missing'"
+
+    @staticmethod
+    def default() -> WslKernelInfo:
+        return WslKernelInfo(kind="none", release="", raw="")
+
+    def process(self, output: list[str]) -> WslKernelInfo:
+        if any(line.startswith("@@ft:missing") for line in output):
+            return self.default()
+        return parse_proc_version("\n".join(output))
+
+
+# --------------------------------------------------------------------------- version
+
+WSL_EXE_FALLBACK = "/mnt/c/Windows/System32/wsl.exe"
+
+_VERSION_RE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)+)(?![\d.])")
+
+
+@dataclass(frozen=True)
+class WslVersionInfo:
+    status: Literal["ok", "no_version_flag", "unavailable"]
+    version: tuple[int, ...] | None
+    source: Literal["wslinfo", "wsl.exe", "none"]
+    detail: str
+
+
+def decode_wsl_exe_output(data: bytes) -> str:
+    """Decode ``wsl.exe`` output: UTF-16LE (with or without BOM), or UTF-8 when ``WSL_UTF8=1``."""
+    if data.startswith(b"\xff\xfe"):
+        return data[2:].decode("utf-16-le", errors="replace")
+    if data.startswith(b"\xef\xbb\xbf"):
+        return data[3:].decode("utf-8", errors="replace")
+    # UTF-16LE of mostly-ASCII text has a NUL in (nearly) every odd byte.
+    odd = data[1::2]
+    if odd and odd.count(0) >= len(odd) // 2:
+        return data.decode("utf-16-le", errors="replace")
+    return data.decode("utf-8", errors="replace")
+
+
+def first_version(text: str) -> tuple[int, ...] | None:
+    """The first dotted number in ``text`` (labels are localised, so never match on them)."""
+    match = _VERSION_RE.search(text)
+    if not match:
+        return None
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def parse_wslinfo(text: str, rc: int | None) -> tuple[int, ...] | None:
+    """``wslinfo --wsl-version`` prints just the version; anything else means "not supported"."""
+    stripped = text.strip()
+    if rc != 0 or not re.fullmatch(r"\d+(?:\.\d+)+", stripped):
+        return None
+    return tuple(int(part) for part in stripped.split("."))
+
+
+def parse_wsl_exe_version(data: bytes, rc: int | None) -> WslVersionInfo:
+    """Classify the raw bytes and exit status of ``wsl.exe --version``."""
+    text = decode_wsl_exe_output(data).replace("\r\n", "\n").replace("\x00", "").strip()
+    detail = text[:400]
+    if rc in (126, 127):
+        # The shell could not execute it (interop disabled: "Exec format error").
+        return WslVersionInfo("unavailable", None, "wsl.exe", detail or f"wsl.exe exit {rc}")
+    if rc == 0:
+        version = first_version(text)
+        if version is not None:
+            return WslVersionInfo("ok", version, "wsl.exe", detail)
+        return WslVersionInfo("unavailable", None, "wsl.exe", detail or "empty output")
+    if text:
+        # The inbox WSL of older Windows builds: usage text, non-zero exit.
+        return WslVersionInfo("no_version_flag", None, "wsl.exe", detail)
+    return WslVersionInfo("unavailable", None, "wsl.exe", f"wsl.exe exit {rc}, no output")
+
+
+def split_exit_status(raw: bytes) -> tuple[bytes, int | None]:
+    """Split ``<tool bytes>\\n@@rc:<status>`` (appended by the shell after the tool exits)."""
+    data, sep, tail = raw.rpartition(b"\n@@rc:")
+    if not sep:
+        return raw, None
+    return data, parse_int(tail.decode("ascii", errors="replace"))
+
+
+def parse_wsl_version_output(lines: list[str]) -> WslVersionInfo:
+    """Combine the ``wslinfo`` and ``wsl.exe`` sections of the ``WslVersion`` command."""
+    secs = section_map(lines)
+    wslinfo_detail = ""
+    if "wslinfo" in secs:
+        body = secs["wslinfo"][1]
+        rc = parse_int(secs.get("wslinfo-rc", ("", []))[0])
+        text = "\n".join(body)
+        version = parse_wslinfo(text, rc)
+        if version is not None:
+            return WslVersionInfo("ok", version, "wslinfo", text.strip())
+        wslinfo_detail = f"wslinfo --wsl-version unsupported (exit {rc}): {text.strip()[:200]}"
+    if "wsl.exe" in secs:
+        raw = b64decode_lines(secs["wsl.exe"][1])
+        if raw is None:
+            return WslVersionInfo("unavailable", None, "wsl.exe", "undecodable wsl.exe output")
+        data, rc = split_exit_status(raw)
+        return parse_wsl_exe_version(data, rc)
+    detail = wslinfo_detail or "neither wslinfo nor wsl.exe found"
+    return WslVersionInfo("unavailable", None, "none", detail)
+
+
+class WslVersion(FactBase[WslVersionInfo]):
+    """
+    Returns ``WslVersionInfo``: the WSL package version (e.g. ``(2, 7, 13)``).
+
+    Tries ``wslinfo --wsl-version`` (inside the distro, WSL >= 2.2.3), then ``wsl.exe
+    --version`` through interop (UTF-16LE output, localised labels). ``no_version_flag`` means
+    an inbox WSL too old to know ``--version``; ``unavailable`` means neither tool answered.
+    """
+
+    def command(self) -> str:
+        return (
+            "if command -v wslinfo >/dev/null 2>&1; then "
+            "V=$(wslinfo --wsl-version 2>&1); R=$?; "
+            "echo '@@ft:wslinfo'; printf '%s\\n' \"$V\"; echo \"@@ft:wslinfo-rc $R\"; "
+            "case \"$R:$V\" in 0:[0-9]*.[0-9]*) exit 0;; esac; fi; "
+            "W=$(command -v wsl.exe 2>/dev/null); "
+            f"if [ -z \"$W\" ] && [ -f {WSL_EXE_FALLBACK} ]; then W={WSL_EXE_FALLBACK}; fi; "
+            "if [ -n \"$W\" ]; then "
+            "echo '@@ft:wsl.exe'; "
+            # The exit status rides behind the raw bytes (see split_exit_status).
+            "{ \"$W\" --version 2>&1 </dev/null; printf '\\n@@rc:%s' \"$?\"; } | base64; "
+            "fi; true"
+        )
+
+    @staticmethod
+    def default() -> WslVersionInfo:
+        return WslVersionInfo("unavailable", None, "none", "no output")
+
+    def process(self, output: list[str]) -> WslVersionInfo:
+        return parse_wsl_version_output(output)
