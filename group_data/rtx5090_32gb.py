@@ -1,0 +1,5 @@
+"""RTX 5090 32 GB (Blackwell, compute 12.0): twice the VRAM, so the derived plan
+doubles the expert cache and the KV tokens (README, "Launch plan")."""
+
+hardware_profile = "rtx5090_32gb"
+decode_floor_tps = 40.0

@@ -1,0 +1,87 @@
+"""Settings: defaults are the field report's, bad input names host and field."""
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+from freetoken_infra.settings import Settings, SettingsError, build_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def group_data(name: str) -> dict:
+    data = runpy.run_path(str(ROOT / "group_data" / f"{name}.py"))
+    return {k: v for k, v in data.items() if not k.startswith("__")}
+
+
+def test_group_data_all_is_the_field_report_and_matches_the_model_defaults():
+    from_file = build_settings("ws1", group_data("all"))
+    assert from_file == Settings()
+    assert from_file.engine_requirement == "freetoken[accel]==0.2.1"
+    assert from_file.served_model_name == "Qwen3.6-35B-A3B-NVFP4-nvidia"
+    assert from_file.wslconfig_values() == {
+        "memory": "24GB",
+        "processors": "8",
+        "swap": "4GB",
+        "localhostForwarding": "true",
+        "vmIdleTimeout": "0",
+    }
+
+
+@pytest.mark.parametrize("name", ["rtx5060ti_16gb", "rtx5090_32gb"])
+def test_every_hardware_class_file_validates(name):
+    build_settings("ws1", {**group_data("all"), **group_data(name)})
+
+
+def test_pyinfra_connector_and_operation_keys_are_not_ours_to_reject():
+    s = build_settings("ws1", {"ssh_hostname": "10.0.0.1", "ssh_user": "root", "_sudo": True, "listen_port": 8001})
+    assert s.listen_port == 8001
+
+
+MALFORMED = [
+    ({"listen_port": "eighty"}, "listen_port", "'eighty'"),
+    ({"listen_port": 70000}, "listen_port", "65534"),
+    ({"lisen_port": 8000}, "lisen_port", "did you mean 'listen_port'"),
+    ({"model_size_gb": -22}, "model_size_gb", "greater than 0"),
+    ({"guard_swap_limit_gb": -1}, "guard_swap_limit_gb", "greater than 0"),
+    ({"hub_endpoint": "not a url"}, "hub_endpoint", "URL"),
+    ({"pip_index_url": "ftp//mirror"}, "pip_index_url", "URL"),
+    ({"hardware_profile": "rtx9090_64gb"}, "hardware_profile", "rtx5060ti_16gb"),
+    ({"wslconfig_memory": "24 gigs"}, "wslconfig_memory", "24GB"),
+    ({"engine_version": "latest"}, "engine_version", "0.2.1"),
+    ({"model_repo": "Qwen3.6"}, "model_repo", "owner/name"),
+    ({"model_dir": "models/qwen"}, "model_dir", "absolute path"),
+    ({"cuda_packages": ["cuda-nvcc-13-0", "cuda-drivers"]}, "cuda_packages", "never be installed inside WSL"),
+    ({"service_user": "root"}, "service_user", "non-root"),
+    ({"launch_moe_cache_size": "lots"}, "launch_moe_cache_size", "'lots'"),
+    ({"launch_attention_backend": "attn"}, "launch_attention_backend", "triton"),
+    ({"api_key_source": "sk-123"}, "api_key_source", "generate"),
+    ({"wslconfig_processors": 2.5}, "wslconfig_processors", "integer"),
+]
+
+
+@pytest.mark.parametrize("data,field,allowed", MALFORMED, ids=[m[1] for m in MALFORMED])
+def test_malformed_setting_gives_one_clear_error_naming_host_and_field(data, field, allowed):
+    with pytest.raises(SettingsError) as exc:
+        build_settings("ws7", {**group_data("all"), **data})
+    problems = exc.value.problems
+    assert len(problems) == 1, problems
+    line = problems[0]
+    assert line.startswith("host ws7: ")
+    assert f"'{field}'" in line
+    assert allowed in line
+    assert "nothing was changed" in str(exc.value)
+
+
+def test_secret_values_are_not_echoed_for_api_key_source_files():
+    # The key source names where the key is, never the key itself.
+    s = build_settings("ws1", {"api_key_source": "file:/home/dev/.config/freetoken/key"})
+    assert s.api_key_source.startswith("file:")
+
+
+def test_launch_overrides_are_validated():
+    s = build_settings("ws1", {"launch_moe_cache_size": 128, "launch_num_tokens": 2048})
+    assert (s.launch_moe_cache_size, s.launch_num_tokens) == (128, 2048)
+    with pytest.raises(SettingsError):
+        build_settings("ws1", {"launch_num_tokens": 0})
