@@ -1,0 +1,164 @@
+import base64
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from facts.wsl import (
+    WslKernel, WslVersion, decode_wsl_exe_output, parse_proc_version, parse_wsl_exe_version,
+    parse_wsl_version_output,
+)
+
+FIX = Path(__file__).parent.parent / "fixtures" / "real"
+
+
+def run_sh(command, env=None):
+    proc = subprocess.run(["sh", "-c", command], capture_output=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.decode("utf-8").splitlines()
+
+
+def wsl_exe_lines(data: bytes, rc: int) -> list[str]:
+    encoded = base64.encodebytes(data + b"\n@@rc:%d" % rc).decode().splitlines()
+    return ["@@ft:wsl.exe", *encoded]
+
+
+# ---- kernel
+
+def test_wsl2_kernel():
+    info = parse_proc_version((FIX / "proc-version-wsl2.txt").read_text())
+    assert info.kind == "wsl2"
+    assert info.release == "6.6.87.2-microsoft-standard-WSL2"
+
+
+def test_wsl1_kernel():
+    info = parse_proc_version((FIX / "proc-version-wsl1.txt").read_text())
+    assert (info.kind, info.release) == ("wsl1", "4.4.0-19041-Microsoft")
+
+
+def test_plain_linux_kernel():
+    assert parse_proc_version((FIX / "proc-version-debian.txt").read_text()).kind == "none"
+
+
+def test_missing_proc_version():
+    info = WslKernel().process(["@@ft:missing"])
+    assert info.kind == "none" and info.raw == ""
+
+
+def test_kernel_command_on_this_machine():
+    fact = WslKernel()
+    info = fact.process(run_sh(fact.command()))
+    assert info.kind == "none"  # this build machine is not WSL
+    assert info.raw.startswith("Linux version")
+
+
+# ---- version: wsl.exe bytes
+
+@pytest.mark.parametrize("name", ["wsl-version-en.utf16le", "wsl-version-en-bom.utf16le", "wsl-version-zh.utf16le"])
+def test_wsl_exe_version_localised(name):
+    info = parse_wsl_exe_version((FIX / name).read_bytes(), 0)
+    assert info.status == "ok"
+    assert info.version == (2, 7, 13, 0)
+    assert info.source == "wsl.exe"
+
+
+def test_chinese_labels_decode():
+    text = decode_wsl_exe_output((FIX / "wsl-version-zh.utf16le").read_bytes())
+    assert text.startswith("WSL 版本: 2.7.13.0\r\n")
+
+
+def test_wsl_utf8_env_output():
+    data = (FIX / "wsl-version-en.utf16le").read_bytes().decode("utf-16-le").encode("utf-8")
+    assert parse_wsl_exe_version(data, 0).version == (2, 7, 13, 0)
+
+
+def test_older_wsl_version():
+    info = parse_wsl_exe_version((FIX / "wsl-version-2.0.14-en.utf16le").read_bytes(), 0)
+    assert info.version == (2, 0, 14, 0)
+
+
+def test_old_inbox_wsl_has_no_version_flag():
+    info = parse_wsl_exe_version((FIX / "wsl-version-old-inbox.utf16le").read_bytes(), 255)
+    assert info.status == "no_version_flag"
+    assert info.version is None
+    assert "Invalid command line option: --version" in info.detail
+
+
+def test_interop_disabled_is_unavailable():
+    info = parse_wsl_exe_version(b"sh: 1: /mnt/c/Windows/System32/wsl.exe: Exec format error\n", 126)
+    assert info.status == "unavailable"
+
+
+def test_empty_wsl_exe_output():
+    assert parse_wsl_exe_version(b"", 0).status == "unavailable"
+
+
+# ---- version: combined output
+
+def test_wslinfo_preferred():
+    lines = ["@@ft:wslinfo", (FIX / "wslinfo-wsl-version.txt").read_text().strip(), "@@ft:wslinfo-rc 0"]
+    info = parse_wsl_version_output(lines)
+    assert (info.status, info.version, info.source) == ("ok", (2, 7, 13), "wslinfo")
+
+
+def test_wslinfo_without_flag_falls_through_to_wsl_exe():
+    lines = ["@@ft:wslinfo", *(FIX / "wslinfo-2.0-no-wsl-version.txt").read_text().splitlines(), "@@ft:wslinfo-rc 1"]
+    lines += wsl_exe_lines((FIX / "wsl-version-2.0.14-en.utf16le").read_bytes(), 0)
+    info = parse_wsl_version_output(lines)
+    assert (info.status, info.version, info.source) == ("ok", (2, 0, 14, 0), "wsl.exe")
+
+
+def test_wslinfo_without_flag_and_no_wsl_exe():
+    lines = ["@@ft:wslinfo", *(FIX / "wslinfo-2.0-no-wsl-version.txt").read_text().splitlines(), "@@ft:wslinfo-rc 1"]
+    info = parse_wsl_version_output(lines)
+    assert info.status == "unavailable" and info.source == "none"
+    assert "unsupported" in info.detail
+
+
+def test_neither_tool():
+    assert parse_wsl_version_output([]).status == "unavailable"
+    assert WslVersion.default().source == "none"
+
+
+def test_version_command_on_this_machine():
+    fact = WslVersion()
+    info = fact.process(run_sh(fact.command()))
+    assert info.status == "unavailable" and info.source == "none"
+
+
+def _fake_tool(directory: Path, name: str, fixture: str, rc: int) -> None:
+    script = directory / name
+    script.write_text(f"#!/bin/sh\ncat '{FIX / fixture}'\nexit {rc}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.mark.parametrize(
+    "fixture,rc,status,version",
+    [("wsl-version-zh.utf16le", 0, "ok", (2, 7, 13, 0)),
+     ("wsl-version-old-inbox.utf16le", 255, "no_version_flag", None)],
+)
+def test_version_command_transports_utf16_bytes(tmp_path, fixture, rc, status, version):
+    _fake_tool(tmp_path, "wsl.exe", fixture, rc)
+    env = dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin")
+    fact = WslVersion()
+    info = fact.process(run_sh(fact.command(), env=env))
+    assert (info.status, info.version, info.source) == (status, version, "wsl.exe")
+
+
+def test_version_command_wslinfo_then_fallback(tmp_path):
+    _fake_tool(tmp_path, "wslinfo", "wslinfo-2.0-no-wsl-version.txt", 1)
+    _fake_tool(tmp_path, "wsl.exe", "wsl-version-en.utf16le", 0)
+    env = dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin")
+    fact = WslVersion()
+    info = fact.process(run_sh(fact.command(), env=env))
+    assert (info.version, info.source) == ((2, 7, 13, 0), "wsl.exe")
+
+
+def test_version_command_wslinfo_ok_skips_wsl_exe(tmp_path):
+    _fake_tool(tmp_path, "wslinfo", "wslinfo-wsl-version.txt", 0)
+    env = dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin")
+    lines = run_sh(WslVersion().command(), env=env)
+    assert "@@ft:wsl.exe" not in lines
+    assert WslVersion().process(lines).version == (2, 7, 13)
