@@ -1,0 +1,113 @@
+"""Preflight inside a pyinfra deploy: gather the facts, run the rules, print the
+findings, and stop a host that has a blocker before anything on it changes.
+
+Used by deploys/doctor.py (read-only) and deploys/freetoken.py (first step).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import click
+from pyinfra.api.exceptions import PyinfraError
+
+from facts.cuda import CudaToolchain
+from facts.engine import EngineHealth, EngineInstall
+from facts.gpu import NvidiaGpus
+from facts.gpu_memory import GpuMemoryProbe
+from facts.init import InitSystem
+from facts.model import ModelDirectory
+from facts.resources import HostResources
+from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
+from facts.wsl import WslKernel, WslVersion
+from freetoken_infra import rules
+from freetoken_infra.report import findings_table, fleet_summary
+from freetoken_infra.settings import Settings, SettingsError, validate_inventory
+
+# Findings of every host of this run, for the fleet summary.
+_results: dict[str, list[rules.Finding]] = {}
+_settings_checked: dict[int, dict[str, Settings]] = {}
+
+
+def fleet_settings(state) -> dict[str, Settings]:
+    """Validate every host's settings once per run; stop the run on any error.
+
+    Runs while pyinfra is still preparing (nothing has been executed on any host),
+    so a bad value anywhere means no host is touched.
+    """
+    key = id(state)
+    if key not in _settings_checked:
+        try:
+            _settings_checked[key] = validate_inventory(state.inventory)
+        except SettingsError as exc:
+            raise PyinfraError(str(exc)) from None
+    return _settings_checked[key]
+
+
+def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Observations:
+    """Read the host (facts only; nothing is changed)."""
+    kernel = host.get_fact(WslKernel)
+    gpus = host.get_fact(NvidiaGpus)
+    profile = host.get_fact(WindowsUserProfile) if kernel.kind == "wsl2" else None
+    wslconfig = (
+        host.get_fact(WslConfigFile, path=f"{profile.path}/.wslconfig")
+        if profile is not None and profile.path
+        else None
+    )
+    gpu_memory = host.get_fact(GpuMemoryProbe) if probe_gpu_memory and gpus.gpus else None
+    return rules.Observations(
+        kernel=kernel,
+        wsl=host.get_fact(WslVersion),
+        init=host.get_fact(InitSystem),
+        gpus=gpus,
+        cuda=host.get_fact(CudaToolchain, cuda_home=settings.cuda_home),
+        resources=host.get_fact(HostResources, path=settings.model_dir),
+        wslconf=host.get_fact(WslConfFile),
+        windows_profile=profile,
+        wslconfig=wslconfig,
+        gpu_memory=gpu_memory,
+        engine=host.get_fact(EngineInstall, base_dir=settings.engine_base_dir),
+        model=host.get_fact(ModelDirectory, path=settings.model_dir),
+    )
+
+
+def _maybe_print_summary(state) -> None:
+    expected = {h.name for h in state.inventory}
+    if expected and expected <= set(_results):
+        click.echo("\n" + fleet_summary({n: _results[n] for n in expected}), err=True)
+
+
+def fail_host(state, host, reason: str) -> None:
+    """Stop this host (pyinfra marks it failed); the others go on."""
+    click.echo(f"    [{host.name}] stopped: {reason}", err=True)
+    try:
+        state.fail_hosts({host})
+    except PyinfraError:
+        # pyinfra raises "No hosts remaining!" when this was the last one.
+        raise PyinfraError(f"no host left to deploy to; last stopped: {host.name}: {reason}") from None
+
+
+def run_preflight(
+    state,
+    host,
+    on_fixable: Optional[Callable[[rules.Observations], None]] = None,
+) -> tuple[Settings, rules.Observations, list[rules.Finding], bool]:
+    """Gather, evaluate, print. Returns (settings, observations, findings, ok).
+
+    When a host's only blockers are ones the deploy's Windows-side step fixes,
+    `on_fixable(observations)` is called to queue that step before the host stops.
+    """
+    settings = fleet_settings(state)[host.name]
+    obs = observe(host, settings)
+    findings = rules.evaluate(settings, obs)
+    _results[host.name] = findings
+    click.echo("\n" + findings_table(host.name, findings), err=True)
+    blocked = rules.blockers(findings)
+    if blocked and on_fixable is not None and rules.only_deploy_fixable(findings):
+        on_fixable(obs)
+        _maybe_print_summary(state)
+        return settings, obs, findings, False
+    _maybe_print_summary(state)
+    if blocked:
+        fail_host(state, host, "preflight blockers: " + ", ".join(f.check for f in blocked))
+    return settings, obs, findings, not blocked

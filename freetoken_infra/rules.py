@@ -1,0 +1,421 @@
+"""Preflight rules: the field report's knowledge as pure functions.
+
+Settings + Observations -> Findings. Nothing here touches a host; every rule is a
+plain function over plain values, so "why was ws3 refused" is answered by reading
+this module (and tested in tests/unit/test_rules.py).
+
+A finding's status:
+- pass:  nothing to do;
+- warn:  the deploy fixes it, or it does not stop serving (the remedy says which);
+- block: the deploy must not change this host until a person acts on the remedy.
+`deploy_fixes` marks blockers whose remedy is the deploy's own Windows-side step
+(wsl.conf's systemd switch): the deploy applies it, says "restart required", and
+stops there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from facts.cuda import CudaToolchainInfo
+from facts.engine import EngineHealthInfo, EngineInstallInfo
+from facts.gpu import GpuInfo, GpuReport
+from facts.gpu_memory import GpuMemoryProbeResult
+from facts.init import InitInfo
+from facts.model import ModelDirInfo, QuantSummary
+from facts.resources import ResourcesInfo
+from facts.windows import IniFileInfo, WindowsProfileInfo
+from freetoken_infra.hardware import HARDWARE_PROFILES, nominal_vram_gb
+from freetoken_infra.launch import (
+    LaunchPlan,
+    derive_plan,
+    estimated_vram_gb,
+    usable_vram_gb,
+)
+from facts.wsl import WslKernelInfo, WslVersionInfo
+from freetoken_infra.settings import Settings
+
+Status = Literal["pass", "warn", "block"]
+
+GiB = 1024**3
+GB = 1000**3
+MIN_COMPUTE = (8, 0)  # freetoken.md: Ampere or newer
+REQUIRED_NVCC_MAJOR = 13  # freetoken.md: nvcc's major must equal torch's CUDA major
+# freetoken.md: the MoE quant registry has none / fp8_block / mxfp4 / mxfp8 / nvfp4 / gguf.
+SUPPORTED_EXPERT_SCHEMES = frozenset({"nvfp4", "fp8_block", "mxfp4", "mxfp8", "unquantized", "gguf"})
+RESTART_REMEDY = "restart required: run `wsl.exe --shutdown` from Windows, then re-run the deploy"
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: Status
+    evidence: str
+    remedy: str = ""
+    deploy_fixes: bool = False
+
+
+@dataclass(frozen=True)
+class Observations:
+    """Everything the facts saw on one host (plain values; facts never decide)."""
+
+    kernel: WslKernelInfo
+    wsl: WslVersionInfo
+    init: InitInfo
+    gpus: GpuReport
+    cuda: CudaToolchainInfo
+    resources: ResourcesInfo
+    wslconf: IniFileInfo
+    windows_profile: Optional[WindowsProfileInfo] = None
+    wslconfig: Optional[IniFileInfo] = None
+    gpu_memory: Optional[GpuMemoryProbeResult] = None
+    engine: Optional[EngineInstallInfo] = None
+    model: Optional[ModelDirInfo] = None
+    health: Optional[EngineHealthInfo] = None
+    guard_state: Optional[dict] = None
+
+
+def _v(version: tuple[int, ...]) -> str:
+    return ".".join(str(p) for p in version)
+
+
+# --- WSL ---------------------------------------------------------------------------
+
+
+def check_wsl2(obs: Observations) -> Finding:
+    k = obs.kernel
+    if k.kind == "wsl2":
+        return Finding("wsl2", "pass", f"kernel {k.release}")
+    if k.kind == "wsl1":
+        return Finding(
+            "wsl2", "block", f"WSL1 kernel ({k.release}): no GPU access in WSL1",
+            "convert the distro from Windows: `wsl.exe --set-version <distro> 2`",
+        )
+    return Finding(
+        "wsl2", "block", f"not a WSL distro (kernel {k.release or 'unknown'})",
+        "run this on a WSL2 distro of a Windows workstation (or point the inventory at one)",
+    )
+
+
+def check_wsl_version(settings: Settings, obs: Observations) -> Finding:
+    floor = settings.wsl_floor_tuple
+    w = obs.wsl
+    update = f"update WSL from Windows: `wsl.exe --update` (needs >= {settings.wsl_min_version}; pitfall 4)"
+    if w.status == "ok" and w.version is not None:
+        if w.version[: len(floor)] >= floor:
+            return Finding("wsl_version", "pass", f"WSL {_v(w.version)} (from {w.source})")
+        return Finding(
+            "wsl_version", "block",
+            f"WSL {_v(w.version)} < {settings.wsl_min_version}: older WSL reaps the engine and "
+            "locks GPU memory (fake OOMs)",
+            update,
+        )
+    if w.status == "no_version_flag":
+        return Finding(
+            "wsl_version", "block",
+            f"`wsl.exe --version` is not supported: inbox WSL, older than {settings.wsl_min_version}",
+            "install WSL from the Store or `wsl.exe --update` (needs >= " + settings.wsl_min_version + ")",
+        )
+    if obs.kernel.kind == "none":
+        return Finding("wsl_version", "block", "WSL not detected (no wslinfo, no wsl.exe)", update)
+    return Finding(
+        "wsl_version", "block", f"WSL version unknown: {w.detail or 'no wslinfo and no wsl.exe'}",
+        "check Windows interop (wsl.exe reachable), then " + update,
+    )
+
+
+def check_systemd(obs: Observations) -> Finding:
+    i = obs.init
+    if i.systemd_up:
+        return Finding("systemd", "pass", f"PID 1 is systemd, system {i.system_state}")
+    boot = obs.wslconf.sections.get("boot", {}) if obs.wslconf.exists else {}
+    if i.systemd_pid1:
+        return Finding(
+            "systemd", "block", f"systemd is PID 1 but the system is '{i.system_state}'",
+            "see `systemctl --failed`; wait for boot to finish and re-run",
+        )
+    if boot.get("systemd", "").strip().lower() == "true":
+        return Finding(
+            "systemd", "block",
+            f"PID 1 is {i.pid1 or 'unknown'}; /etc/wsl.conf already enables systemd", RESTART_REMEDY,
+        )
+    return Finding(
+        "systemd", "block", f"PID 1 is {i.pid1 or 'unknown'}, not systemd (the engine runs as a systemd unit)",
+        "the deploy sets `[boot] systemd=true` in /etc/wsl.conf; then " + RESTART_REMEDY,
+        deploy_fixes=obs.kernel.kind == "wsl2",
+    )
+
+
+def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
+    if obs.kernel.kind != "wsl2":
+        return Finding("wslconfig", "warn", "no Windows side (not WSL2)", "nothing to do here")
+    if obs.windows_profile is None or obs.windows_profile.path is None:
+        err = obs.windows_profile.error if obs.windows_profile else "not probed"
+        return Finding(
+            "wslconfig", "warn", f"Windows profile not found ({err})",
+            "enable interop (`[interop] enabled=true`) or set %UserProfile%\\.wslconfig by hand",
+        )
+    current = obs.wslconfig.sections.get("wsl2", {}) if obs.wslconfig and obs.wslconfig.exists else {}
+    differ = [
+        f"{key}={current.get(key.lower(), '<unset>')} (want {want})"
+        for key, want in settings.wslconfig_values().items()
+        if current.get(key.lower(), "").strip().lower() != want.lower()
+    ]
+    if not differ:
+        return Finding("wslconfig", "pass", ".wslconfig [wsl2] matches the settings")
+    return Finding(
+        "wslconfig", "warn", ".wslconfig differs: " + ", ".join(differ),
+        "the deploy merges these keys into .wslconfig (keeping yours); then " + RESTART_REMEDY,
+        deploy_fixes=True,
+    )
+
+
+# --- GPU ---------------------------------------------------------------------------
+
+
+def primary_gpu(obs: Observations) -> Optional[GpuInfo]:
+    return obs.gpus.gpus[0] if obs.gpus.gpus else None
+
+
+def check_gpu(obs: Observations) -> Finding:
+    gpu = primary_gpu(obs)
+    if gpu is None:
+        why = obs.gpus.error or "nvidia-smi lists no GPU"
+        return Finding(
+            "gpu", "block", f"no NVIDIA GPU: {why}",
+            "install or update the NVIDIA driver on Windows (never a Linux driver inside WSL); "
+            "check that /dev/dxg and /usr/lib/wsl/lib/nvidia-smi exist",
+        )
+    return Finding(
+        "gpu", "pass",
+        f"GPU {gpu.index}: {gpu.name}, {gpu.memory_total_mib} MiB, driver {gpu.driver_version}, "
+        f"CUDA {obs.gpus.cuda_version or '?'}",
+    )
+
+
+def check_compute_capability(obs: Observations) -> Finding:
+    gpu = primary_gpu(obs)
+    if gpu is None:
+        return Finding("compute_capability", "block", "no GPU", "see the gpu check")
+    if gpu.compute_cap is None:
+        return Finding("compute_capability", "warn", "nvidia-smi did not report compute_cap",
+                       "update the Windows NVIDIA driver")
+    if gpu.compute_cap < MIN_COMPUTE:
+        return Finding(
+            "compute_capability", "block",
+            f"compute {gpu.compute_cap[0]}.{gpu.compute_cap[1]} < 8.0: FreeToken needs Ampere or newer",
+            "use an Ampere (RTX 30xx) or newer GPU",
+        )
+    return Finding("compute_capability", "pass", f"compute {gpu.compute_cap[0]}.{gpu.compute_cap[1]}")
+
+
+def check_gpu_memory(obs: Observations) -> Finding:
+    p = obs.gpu_memory
+    if p is None:
+        return Finding("gpu_memory", "pass", "not probed (nothing it guards is about to change)")
+    free = f"{p.free_bytes / GiB:.1f} GiB free of {p.total_bytes / GiB:.1f} GiB" if p.free_bytes is not None and p.total_bytes else "memory unknown"
+    if p.status == "healthy":
+        return Finding("gpu_memory", "pass", f"{free}; 32 MiB and large allocations succeed")
+    if p.status == "allocation_locked":
+        return Finding(
+            "gpu_memory", "block",
+            f"{free} but allocations fail ({p.error or 'CUDA_ERROR_OUT_OF_MEMORY'}): WDDM has locked "
+            "this process's GPU memory (pitfall 4B, the fake OOM)",
+            "update WSL: `wsl.exe --update` then `wsl.exe --shutdown` (fixed in WSL >= 2.7.13)",
+        )
+    return Finding(
+        "gpu_memory", "block", f"CUDA unusable: {p.error or 'libcuda.so.1 missing'}",
+        "check the Windows NVIDIA driver and /usr/lib/wsl/lib/libcuda.so.1",
+    )
+
+
+def check_nvcc(obs: Observations) -> Finding:
+    gpu = primary_gpu(obs)
+    arch = f"compute_{gpu.compute_cap[0]}{gpu.compute_cap[1]}" if gpu and gpu.compute_cap else None
+    found = [c for c in obs.cuda.nvcc if c.version is not None]
+    installs = "the deploy installs cuda-nvcc-13-0 from NVIDIA's apt repository (pitfall 3)"
+    if not found:
+        return Finding("nvcc", "warn", "no nvcc found (FreeToken JIT-compiles kernels with nvcc)", installs)
+    right = [c for c in found if c.version[0] == REQUIRED_NVCC_MAJOR]
+    if not right:
+        seen = ", ".join(f"{c.path} {c.version[0]}.{c.version[1]}" for c in found)
+        return Finding("nvcc", "warn", f"nvcc of the wrong major: {seen} (need {REQUIRED_NVCC_MAJOR})", installs)
+    best = right[0]
+    if arch and arch not in best.archs:
+        return Finding(
+            "nvcc", "warn", f"{best.path} {_v(best.version)} does not list {arch}",
+            installs + " (`nvcc fatal: Unsupported gpu architecture` otherwise)",
+        )
+    return Finding("nvcc", "pass", f"{best.path} {_v(best.version)}" + (f" lists {arch}" if arch else ""))
+
+
+# --- resources ---------------------------------------------------------------------
+
+
+def check_ram(settings: Settings, obs: Observations) -> Finding:
+    need = (settings.model_expert_ram_gb + settings.ram_margin_gb) * GB
+    have = obs.resources.mem_total_bytes
+    evidence = f"{have / GiB:.1f} GiB RAM; experts {settings.model_expert_ram_gb} GB + margin {settings.ram_margin_gb} GB"
+    if have >= need:
+        return Finding("ram", "pass", evidence)
+    return Finding(
+        "ram", "block", evidence + f" = {need / GiB:.1f} GiB needed",
+        f"raise `memory=` in .wslconfig (setting wslconfig_memory, now {settings.wslconfig_memory}) "
+        "and restart WSL, or add RAM",
+    )
+
+
+def model_bytes_present(obs: Observations) -> int:
+    if obs.model is None or not obs.model.exists:
+        return 0
+    return sum(obs.model.files.values())
+
+
+def check_disk(settings: Settings, obs: Observations) -> Finding:
+    missing = max(0.0, settings.model_size_gb * GB - model_bytes_present(obs))
+    env_missing = 0.0
+    if obs.engine is None or settings.engine_version not in obs.engine.versions:
+        env_missing = settings.engine_env_size_gb * GB
+    need = missing + env_missing + settings.disk_margin_gb * GB
+    free = obs.resources.disk_free_bytes
+    if free is None:
+        return Finding("disk", "warn", f"free space on {obs.resources.disk_path} unknown", "check `df -h`")
+    evidence = (
+        f"{free / GB:.1f} GB free on {obs.resources.disk_path}; need {need / GB:.1f} GB "
+        f"(model still missing {missing / GB:.1f} GB, engine env {env_missing / GB:.1f} GB, margin {settings.disk_margin_gb} GB)"
+    )
+    if free >= need:
+        return Finding("disk", "pass", evidence)
+    return Finding("disk", "block", evidence, f"free {((need - free) / GB):.1f} GB or move model_dir to a larger disk")
+
+
+# --- model and launch plan ---------------------------------------------------------
+
+
+def unsupported_expert_schemes(quant: QuantSummary) -> set[str]:
+    return {s for s in quant.expert_schemes if s not in SUPPORTED_EXPERT_SCHEMES}
+
+
+def check_model_quantisation(quant: Optional[QuantSummary], where: str) -> Finding:
+    """Decided from config.json / hf_quant_config.json alone, before any weights."""
+    if quant is None:
+        return Finding("model_quant", "pass", f"{where}: no config yet (checked again before download)")
+    bad = unsupported_expert_schemes(quant)
+    desc = f"{quant.method or 'unquantized'} {quant.algo or ''}".strip()
+    if bad:
+        return Finding(
+            "model_quant", "block",
+            f"{where}: {desc} with {', '.join(sorted(bad))} experts; FreeToken has no MoE method for it "
+            "(`NotImplementedError: no quant method for moe.fp8_tensor`, pitfall 2)",
+            "use NVIDIA's modelopt build: model_repo = 'nvidia/Qwen3.6-35B-A3B-NVFP4'",
+        )
+    experts = ", ".join(sorted(quant.expert_schemes)) or "none listed"
+    return Finding("model_quant", "pass", f"{where}: {desc}, experts {experts}")
+
+
+def check_model(settings: Settings, obs: Observations) -> Finding:
+    m = obs.model
+    if m is None or not m.exists:
+        return check_model_quantisation(None, settings.model_dir)
+    if m.error:
+        return Finding("model_quant", "block", f"{settings.model_dir}: {m.error}",
+                       "remove the broken file; the deploy downloads and verifies it again")
+    return check_model_quantisation(m.quant, settings.model_dir)
+
+
+def plan_for(settings: Settings, obs: Observations) -> Optional[LaunchPlan]:
+    gpu = primary_gpu(obs)
+    if gpu is None or gpu.compute_cap is None:
+        return None
+    return derive_plan(settings, gpu.memory_total_mib, gpu.compute_cap)
+
+
+def check_hardware_profile(settings: Settings, obs: Observations) -> Finding:
+    gpu = primary_gpu(obs)
+    if settings.hardware_profile == "auto":
+        return Finding("hardware_profile", "pass", "auto (launch plan from the GPU's memory)")
+    profile = HARDWARE_PROFILES[settings.hardware_profile]
+    if gpu is None:
+        return Finding("hardware_profile", "block", f"{profile.name} declared, no GPU seen", "see the gpu check")
+    seen = nominal_vram_gb(gpu.memory_total_mib)
+    if seen != profile.vram_gb:
+        return Finding(
+            "hardware_profile", "block",
+            f"declared {profile.name} ({profile.vram_gb} GB) but the GPU has {seen} GB ({gpu.name})",
+            "fix the host's group in the inventory or its hardware_profile",
+        )
+    return Finding("hardware_profile", "pass", f"{profile.name}: {gpu.name}")
+
+
+def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
+    gpu = primary_gpu(obs)
+    plan = plan_for(settings, obs)
+    if gpu is None or plan is None:
+        return Finding("launch_plan", "block", "no GPU to plan for", "see the gpu check")
+    vram_gb = nominal_vram_gb(gpu.memory_total_mib)
+    usable = usable_vram_gb(plan, gpu.memory_total_mib)
+    if plan.moe_cache_size == "auto":
+        if vram_gb <= 16:
+            return Finding(
+                "launch_plan", "block",
+                f"moe cache 'auto' on a {vram_gb} GB card ran out of GPU memory (pitfall 1)",
+                "remove launch_moe_cache_size (the plan uses 256 on 16 GB) or set a number",
+            )
+        return Finding("launch_plan", "warn", f"moe cache 'auto' on {vram_gb} GB: the engine sizes it",
+                       "prefer a number; see the README's launch plan")
+    need = estimated_vram_gb(plan)
+    summary = f"cache {plan.moe_cache_size}, {plan.num_tokens} tokens: ~{need:.1f} GB of {usable:.1f} GB usable"
+    if need > usable:
+        return Finding(
+            "launch_plan", "block", summary + " - does not fit",
+            "lower launch_moe_cache_size / launch_num_tokens (or drop the overrides to use the derived plan)",
+        )
+    if plan.num_tokens > plan.kv_reserve_tokens:
+        return Finding("launch_plan", "block",
+                       f"num_tokens {plan.num_tokens} > kv_reserve_tokens {plan.kv_reserve_tokens}",
+                       "keep launch_num_tokens <= launch_kv_reserve_tokens")
+    return Finding("launch_plan", "pass", summary)
+
+
+def check_guard(obs: Observations) -> Optional[Finding]:
+    state = obs.guard_state
+    if not state or not state.get("tripped"):
+        return None
+    return Finding(
+        "guard", "warn", f"guard stopped the engine at {state.get('time', '?')}: {state.get('reason', '?')}",
+        "free memory (close apps, lower launch_num_tokens), then `systemctl start freetoken`",
+    )
+
+
+def evaluate(settings: Settings, obs: Observations) -> list[Finding]:
+    """All findings for one host, in the order a person would fix them."""
+    findings = [
+        check_wsl2(obs),
+        check_wsl_version(settings, obs),
+        check_systemd(obs),
+        check_wslconfig(settings, obs),
+        check_gpu(obs),
+        check_compute_capability(obs),
+        check_gpu_memory(obs),
+        check_nvcc(obs),
+        check_ram(settings, obs),
+        check_disk(settings, obs),
+        check_model(settings, obs),
+        check_hardware_profile(settings, obs),
+        check_launch_plan(settings, obs),
+    ]
+    guard = check_guard(obs)
+    if guard:
+        findings.append(guard)
+    return findings
+
+
+def blockers(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.status == "block"]
+
+
+def only_deploy_fixable(findings: list[Finding]) -> bool:
+    """True when every blocker is one the deploy's Windows-side step resolves."""
+    b = blockers(findings)
+    return bool(b) and all(f.deploy_fixes for f in b)

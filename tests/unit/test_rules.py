@@ -1,0 +1,247 @@
+"""Preflight rules: each pitfall of the field report, pass and fail, without a host."""
+
+from dataclasses import replace
+
+import pytest
+
+from facts.cuda import CudaToolchainInfo, NvccInfo
+from facts.engine import EngineInstallInfo
+from facts.gpu import GpuInfo, GpuReport
+from facts.gpu_memory import GpuMemoryProbeResult
+from facts.init import InitInfo
+from facts.model import ModelDirInfo, QuantSummary
+from facts.resources import ResourcesInfo
+from facts.windows import IniFileInfo, WindowsProfileInfo
+from facts.wsl import WslKernelInfo, WslVersionInfo
+from freetoken_infra import rules
+from freetoken_infra.launch import derive_plan, engine_command
+from freetoken_infra.settings import Settings
+
+GiB = 1024**3
+ARCHS_13 = ("compute_75", "compute_80", "compute_86", "compute_89", "compute_90", "compute_100", "compute_120")
+ARCHS_12 = ("compute_50", "compute_75", "compute_80", "compute_86", "compute_89", "compute_90")
+RTX5060TI = GpuInfo(0, "NVIDIA GeForce RTX 5060 Ti", (12, 0), 16311, 1021, 15290, "581.80")
+RTX5090 = GpuInfo(0, "NVIDIA GeForce RTX 5090", (12, 0), 32607, 1500, 31107, "581.80")
+
+
+def healthy(**changes) -> rules.Observations:
+    """The field report's workstation after its fixes."""
+    obs = rules.Observations(
+        kernel=WslKernelInfo("wsl2", "6.6.87.2-microsoft-standard-WSL2", "Linux version ..."),
+        wsl=WslVersionInfo("ok", (2, 7, 13), "wslinfo", "2.7.13"),
+        init=InitInfo("systemd", "running"),
+        gpus=GpuReport((RTX5060TI,), "13.0", "/usr/lib/wsl/lib/nvidia-smi", None),
+        cuda=CudaToolchainInfo(
+            (NvccInfo("/usr/local/cuda-13.0/bin/nvcc", "CUDA_HOME", (13, 0), ARCHS_13),), "/usr/local/cuda-13.0", "1.13.0"
+        ),
+        resources=ResourcesInfo(24 * GiB, 20 * GiB, 4 * GiB, 0, 8, "/var/lib", 200 * 10**9),
+        wslconf=IniFileInfo("/etc/wsl.conf", True, {"boot": {"systemd": "true"}}),
+        windows_profile=WindowsProfileInfo("/mnt/c/Users/dev", "C:\\Users\\dev", None),
+        wslconfig=IniFileInfo(
+            "/mnt/c/Users/dev/.wslconfig", True,
+            {"wsl2": {"memory": "24GB", "processors": "8", "swap": "4GB", "localhostforwarding": "true", "vmidletimeout": "0"}},
+        ),
+        gpu_memory=GpuMemoryProbeResult("healthy", 15 * GiB, 16 * GiB, True, True, 1 * GiB, None),
+        engine=EngineInstallInfo("/opt/freetoken", {}, None),
+        model=ModelDirInfo("/var/lib/freetoken/models/x", False, {}, None, None),
+    )
+    return replace(obs, **changes)
+
+
+def finding(check: str, obs=None, settings=None) -> rules.Finding:
+    found = [f for f in rules.evaluate(settings or Settings(), obs or healthy()) if f.check == check]
+    assert len(found) == 1
+    return found[0]
+
+
+def test_the_fixed_field_report_machine_has_no_blocker_and_no_warning():
+    findings = rules.evaluate(Settings(), healthy())
+    assert [f for f in findings if f.status != "pass"] == []
+
+
+@pytest.mark.parametrize(
+    "kind,status,words",
+    [("wsl2", "pass", "kernel"), ("wsl1", "block", "--set-version"), ("none", "block", "WSL2 distro")],
+)
+def test_wsl2_required(kind, status, words):
+    f = finding("wsl2", healthy(kernel=WslKernelInfo(kind, "4.4.0-19041-Microsoft", "")))
+    assert f.status == status
+    assert words in f.evidence + f.remedy
+
+
+@pytest.mark.parametrize(
+    "wsl,status",
+    [
+        (WslVersionInfo("ok", (2, 7, 13), "wslinfo", ""), "pass"),
+        (WslVersionInfo("ok", (2, 7, 13, 0), "wsl.exe", ""), "pass"),
+        (WslVersionInfo("ok", (2, 10, 0), "wslinfo", ""), "pass"),
+        (WslVersionInfo("ok", (2, 7, 12), "wslinfo", ""), "block"),
+        (WslVersionInfo("ok", (2, 6, 1, 0), "wsl.exe", ""), "block"),
+        (WslVersionInfo("no_version_flag", None, "wsl.exe", "usage"), "block"),
+        (WslVersionInfo("unavailable", None, "none", ""), "block"),
+    ],
+)
+def test_wsl_version_floor(wsl, status):
+    f = finding("wsl_version", healthy(wsl=wsl))
+    assert f.status == status
+    if status == "block":
+        assert "wsl.exe --update" in f.remedy
+
+
+def test_wsl_floor_is_a_setting():
+    obs = healthy(wsl=WslVersionInfo("ok", (2, 7, 13), "wslinfo", ""))
+    assert finding("wsl_version", obs, Settings(wsl_min_version="2.8.0")).status == "block"
+
+
+def test_systemd_not_pid1_is_fixed_by_the_deploys_windows_side_step():
+    obs = healthy(init=InitInfo("init", None), wslconf=IniFileInfo("/etc/wsl.conf", False))
+    f = finding("systemd", obs)
+    assert (f.status, f.deploy_fixes) == ("block", True)
+    assert "systemd=true" in f.remedy and "wsl.exe --shutdown" in f.remedy
+    assert rules.only_deploy_fixable(rules.evaluate(Settings(), obs))
+
+
+def test_systemd_enabled_but_not_running_needs_only_the_restart():
+    f = finding("systemd", healthy(init=InitInfo("init", None)))
+    assert (f.status, f.deploy_fixes) == ("block", False)
+    assert "wsl.exe --shutdown" in f.remedy
+
+
+@pytest.mark.parametrize("state,status", [("running", "pass"), ("degraded", "pass"), ("starting", "block")])
+def test_systemd_running_and_degraded_both_count_as_up(state, status):
+    assert finding("systemd", healthy(init=InitInfo("systemd", state))).status == status
+
+
+def test_wslconfig_difference_is_a_restart_warning_naming_the_keys():
+    obs = healthy(wslconfig=IniFileInfo("/mnt/c/Users/dev/.wslconfig", True, {"wsl2": {"memory": "16GB"}}))
+    f = finding("wslconfig", obs)
+    assert f.status == "warn" and f.deploy_fixes
+    assert "memory=16GB (want 24GB)" in f.evidence
+    assert "vmIdleTimeout=<unset> (want 0)" in f.evidence
+    assert "restart required" in f.remedy
+
+
+def test_no_gpu_and_driver_errors_block():
+    f = finding("gpu", healthy(gpus=GpuReport((), None, None, "nvidia-smi not found")))
+    assert f.status == "block" and "nvidia-smi not found" in f.evidence
+    assert "never a Linux driver" in f.remedy
+
+
+def test_compute_capability_below_ampere_blocks():
+    turing = replace(RTX5060TI, name="NVIDIA GeForce RTX 2080", compute_cap=(7, 5))
+    f = finding("compute_capability", healthy(gpus=GpuReport((turing,), "13.0", "x", None)))
+    assert f.status == "block" and "7.5 < 8.0" in f.evidence
+
+
+def test_allocation_locked_gpu_memory_is_the_fake_oom():
+    locked = GpuMemoryProbeResult("allocation_locked", int(11.6 * GiB), 16 * GiB, False, False, GiB, "CUDA_ERROR_OUT_OF_MEMORY (2)")
+    f = finding("gpu_memory", healthy(gpu_memory=locked))
+    assert f.status == "block"
+    assert "pitfall 4B" in f.evidence and "11.6 GiB free" in f.evidence
+    assert "wsl.exe --update" in f.remedy
+
+
+def test_no_cuda_blocks():
+    f = finding("gpu_memory", healthy(gpu_memory=GpuMemoryProbeResult("no_cuda", None, None, None, None, None, "libcuda.so.1 not found")))
+    assert f.status == "block" and "libcuda" in f.evidence
+
+
+@pytest.mark.parametrize(
+    "nvcc,status,words",
+    [
+        ((), "warn", "no nvcc"),
+        ((NvccInfo("/usr/bin/nvcc", "PATH", (12, 0), ARCHS_12),), "warn", "wrong major"),
+        ((NvccInfo("/usr/local/cuda-13.0/bin/nvcc", "usr_local", (13, 0), ARCHS_12),), "warn", "compute_120"),
+        ((NvccInfo("/usr/bin/nvcc", "PATH", (12, 0), ARCHS_12), NvccInfo("/usr/local/cuda-13.0/bin/nvcc", "usr_local", (13, 0), ARCHS_13)), "pass", "compute_120"),
+    ],
+)
+def test_nvcc_must_be_13_and_list_the_gpu_arch(nvcc, status, words):
+    f = finding("nvcc", healthy(cuda=CudaToolchainInfo(nvcc, None, None)))
+    assert f.status == status
+    assert words in f.evidence
+    if status == "warn":
+        assert "cuda-nvcc-13-0" in f.remedy
+
+
+def test_ram_too_small_for_experts_plus_margin():
+    small = healthy(resources=ResourcesInfo(16 * GiB, 14 * GiB, 4 * GiB, 0, 8, "/var/lib", 200 * 10**9))
+    f = finding("ram", small)
+    assert f.status == "block" and "wslconfig_memory" in f.remedy
+    assert finding("ram").status == "pass"
+
+
+def test_disk_counts_only_what_is_still_missing():
+    tight = ResourcesInfo(24 * GiB, 20 * GiB, 0, 0, 8, "/var/lib", 30 * 10**9)
+    assert finding("disk", healthy(resources=tight)).status == "block"
+    # With 20 GB of the model already there and the engine installed, 30 GB is plenty.
+    model = ModelDirInfo("/m", True, {"model-00001-of-00003.safetensors": 20 * 10**9}, None, None)
+    engine = EngineInstallInfo("/opt/freetoken", {"0.2.1": "0.2.1"}, "0.2.1")
+    assert finding("disk", healthy(resources=tight, model=model, engine=engine)).status == "pass"
+
+
+def test_unsupported_quantisation_is_refused_from_the_config_alone():
+    fp8 = QuantSummary("config.json", "compressed-tensors", None, frozenset({"fp8_tensor", "nvfp4"}), frozenset({"fp8_tensor"}))
+    f = finding("model_quant", healthy(model=ModelDirInfo("/m", True, {"config.json": 100}, fp8, None)))
+    assert f.status == "block" and "fp8_tensor" in f.evidence and "nvidia/Qwen3.6-35B-A3B-NVFP4" in f.remedy
+    for scheme in ("fp8_channel",):
+        q = replace(fp8, expert_schemes=frozenset({scheme}))
+        assert rules.check_model_quantisation(q, "/m").status == "block"
+    modelopt = QuantSummary("config.json", "modelopt", "MIXED_PRECISION", frozenset({"nvfp4"}), frozenset({"fp8_tensor"}))
+    # FP8 attention is fine: only the experts go through the MoE quant registry.
+    assert rules.check_model_quantisation(modelopt, "/m").status == "pass"
+
+
+def test_broken_model_config_blocks_with_a_remedy():
+    f = finding("model_quant", healthy(model=ModelDirInfo("/m", True, {"config.json": 3}, None, "config.json: invalid JSON")))
+    assert f.status == "block" and "invalid JSON" in f.evidence
+
+
+def test_launch_plan_for_16gb_blackwell_is_the_field_report_command():
+    plan = derive_plan(Settings(), RTX5060TI.memory_total_mib, (12, 0))
+    cmd = engine_command(Settings(), plan)
+    assert cmd[:3] == ["/opt/freetoken/active/bin/python", "-m", "freetoken"]
+    assert " ".join(cmd[3:]) == (
+        "--model-path /var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia "
+        "--moe-strategy offload --moe-cache-size 256 --num-tokens 4096 "
+        "--kv-reserve-tokens 8192 --max-prefill-length 8192 --max-running-requests 1 "
+        "--moe-cpu-layers auto --attention-backend triton --host 127.0.0.1 --port 8000"
+    )
+    assert not any("key" in a for a in cmd), "the API key must never be a process argument"
+
+
+def test_launch_plan_scales_with_vram_by_one_rule():
+    plan = derive_plan(Settings(), RTX5090.memory_total_mib, (12, 0))
+    assert (plan.moe_cache_size, plan.num_tokens, plan.max_running_requests) == (512, 8192, 2)
+    ada = derive_plan(Settings(), 24564, (8, 9))
+    assert (ada.moe_cache_size, ada.num_tokens, ada.attention_backend) == (384, 6144, "auto")
+
+
+@pytest.mark.parametrize(
+    "overrides,status",
+    [
+        ({}, "pass"),
+        ({"launch_moe_cache_size": "auto"}, "block"),
+        ({"launch_moe_cache_size": 2048}, "block"),
+        ({"launch_moe_cache_size": 512}, "pass"),
+        ({"launch_num_tokens": 16384}, "block"),
+    ],
+)
+def test_launch_plan_that_cannot_fit_a_16gb_card_blocks(overrides, status):
+    assert finding("launch_plan", settings=Settings(**overrides)).status == status
+
+
+def test_moe_cache_auto_becomes_its_own_flag():
+    plan = derive_plan(Settings(launch_moe_cache_size="auto"), RTX5090.memory_total_mib, (12, 0))
+    cmd = engine_command(Settings(), plan)
+    assert "--moe-cache-auto" in cmd and "--moe-cache-size" not in cmd
+
+
+def test_declared_hardware_profile_must_match_the_gpu():
+    assert finding("hardware_profile", settings=Settings(hardware_profile="rtx5060ti_16gb")).status == "pass"
+    f = finding("hardware_profile", settings=Settings(hardware_profile="rtx5090_32gb"))
+    assert f.status == "block" and "16 GB" in f.evidence
+
+
+def test_tripped_guard_is_reported():
+    f = finding("guard", healthy(guard_state={"tripped": True, "reason": "swap 2.6 GB > 2.0 GB", "time": "t"}))
+    assert f.status == "warn" and "swap 2.6 GB" in f.evidence
