@@ -1,0 +1,130 @@
+import base64
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+from facts.windows import (
+    IniFileInfo, WindowsUserProfile, WslConfFile, WslConfigFile, parse_cmd_echo, parse_ini,
+    parse_ini_output, parse_user_profile_output,
+)
+
+FIX = Path(__file__).parent.parent / "fixtures" / "real"
+
+REPORT_WSLCONFIG = b"[wsl2]\r\nmemory=24GB\r\nprocessors=8\r\nswap=4GB\r\nlocalhostForwarding=true\r\nvmIdleTimeout=0\r\n"
+
+
+def run_sh(command, env=None):
+    proc = subprocess.run(["sh", "-c", command], capture_output=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.decode("utf-8").splitlines()
+
+
+def b64(data: bytes) -> list[str]:
+    return base64.encodebytes(data).decode().splitlines()
+
+
+def test_cmd_echo_crlf():
+    assert parse_cmd_echo((FIX / "cmd-echo-userprofile.crlf").read_bytes()) == ("C:\\Users\\dev", None)
+
+
+def test_cmd_echo_unexpanded():
+    path, error = parse_cmd_echo((FIX / "cmd-echo-userprofile-unexpanded.crlf").read_bytes())
+    assert path is None and "did not expand" in error
+
+
+def test_cmd_echo_oem_codepage():
+    path, error = parse_cmd_echo("C:\\Users\\张三\r\n".encode("gbk"))
+    assert path is None and "code page" in error
+
+
+def test_profile_full_output():
+    lines = ["@@ft:cmd", *b64((FIX / "cmd-echo-userprofile.crlf").read_bytes()),
+             "@@ft:wslpath", *b64(b"/mnt/c/Users/dev\n"), "@@ft:wslpath-rc 0"]
+    info = parse_user_profile_output(lines)
+    assert (info.path, info.windows_path, info.error) == ("/mnt/c/Users/dev", "C:\\Users\\dev", None)
+
+
+def test_profile_no_cmd_exe():
+    info = parse_user_profile_output(["@@ft:no-cmd"])
+    assert info.path is None and "cmd.exe not found" in info.error
+
+
+def test_profile_wslpath_failure():
+    lines = ["@@ft:cmd", *b64(b"C:\\Users\\dev\r\n"), "@@ft:wslpath",
+             *b64(b"wslpath: C:\\Users\\dev: Invalid argument\n"), "@@ft:wslpath-rc 1"]
+    info = parse_user_profile_output(lines)
+    assert info.path is None and info.windows_path == "C:\\Users\\dev" and "wslpath" in info.error
+
+
+def test_profile_command_on_this_machine():
+    fact = WindowsUserProfile()
+    info = fact.process(run_sh(fact.command()))
+    assert info.path is None and info.error  # not WSL: no cmd.exe / no /mnt/c
+
+
+def test_profile_command_with_fake_tools(tmp_path):
+    # Stand-ins only to prove the shell plumbing (CRLF stripped before wslpath).
+    (tmp_path / "cmd.exe").write_text(f"#!/bin/sh\ncat '{FIX / 'cmd-echo-userprofile.crlf'}'\n")
+    (tmp_path / "wslpath").write_text('#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo /mnt/c/Users/dev || { echo "bad: $2"; exit 1; }\n')
+    for tool in ("cmd.exe", "wslpath"):
+        (tmp_path / tool).chmod(0o755)
+    command = WindowsUserProfile().command().replace("cd /mnt/c", f"cd {tmp_path}").replace("[ -d /mnt/c ]", f"[ -d {tmp_path} ]")
+    env = dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin")
+    info = WindowsUserProfile().process(run_sh(command, env=env))
+    assert info.path == "/mnt/c/Users/dev", info
+
+
+# ---- INI files
+
+def test_report_wslconfig():
+    info = parse_ini("/mnt/c/Users/dev/.wslconfig", REPORT_WSLCONFIG)
+    assert info.error is None and info.exists
+    assert info.sections["wsl2"]["localhostforwarding"] == "true"
+    assert info.sections["wsl2"]["vmidletimeout"] == "0"
+    assert info.sections["wsl2"]["memory"] == "24GB"
+
+
+def test_bom_comments_case_and_duplicates():
+    data = b"\xef\xbb\xbf# user comment\r\n[WSL2]\r\nMemory = 16GB\r\n; old\r\nmemory=24GB\r\n[Experimental]\r\nautoMemoryReclaim=gradual\r\n"
+    info = parse_ini("x", data)
+    assert info.error is None
+    assert info.sections == {"wsl2": {"memory": "24GB"}, "experimental": {"automemoryreclaim": "gradual"}}
+
+
+def test_utf16_notepad_file():
+    info = parse_ini("x", b"\xff\xfe" + "[boot]\r\nsystemd=true\r\n".encode("utf-16-le"))
+    assert info.sections == {"boot": {"systemd": "true"}}
+
+
+def test_broken_ini():
+    info = parse_ini("/etc/wsl.conf", b"systemd=true\n[boot\n")
+    assert info.exists and info.sections == {} and info.error
+
+
+def test_ini_output_absent_and_present():
+    assert parse_ini_output("/etc/wsl.conf", ["@@ft:absent /etc/wsl.conf"]) == IniFileInfo("/etc/wsl.conf", False, {}, None)
+    info = parse_ini_output("", ["@@ft:file /etc/wsl.conf", *b64(b"[boot]\nsystemd=true\n")])
+    assert info.path == "/etc/wsl.conf" and info.sections["boot"]["systemd"] == "true"
+
+
+def test_wslconfig_command_reads_real_file(tmp_path):
+    path = tmp_path / "dir with space" / ".wslconfig"
+    path.parent.mkdir()
+    path.write_bytes(REPORT_WSLCONFIG)
+    fact = WslConfigFile()
+    info = fact.process(run_sh(fact.command(str(path))))
+    assert info.path == str(path) and info.sections["wsl2"]["processors"] == "8"
+
+
+def test_wslconfig_command_missing_file(tmp_path):
+    fact = WslConfigFile()
+    info = fact.process(run_sh(fact.command(str(tmp_path / ".wslconfig"))))
+    assert info.exists is False and info.error is None
+
+
+def test_wsl_conf_command_on_this_machine():
+    fact = WslConfFile()
+    info = fact.process(run_sh(fact.command()))
+    assert info.path == "/etc/wsl.conf"
+    assert info.exists == os.path.exists("/etc/wsl.conf")
