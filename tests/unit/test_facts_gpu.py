@@ -1,0 +1,101 @@
+import os
+import subprocess
+from pathlib import Path
+
+from facts.gpu import NvidiaGpus, parse_cuda_version, parse_nvidia_smi_output, parse_query_csv
+
+FIX = Path(__file__).parent.parent / "fixtures" / "real"
+
+
+def smi_lines(query_fixture, query_rc, table_fixture=None, table_rc=0):
+    lines = ["@@ft:path /usr/lib/wsl/lib/nvidia-smi", "@@ft:query",
+             *(FIX / query_fixture).read_text().splitlines(), f"@@ft:query-rc {query_rc}", "@@ft:table"]
+    if table_fixture:
+        lines += (FIX / table_fixture).read_text().splitlines()
+    return lines + [f"@@ft:table-rc {table_rc}"]
+
+
+def test_5060ti():
+    report = parse_nvidia_smi_output(smi_lines("nvidia-smi-query-5060ti.csv", 0, "nvidia-smi-5060ti.txt"))
+    assert report.error is None
+    assert report.cuda_version == "13.0"
+    assert report.smi_path == "/usr/lib/wsl/lib/nvidia-smi"
+    (gpu,) = report.gpus
+    assert gpu.index == 0 and gpu.name == "NVIDIA GeForce RTX 5060 Ti"
+    assert gpu.compute_cap == (12, 0)
+    assert (gpu.memory_total_mib, gpu.memory_used_mib, gpu.memory_free_mib) == (16311, 1043, 14979)
+    assert gpu.driver_version == "581.29" and gpu.unavailable_fields == ()
+
+
+def test_with_header_same_result():
+    a, _ = parse_query_csv((FIX / "nvidia-smi-query-5060ti.csv").read_text())
+    b, err = parse_query_csv((FIX / "nvidia-smi-query-5060ti-header.csv").read_text())
+    assert err is None and a == b
+
+
+def test_units_tolerated():
+    gpus, err = parse_query_csv("0, NVIDIA GeForce RTX 5060 Ti, 12.0, 16311 MiB, 1043 MiB, 14979 MiB, 581.29\n")
+    assert err is None and gpus[0].memory_free_mib == 14979
+
+
+def test_two_gpus():
+    gpus, err = parse_query_csv((FIX / "nvidia-smi-query-2gpu.csv").read_text())
+    assert [g.compute_cap for g in gpus] == [(12, 0), (8, 6)]
+
+
+def test_na_values():
+    gpus, err = parse_query_csv((FIX / "nvidia-smi-query-na.csv").read_text())
+    assert err is None
+    assert gpus[0].compute_cap is None and gpus[0].memory_used_mib == 0
+    assert set(gpus[0].unavailable_fields) == {"compute_cap", "memory.used", "memory.free"}
+    assert gpus[0].memory_total_mib == 16311
+
+
+def test_no_devices():
+    report = parse_nvidia_smi_output(smi_lines("nvidia-smi-no-devices.txt", 6, "nvidia-smi-no-devices.txt", 6))
+    assert report.gpus == () and "No devices were found" in report.error
+    assert report.cuda_version is None
+
+
+def test_no_driver():
+    report = parse_nvidia_smi_output(smi_lines("nvidia-smi-no-driver.txt", 9, "nvidia-smi-no-driver.txt", 9))
+    assert report.gpus == () and "couldn't communicate with the NVIDIA driver" in report.error
+
+
+def test_gpu_access_blocked():
+    report = parse_nvidia_smi_output(smi_lines("nvidia-smi-gpu-blocked.txt", 255))
+    assert "GPU access blocked by the operating system" in report.error
+
+
+def test_missing_and_empty():
+    assert parse_nvidia_smi_output(["@@ft:missing"]).error == "nvidia-smi not found"
+    assert NvidiaGpus.default().error
+    assert parse_nvidia_smi_output(["@@ft:path /x", "@@ft:query", "@@ft:query-rc 0"]).error
+
+
+def test_cuda_version_from_table():
+    assert parse_cuda_version((FIX / "nvidia-smi-5060ti.txt").read_text()) == "13.0"
+    assert parse_cuda_version("") is None
+
+
+def run_sh(command, env=None):
+    proc = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_command_on_this_machine():
+    report = NvidiaGpus().process(run_sh(NvidiaGpus().command(), env=dict(os.environ, PATH="/usr/bin:/bin")))
+    assert report.gpus == () and report.error == "nvidia-smi not found"
+
+
+def test_command_with_fake_nvidia_smi(tmp_path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        f"case \"$1\" in --query-gpu=*) cat '{FIX / 'nvidia-smi-query-5060ti.csv'}';; "
+        f"*) cat '{FIX / 'nvidia-smi-5060ti.txt'}';; esac\n")
+    smi.chmod(0o755)
+    report = NvidiaGpus().process(run_sh(NvidiaGpus().command(), env=dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin")))
+    assert report.smi_path == str(smi) and report.cuda_version == "13.0"
+    assert report.gpus[0].compute_cap == (12, 0)
