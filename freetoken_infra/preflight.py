@@ -12,7 +12,7 @@ import click
 from pyinfra.api.exceptions import PyinfraError
 
 from facts.cuda import CudaToolchain
-from facts.engine import EngineHealth, EngineInstall
+from facts.engine import EngineInstall
 from facts.gpu import NvidiaGpus
 from facts.gpu_memory import GpuMemoryProbe
 from facts.init import InitSystem

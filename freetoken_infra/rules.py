@@ -15,7 +15,7 @@ stops there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from facts.cuda import CudaToolchainInfo
@@ -23,7 +23,7 @@ from facts.engine import EngineHealthInfo, EngineInstallInfo
 from facts.gpu import GpuInfo, GpuReport
 from facts.gpu_memory import GpuMemoryProbeResult
 from facts.init import InitInfo
-from facts.model import ModelDirInfo, QuantSummary
+from facts.model import ModelDirInfo
 from facts.resources import ResourcesInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
 from freetoken_infra.hardware import HARDWARE_PROFILES, nominal_vram_gb
@@ -34,6 +34,7 @@ from freetoken_infra.launch import (
     usable_vram_gb,
 )
 from facts.wsl import WslKernelInfo, WslVersionInfo
+from freetoken_infra.quant import QuantSummary, unsupported_expert_schemes
 from freetoken_infra.settings import Settings
 
 Status = Literal["pass", "warn", "block"]
@@ -42,8 +43,6 @@ GiB = 1024**3
 GB = 1000**3
 MIN_COMPUTE = (8, 0)  # freetoken.md: Ampere or newer
 REQUIRED_NVCC_MAJOR = 13  # freetoken.md: nvcc's major must equal torch's CUDA major
-# freetoken.md: the MoE quant registry has none / fp8_block / mxfp4 / mxfp8 / nvfp4 / gguf.
-SUPPORTED_EXPERT_SCHEMES = frozenset({"nvfp4", "fp8_block", "mxfp4", "mxfp8", "unquantized", "gguf"})
 RESTART_REMEDY = "restart required: run `wsl.exe --shutdown` from Windows, then re-run the deploy"
 
 
@@ -291,10 +290,6 @@ def check_disk(settings: Settings, obs: Observations) -> Finding:
 
 
 # --- model and launch plan ---------------------------------------------------------
-
-
-def unsupported_expert_schemes(quant: QuantSummary) -> set[str]:
-    return {s for s in quant.expert_schemes if s not in SUPPORTED_EXPERT_SCHEMES}
 
 
 def check_model_quantisation(quant: Optional[QuantSummary], where: str) -> Finding:
