@@ -700,10 +700,16 @@ class Fleet:
     """The running simulated fleet, as recorded in state.json."""
 
     def __init__(self, state: dict | None = None):
-        state = state or load_state()
+        if not (state or load_state()):
+            raise FleetError("simulated fleet not running: python -m tests.fleet up")
+
+    @property
+    def state(self) -> dict:
+        """state.json, re-read on each use (a later `up` or `reboot` changes the PIDs)."""
+        state = load_state()
         if not state:
             raise FleetError("simulated fleet not running: python -m tests.fleet up")
-        self.state = state
+        return state
 
     @property
     def state_path(self) -> Path:
@@ -742,12 +748,13 @@ class Fleet:
 
     def reboot(self, host, timeout: float = BOOT_TIMEOUT_S) -> None:
         """Stop the container (as a power-off would) and boot the same tree again."""
-        name = self._host(host)["name"]
-        h = self.state["hosts"][name]
+        state = self.state
+        name = host if isinstance(host, str) else host.name
+        h = state["hosts"][name]
         _stop_pid(h["pid"], "systemd-nspawn", term_wait=20)
         _kill_netns_processes(h["netns"])
-        _start_container(self.state, name)
-        _wait_booted(self.state, [name], timeout)
+        _start_container(state, name)
+        _wait_booted(state, [name], timeout)
 
     def set_swap_used(self, host, used_bytes: int) -> None:
         """Make the host's /proc/meminfo report `used_bytes` of swap in use. The file is
