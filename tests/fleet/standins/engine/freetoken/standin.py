@@ -274,14 +274,12 @@ class Engine:
 
     def _stop_after_death(self) -> None:
         logger.error("Backend worker is gone and cannot be restarted; stopping the API server")
-        _uvicorn("Shutting down")
-        _uvicorn("Waiting for application shutdown.")
-        _uvicorn("Application shutdown complete.")
-        _uvicorn(f"Finished server process [{os.getpid()}]")
         sys.stdout.flush()
         if self.cfg.get("fatal_exit") == "code":
+            _uvicorn(f"Finished server process [{os.getpid()}]")
             os._exit(1)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # like the real one: SIGTERM to itself; the main thread's handler (uvicorn's) shuts down
+        # and re-raises it, so the process dies by SIGTERM
         os.kill(os.getpid(), signal.SIGTERM)
 
     # -------------------------------------------------------------- loading
@@ -596,7 +594,6 @@ def serve(args) -> None:
         sys.exit(1)
     httpd.daemon_threads = True
     _uvicorn(f"Uvicorn running on http://{args.server_host}:{args.server_port} (Press CTRL+C to quit)")
-    threading.Thread(target=e.load, name="freetoken-backend-supervisor", daemon=True).start()
 
     def on_term(signum, frame):
         _uvicorn("Shutting down")
@@ -609,4 +606,5 @@ def serve(args) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    threading.Thread(target=e.load, name="freetoken-backend-supervisor", daemon=True).start()
     httpd.serve_forever()

@@ -1,0 +1,283 @@
+"""The FreeToken engine stand-in, run from its source dir on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.fleet.standins import hub_repos
+
+ENGINE_SRC = Path(__file__).resolve().parents[1] / "fleet" / "standins" / "engine"
+sys.path.insert(0, str(ENGINE_SRC))
+from freetoken.server import args as standin_args  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory):
+    d = tmp_path_factory.mktemp("repos")
+    hub_repos.build(str(d))
+    return d
+
+
+@pytest.fixture()
+def model(repos, tmp_path):
+    dst = tmp_path / "Qwen3.6-35B-A3B-NVFP4-nvidia"
+    shutil.copytree(repos / hub_repos.SUPPORTED_REPO, dst)
+    return dst
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:  # the engine also needs port+1
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
+class Engine:
+    def __init__(self, tmp_path, model, *extra, config=None, env=None):
+        self.port = free_port()
+        cfg = tmp_path / "standin.json"
+        cfg.write_text(json.dumps({"load_seconds": 1.0, "error_exit_delay_s": 1, "tokens_per_s": 40.0, **(config or {})}))
+        e = dict(os.environ, PYTHONPATH=str(ENGINE_SRC), FREETOKEN_STANDIN_CONFIG=str(cfg))
+        e.pop("FREETOKEN_API_KEY", None)
+        e.update(env or {})
+        self.out, self.err = tmp_path / "out.log", tmp_path / "err.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "freetoken", "--model-path", str(model), "--host", "127.0.0.1",
+             "--port", str(self.port), *extra],
+            env=e, stdout=self.out.open("w"), stderr=self.err.open("w"))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_bound(self):
+        for _ in range(200):
+            try:
+                return self.health()
+            except OSError:
+                if self.proc.poll() is not None:
+                    return None
+                time.sleep(0.025)
+        raise AssertionError("engine stand-in never bound")
+
+    def health(self):
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            assert r.status == 200
+            return json.loads(r.read())
+
+    def wait_status(self, status, timeout=15):
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            h = self.health()
+            seen.append(h)
+            if h["status"] == status:
+                return h, seen
+            time.sleep(0.05)
+        raise AssertionError(f"never {status}: {seen[-3:]}")
+
+    def call(self, path, body=None, headers=None, method=None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json",
+                                                                          **(headers or {})}, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def logs(self):
+        return self.out.read_text(), self.err.read_text()
+
+
+@pytest.fixture()
+def engines():
+    started = []
+    yield started
+    for e in started:
+        e.stop()
+
+
+def start(engines, *a, **kw) -> Engine:
+    e = Engine(*a, **kw)
+    engines.append(e)
+    return e
+
+
+def test_loading_then_ok_503_while_loading_and_ready_line(engines, tmp_path, model):
+    e = start(engines, tmp_path, model, config={"load_seconds": 2.0})
+    h = e.wait_bound()
+    assert h["status"] == "loading" and h["phase"] in ("weights", "expert_banks", "warmup")
+    assert h["progress"]["total_bytes"] >= 0
+    status, body = e.call("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert (status, json.loads(body)) == (503, {"error": "model is still loading"})
+    ok, seen = e.wait_status("ok")
+    phases = [s.get("phase") for s in seen if s["status"] == "loading"]
+    assert "expert_banks" in phases
+    assert ok["version"] == "0.2.1" and ok["model"] == model.name and isinstance(ok["uptime_s"], int)
+    assert any(s["progress"]["done_bytes"] > 0 for s in seen if s["status"] == "loading")
+    out, _ = e.logs()
+    assert f"API server is ready to serve on 127.0.0.1:{e.port}" in out
+    with socket.create_connection(("127.0.0.1", e.port + 1), timeout=2):
+        pass  # the gloo stand-in listener
+    status, body = e.call("/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == model.name
+
+
+def test_auth_key_from_env_bearer_and_x_api_key(engines, tmp_path, model):
+    e = start(engines, tmp_path, model, "--served-model-name", "qwen", env={"FREETOKEN_API_KEY": "k3y"})
+    e.wait_bound()
+    e.wait_status("ok")  # /health is exempt
+    assert e.call("/v1/models")[0] == 401
+    assert e.call("/v1/models", headers={"Authorization": "Bearer nope"})[0] == 401
+    status, body = e.call("/v1/models", headers={"Authorization": "Bearer k3y"})
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "qwen"
+    assert e.call("/v1/models", headers={"x-api-key": "k3y"})[0] == 200
+
+
+def test_empty_api_key_is_an_error(tmp_path, model):
+    r = subprocess.run([sys.executable, "-m", "freetoken", "--model-path", str(model), "--api-key", ""],
+                       env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--api-key is empty" in r.stderr
+
+
+def test_stream_pace_and_usage(engines, tmp_path, model):
+    e = start(engines, tmp_path, model, config={"tokens_per_s": 40.0, "load_seconds": 0.2})
+    e.wait_bound()
+    e.wait_status("ok")
+    req = urllib.request.Request(e.url + "/v1/chat/completions", data=json.dumps({
+        "messages": [{"role": "user", "content": "count to twenty please"}], "max_tokens": 20, "stream": True,
+        "stream_options": {"include_usage": True}}).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    stamps, chunks = [], []
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                chunks.append("DONE")
+                break
+            c = json.loads(line[6:])
+            chunks.append(c)
+            if c["choices"] and c["choices"][0]["delta"].get("content"):
+                stamps.append(time.monotonic() - t0)
+    assert chunks[-1] == "DONE" and chunks[0]["object"] == "chat.completion.chunk"
+    assert len(stamps) == 20
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    assert 0.5 * 40 <= rate <= 1.5 * 40, rate
+    usage = chunks[-2]["usage"]
+    assert usage["completion_tokens"] == 20 and usage["total_tokens"] == usage["prompt_tokens"] + 20
+    status, body = e.call("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+    doc = json.loads(body)
+    assert status == 200 and doc["usage"]["completion_tokens"] == 3 and doc["choices"][0]["finish_reason"] == "length"
+    status, body = e.call("/v1/completions", {"prompt": "abc", "max_tokens": 2})
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_flag_rejected_like_argparse(tmp_path, model):
+    r = subprocess.run([sys.executable, "-m", "freetoken", "--model-path", str(model), "--attn-backend", "x"],
+                       env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert "python -m freetoken: error: unrecognized arguments: --attn-backend x" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "freetoken", "--model-path", str(model), "--moe-cache-size", "256",
+                        "--moe-cache-auto"], env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
+def test_parser_matches_real_0_2_1_flags():
+    real = []
+    for line in (ENGINE_SRC / "REAL_FLAGS_0.2.1.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            real.append(line)
+    parser = standin_args.build_parser()
+    groups = {}
+    for name, g in (("kv_capacity_group", parser._mutually_exclusive_groups[0]),
+                    ("moe_cache_group", parser._mutually_exclusive_groups[1])):
+        for act in g._group_actions:
+            groups[id(act)] = name
+    mine = []
+    for act in parser._actions:
+        if act.option_strings == ["-h", "--help"]:
+            continue
+        line = " ".join(act.option_strings)
+        if id(act) in groups:
+            line += f" group={groups[id(act)]}"
+        mine.append(line)
+    assert mine == real
+    ns = parser.parse_args(["--model-path", "m"])
+    assert (ns.server_host, ns.server_port, ns.max_running_req, ns.max_extend_tokens, ns.kv_reserve_tokens,
+            ns.attention_backend, ns.moe_strategy, ns.memory_ratio) == ("127.0.0.1", 1919, 4, 8192, 8192, "auto", "auto", 0.9)
+
+
+def test_unsupported_model_fails_with_fp8_tensor(engines, tmp_path, repos):
+    e = start(engines, tmp_path, repos / hub_repos.UNSUPPORTED_REPO, config={"fatal_exit": "code"})
+    e.wait_bound()
+    rc = e.proc.wait(20)
+    _, err = e.logs()
+    assert rc != 0
+    lines = err.splitlines()
+    i = lines.index("NotImplementedError: no quant method for moe.fp8_tensor")  # a traceback's last line
+    assert "Traceback (most recent call last):" in lines[:i]
+
+
+def test_missing_shard_is_an_error_and_health_reports_it(engines, tmp_path, model):
+    (model / "model-00002-of-00003.safetensors").unlink()
+    e = start(engines, tmp_path, model, config={"error_exit_delay_s": 3})
+    e.wait_bound()
+    h, _ = e.wait_status("error")
+    assert "model-00002-of-00003.safetensors" in h["message"]
+    assert e.proc.wait(20) == -signal.SIGTERM  # the real engine dies by SIGTERM after the grace
+
+
+def test_fault_switches_oom_then_crash(engines, tmp_path, model):
+    e = start(engines, tmp_path, model, config={"load_seconds": 0.2})
+    e.wait_bound()
+    e.wait_status("ok")
+    assert e.call("/_standin/fault", {"kind": "oom"})[0] == 200
+    time.sleep(0.2)
+    assert e.health()["status"] == "ok"
+    assert "this process has 17179869184.00 GiB memory in use" in e.logs()[1]
+    assert e.call("/_standin/fault", {"kind": "crash"})[0] == 200
+    assert e.proc.wait(10) == 1
+    assert e.logs()[1].rstrip().splitlines()[-1].startswith("RuntimeError: CUDA error")
+
+
+def test_fault_exit_turns_health_error_then_exits(engines, tmp_path, model):
+    e = start(engines, tmp_path, model, config={"load_seconds": 0.2, "error_exit_delay_s": 1, "fatal_exit": "code"})
+    e.wait_bound()
+    e.wait_status("ok")
+    assert e.call("/_standin/fault", {"kind": "exit"})[0] == 200
+    assert e.health()["status"] == "error"
+    assert e.call("/v1/completions", {"prompt": "x"})[0] == 503
+    assert e.proc.wait(10) == 1
+
+
+def test_broken_build_reports_error_after_load(engines, tmp_path, model):
+    e = start(engines, tmp_path, model, config={"broken": True, "fatal_exit": "code"})
+    e.wait_bound()
+    h, _ = e.wait_status("error")
+    assert "broken" in h["message"]
+    assert e.proc.wait(10) == 1
