@@ -10,6 +10,7 @@ field, the bad value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -45,10 +46,13 @@ _USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _PACKAGE_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
 _ABS_PATH_RE = re.compile(r"^/[^\0\n]*$")
 # wsl2-gpu.md: inside WSL the Windows driver is the driver; these packages would
-# install a Linux one (`cuda` and `cuda-X-Y` depend on cuda-drivers).
-DRIVER_PACKAGE_RE = re.compile(
-    r"^(cuda|cuda-[0-9]+-[0-9]+|cuda-drivers.*|nvidia-driver.*|nvidia-dkms.*|nvidia-kernel.*|libnvidia-.*)$"
+# install a Linux one (`cuda` and `cuda-X-Y` depend on cuda-drivers). The same globs
+# become the deploy's apt pin (priority -1) and the settings check below.
+DRIVER_PACKAGE_GLOBS = (
+    "cuda", "cuda-[0-9]*-[0-9]*", "cuda-drivers*", "nvidia-driver-*", "nvidia-dkms-*",
+    "nvidia-kernel-*", "libnvidia-*",
 )
+DRIVER_PACKAGE_RE = re.compile("|".join(fnmatch.translate(g) for g in DRIVER_PACKAGE_GLOBS))
 
 
 def _abs_path(value: str, what: str = "an absolute path") -> str:

@@ -1,0 +1,31 @@
+"""APT source files, so the deploy can tell its own CUDA repository entry from the
+one the cuda-keyring package ships."""
+
+from __future__ import annotations
+
+from pyinfra.api import FactBase
+
+from ._output import MARKER
+
+
+class AptSourceFiles(FactBase[dict]):
+    """
+    Returns ``{path: content}`` for every file in ``/etc/apt/sources.list.d``.
+    """
+
+    def command(self) -> str:
+        return (
+            "for f in /etc/apt/sources.list.d/*; do [ -f \"$f\" ] || continue; "
+            f"echo \"{MARKER}file $f\"; cat \"$f\"; echo; done; true"
+        )
+
+    def process(self, output: list[str]) -> dict:
+        files: dict[str, list[str]] = {}
+        current = None
+        for line in output:
+            if line.startswith(f"{MARKER}file "):
+                current = line[len(MARKER) + 5:].strip()
+                files[current] = []
+            elif current is not None:
+                files[current].append(line)
+        return {path: "\n".join(lines).strip() + "\n" for path, lines in files.items()}

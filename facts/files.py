@@ -1,0 +1,38 @@
+"""Raw file contents, for operations that edit a file in place (round-trip INI merges)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Optional
+
+from pyinfra.api import FactBase
+
+from ._output import MARKER, quote
+
+
+class FileBytes(FactBase[Optional[bytes]]):
+    """
+    Returns the file's exact bytes (any encoding, CRLF kept), or None when it does not exist.
+    """
+
+    def command(self, path: str) -> str:
+        p = quote(path)
+        return f"if [ -f {p} ]; then echo '{MARKER}file'; base64 < {p}; else echo '{MARKER}missing'; fi"
+
+    def process(self, output: list[str]) -> Optional[bytes]:
+        if not output or output[0].strip() != f"{MARKER}file":
+            return None
+        return base64.b64decode("".join(line.strip() for line in output[1:]))
+
+
+class FileText(FactBase[Optional[str]]):
+    """
+    Returns a small text file's UTF-8 contents, or None when it does not exist.
+    """
+
+    def command(self, path: str) -> str:
+        return FileBytes().command(path)
+
+    def process(self, output: list[str]) -> Optional[str]:
+        data = FileBytes().process(output)
+        return None if data is None else data.decode("utf-8", "replace")

@@ -1,0 +1,37 @@
+"""Windows scheduled tasks, seen through `schtasks.exe` (WSL interop)."""
+
+from __future__ import annotations
+
+from pyinfra.api import FactBase
+
+from ._output import MARKER, quote
+
+
+class ScheduledTaskExists(FactBase[bool]):
+    """
+    Returns True when `schtasks.exe /Query /TN <name>` finds the task.
+    """
+
+    def command(self, task_name: str) -> str:
+        return (
+            f"cd /mnt/c 2>/dev/null; if schtasks.exe /Query /TN {quote(task_name)} >/dev/null 2>&1; "
+            f"then echo '{MARKER}yes'; else echo '{MARKER}no'; fi"
+        )
+
+    def process(self, output: list[str]) -> bool:
+        return any(line.strip() == f"{MARKER}yes" for line in output)
+
+
+class WslDistroName(FactBase[str]):
+    """
+    Returns the distro's name as Windows knows it (`$WSL_DISTRO_NAME`, else from `wslpath -w /`).
+    """
+
+    def command(self) -> str:
+        return (
+            'if [ -n "$WSL_DISTRO_NAME" ]; then echo "$WSL_DISTRO_NAME"; '
+            "else wslpath -w / 2>/dev/null | sed -e 's#^\\\\\\\\[^\\\\]*\\\\##' -e 's#\\\\.*##'; fi; true"
+        )
+
+    def process(self, output: list[str]) -> str:
+        return output[0].strip() if output else ""

@@ -1,0 +1,84 @@
+"""The engine: a dedicated system user, one virtual environment per engine version
+(`/opt/freetoken/<version>`), and an `active` link to the version in service.
+
+Versions side by side make an upgrade a link switch and a rollback another one.
+ninja is not a declared dependency of FreeToken but its JIT needs it (freetoken.md),
+so it is installed into the same environment.
+"""
+
+from __future__ import annotations
+
+import io
+
+from pyinfra import host
+from pyinfra.api import operation
+from pyinfra.facts.files import File
+from pyinfra.operations import files, server
+
+from facts.engine import EngineInstall
+from facts.files import FileText
+from freetoken_infra.settings import Settings
+
+
+def pip_conf(settings: Settings) -> str:
+    """The venv's own pip.conf (`<venv>/pip.conf`): index and mirrors from settings."""
+    lines = ["[global]", "disable-pip-version-check = true"]
+    if settings.pip_index_url:
+        lines.append(f"index-url = {settings.pip_index_url}")
+    if settings.pip_extra_index_urls:
+        lines.append("extra-index-url = " + " ".join(str(u) for u in settings.pip_extra_index_urls))
+    return "\n".join(lines) + "\n"
+
+
+@operation()
+def service_user(settings: Settings):
+    """
+    The engine's system user and its directories: state (model, kernel caches) owned
+    by it, configuration owned by root.
+
+    + settings: the host's Settings (service_user, state_dir, cache_dir, config_dir)
+    """
+    yield from server.user._inner(
+        user=settings.service_user, system=True, home=settings.state_dir,
+        shell="/usr/sbin/nologin", ensure_home=False,
+    )
+    for path in (settings.state_dir, settings.cache_dir, settings.model_dir.rsplit("/", 1)[0]):
+        yield from files.directory._inner(
+            path=path, user=settings.service_user, group=settings.service_user, mode="755"
+        )
+    yield from files.directory._inner(path=settings.config_dir, user="root", group="root", mode="755")
+
+
+@operation()
+def environment(settings: Settings, version: str | None = None, activate: bool = True):
+    """
+    A virtual environment holding the pinned engine and ninja, and (optionally) the
+    `active` link pointing at it.
+
+    + settings: the host's Settings (engine_package, engine_extras, engine_base_dir, pip_*)
+    + version: the engine version (default: settings.engine_version)
+    + activate: point `<engine_base_dir>/active` at this version
+
+    **Example:**
+
+    .. code:: python
+
+        environment(name="FreeToken 0.2.2 beside 0.2.1", settings=s, version="0.2.2", activate=False)
+    """
+    version = version or settings.engine_version
+    venv = f"{settings.engine_base_dir}/{version}"
+    extras = f"[{','.join(settings.engine_extras)}]" if settings.engine_extras else ""
+    requirement = f"{settings.engine_package}{extras}=={version}"
+    installed = host.get_fact(EngineInstall, base_dir=settings.engine_base_dir)
+
+    if not host.get_fact(File, path=f"{venv}/pyvenv.cfg"):
+        yield from files.directory._inner(path=settings.engine_base_dir, mode="755")
+        yield f"python3 -m venv {venv}"
+    if host.get_fact(FileText, path=f"{venv}/pip.conf") != pip_conf(settings):
+        yield from files.put._inner(src=io.StringIO(pip_conf(settings)), dest=f"{venv}/pip.conf", mode="644")
+    has_ninja = host.get_fact(File, path=f"{venv}/bin/ninja")
+    if installed.versions.get(version) != version or not has_ninja:
+        # pip reads <venv>/pip.conf, so mirrors apply without arguments.
+        yield f"{venv}/bin/pip install --progress-bar off '{requirement}' ninja"
+    if activate:
+        yield from files.link._inner(path=settings.engine_active_link, target=venv)

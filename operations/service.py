@@ -1,0 +1,170 @@
+"""`freetoken.service`: the engine as a hardened systemd unit, its environment file and
+its API key (field report: run the engine under systemd, never from a terminal,
+so it depends on no `wsl.exe` session - pitfall 4A).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shlex
+
+from pyinfra import host
+from pyinfra.api import operation
+from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.files import File
+from pyinfra.operations import files
+
+from facts.files import FileText
+from freetoken_infra.launch import LaunchPlan, engine_command
+from freetoken_infra.settings import Settings
+
+UNIT_PATH = "/etc/systemd/system/freetoken.service"
+KEY_VAR = "FREETOKEN_API_KEY"
+
+
+def env_path(settings: Settings) -> str:
+    return f"{settings.config_dir}/engine.env"
+
+
+def key_path(settings: Settings) -> str:
+    return f"{settings.config_dir}/api-key.env"
+
+
+def manifest_path(settings: Settings) -> str:
+    return f"{settings.model_dir}/.freetoken-manifest.json"
+
+
+def engine_environment(settings: Settings) -> str:
+    """The service's environment (no secrets: the key has its own file)."""
+    cache = settings.cache_dir
+    values = {
+        "CUDA_HOME": settings.cuda_home,
+        "PATH": f"{settings.engine_active_link}/bin:{settings.cuda_home}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        # Persistent kernel caches turn a 2-3 minute cold start into ~34 s.
+        "TVM_FFI_CACHE_DIR": f"{cache}/tvm-ffi",
+        "TRITON_CACHE_DIR": f"{cache}/triton",
+        "FREETOKEN_KERNEL_CACHE_DIR": f"{cache}/kernels",
+        "HF_HOME": f"{cache}/huggingface",
+        "HF_ENDPOINT": str(settings.hub_endpoint).rstrip("/"),
+        "LOG_LEVEL": settings.log_level,
+    }
+    if settings.hub_disable_xet:
+        values["HF_HUB_DISABLE_XET"] = "1"
+    return "".join(f"{k}={v}\n" for k, v in values.items())
+
+
+def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
+    """The unit file, from settings and the launch plan."""
+    command = " ".join(shlex.quote(a) for a in engine_command(settings, plan))
+    model_home = settings.model_dir.startswith("/home/")
+    return f"""# Managed by freetoken-infra; local edits are overwritten on the next deploy.
+[Unit]
+Description=FreeToken OpenAI-compatible LLM endpoint ({settings.served_model_name})
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+User={settings.service_user}
+Group={settings.service_user}
+WorkingDirectory={settings.state_dir}
+EnvironmentFile={env_path(settings)}
+EnvironmentFile=-{key_path(settings)}
+# The engine never starts on a model whose download did not verify.
+ExecStartPre=/usr/bin/test -s {manifest_path(settings)}
+ExecStart={command}
+Restart=on-failure
+# FreeToken 0.2.1 ends itself with SIGTERM when a backend worker dies, which
+# on-failure alone would take for a clean stop.
+RestartForceExitStatus=SIGTERM
+RestartSec=5
+# Cold start: experts 45 s + CUDA graphs 42 s + warm-up 16 s, up to 3 min on first JIT.
+TimeoutStartSec={settings.start_timeout_s}
+TimeoutStopSec=30
+# Hardening: a dedicated user, no privilege gain, read-only system, and only the
+# GPU's paravirtual device (/dev/dxg) among devices.
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome={"read-only" if model_home else "yes"}
+ReadWritePaths={settings.state_dir} {settings.cache_dir}
+PrivateTmp=yes
+DevicePolicy=closed
+DeviceAllow=/dev/dxg rw
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectControlGroups=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def key_from_controller(settings: Settings) -> str:
+    """Read a key named by `api_key_source` on the controller (file: or env:)."""
+    kind, _, ref = settings.api_key_source.partition(":")
+    if kind == "file":
+        try:
+            with open(ref, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise OperationError(f"{host.name}: api_key_source {settings.api_key_source}: {exc.strerror}")
+    else:
+        key = os.environ.get(ref, "").strip()
+    if not key or "\n" in key:
+        raise OperationError(
+            f"{host.name}: api_key_source {settings.api_key_source} gives an empty or multi-line key"
+        )
+    return key
+
+
+@operation()
+def api_key(settings: Settings):
+    """
+    The API key file (`<config_dir>/api-key.env`, mode 0600, root): generated on the
+    host once (`generate`), copied from the controller (`file:` / `env:`), or absent
+    (`none`). The key never appears in a process argument or a log line.
+
+    + settings: the host's Settings (api_key_source, config_dir)
+    """
+    path = key_path(settings)
+    source = settings.api_key_source
+    if source == "none":
+        yield from files.file._inner(path=path, present=False)
+        return
+    if source == "generate":
+        if host.get_fact(File, path=path):
+            yield from files.file._inner(path=path, user="root", group="root", mode="600")
+            return
+        # printf is a shell builtin: the key is in no process's argv.
+        yield (
+            f"umask 077 && key=$(head -c 32 /dev/urandom | base64 | tr -d '/+=\\n') && "
+            f"printf '{KEY_VAR}=%s\\n' \"$key\" > {path}.tmp && mv {path}.tmp {path}"
+        )
+        return
+    content = f"{KEY_VAR}={key_from_controller(settings)}\n"
+    yield from files.put._inner(src=io.StringIO(content), dest=path, user="root", group="root", mode="600")
+
+
+@operation()
+def unit(settings: Settings, plan: LaunchPlan):
+    """
+    The engine's environment file (0600) and unit file, with a daemon-reload when
+    the unit changed.
+
+    + settings: the host's Settings
+    + plan: the launch plan (freetoken_infra.launch.derive_plan)
+    """
+    env = engine_environment(settings)
+    if host.get_fact(FileText, path=env_path(settings)) != env:
+        yield from files.put._inner(
+            src=io.StringIO(env), dest=env_path(settings), user="root", group="root", mode="600"
+        )
+    else:
+        yield from files.file._inner(path=env_path(settings), user="root", group="root", mode="600")
+    text = engine_unit(settings, plan)
+    if host.get_fact(FileText, path=UNIT_PATH) != text:
+        yield from files.put._inner(src=io.StringIO(text), dest=UNIT_PATH, mode="644")
+        yield "systemctl daemon-reload"

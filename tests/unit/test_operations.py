@@ -1,0 +1,107 @@
+"""Pure parts of the operations: the .wslconfig merge, the apt pin, the unit file."""
+
+import re
+import subprocess
+
+import pytest
+
+from freetoken_infra.launch import derive_plan
+from freetoken_infra.settings import DRIVER_PACKAGE_GLOBS, Settings
+from operations.cuda import pin_text, sources_line
+from operations.engine import pip_conf
+from operations.service import engine_environment, engine_unit
+from operations.windows import merge_ini
+
+USER_FILE = b"# my own settings - keep this comment\r\n[wsl2]\r\nMemory=16GB\r\nguiApplications=false\r\n"
+WANT = Settings().wslconfig_values()
+
+
+def test_wslconfig_merge_keeps_the_users_comment_keys_spelling_and_crlf():
+    merged = merge_ini(USER_FILE, "wsl2", WANT)
+    text = merged.decode()
+    assert text.startswith("# my own settings - keep this comment\r\n[wsl2]\r\n")
+    assert "Memory=24GB\r\n" in text and "memory=" not in text  # the user's spelling
+    assert "guiApplications=false\r\n" in text
+    assert "vmIdleTimeout=0\r\n" in text and "localhostForwarding=true\r\n" in text
+    assert "\n" not in text.replace("\r\n", "")
+
+
+def test_wslconfig_merge_is_idempotent():
+    once = merge_ini(USER_FILE, "wsl2", WANT)
+    assert merge_ini(once, "wsl2", WANT) == once
+
+
+def test_utf16_notepad_file_stays_utf16():
+    notepad = b"\xff\xfe" + USER_FILE.decode().encode("utf-16-le")
+    merged = merge_ini(notepad, "wsl2", WANT)
+    assert merged.startswith(b"\xff\xfe")
+    assert "vmIdleTimeout=0" in merged[2:].decode("utf-16-le")
+
+
+def test_wsl_conf_gets_a_boot_section_beside_the_users():
+    merged = merge_ini(b"[network]\nhostname=ws1\n", "boot", {"systemd": "true"})
+    assert merged == b"[network]\nhostname=ws1\n\n[boot]\nsystemd=true\n"
+    assert merge_ini(None, "boot", {"systemd": "true"}) == b"[boot]\nsystemd=true\n"
+
+
+def test_pin_blocks_every_driver_package_and_nothing_we_install():
+    text = pin_text()
+    assert "Pin-Priority: -1" in text
+    globs = re.search(r"^Package: (.*)$", text, re.M).group(1).split()
+    assert tuple(globs) == DRIVER_PACKAGE_GLOBS
+    from fnmatch import fnmatchcase
+
+    for name in ("cuda-drivers", "cuda-drivers-580", "nvidia-driver-580-open", "cuda-13-0", "cuda", "libnvidia-compute-580"):
+        assert any(fnmatchcase(name, g) for g in globs), name
+    for name in Settings().cuda_packages + ["cuda-keyring"]:
+        assert not any(fnmatchcase(name, g) for g in globs), name
+
+
+def test_sources_line_uses_the_configured_repository():
+    s = Settings(cuda_repo_url="http://10.213.0.1:8081/compute/cuda/repos/ubuntu2404/x86_64/")
+    assert sources_line(s) == (
+        "deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] "
+        "http://10.213.0.1:8081/compute/cuda/repos/ubuntu2404/x86_64/ /\n"
+    )
+
+
+def test_pip_conf_carries_mirrors():
+    s = Settings(pip_index_url="http://10.213.0.1:8083/simple", pip_extra_index_urls=["http://m.example/simple"])
+    assert "index-url = http://10.213.0.1:8083/simple" in pip_conf(s)
+    assert "extra-index-url = http://m.example/simple" in pip_conf(s)
+    assert "index-url" not in pip_conf(Settings())
+
+
+def test_unit_runs_hardened_as_the_service_user_and_never_carries_the_key():
+    s = Settings()
+    unit = engine_unit(s, derive_plan(s, 16311, (12, 0)))
+    for line in (
+        "User=freetoken", "Restart=on-failure", "RestartForceExitStatus=SIGTERM", "TimeoutStartSec=300",
+        "NoNewPrivileges=yes", "DevicePolicy=closed", "DeviceAllow=/dev/dxg rw",
+        "EnvironmentFile=/etc/freetoken/engine.env", "EnvironmentFile=-/etc/freetoken/api-key.env",
+        "ExecStartPre=/usr/bin/test -s /var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia/.freetoken-manifest.json",
+        "WantedBy=multi-user.target",
+    ):
+        assert line in unit.splitlines(), line
+    assert "--moe-cache-size 256 --num-tokens 4096" in unit
+    assert "API_KEY" not in unit.split("ExecStart=")[1].splitlines()[0]
+
+
+def test_unit_file_is_valid_for_systemd_analyze(tmp_path):
+    analyze = subprocess.run(["which", "systemd-analyze"], capture_output=True, text=True).stdout.strip()
+    if not analyze:
+        pytest.skip("systemd-analyze not installed (systemd package); the fleet tests load the unit for real")
+    s = Settings()
+    path = tmp_path / "freetoken.service"
+    path.write_text(engine_unit(s, derive_plan(s, 16311, (12, 0))))
+    out = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True)
+    assert "Unknown key" not in out.stderr and "Unknown section" not in out.stderr, out.stderr
+
+
+def test_environment_has_persistent_kernel_caches_and_hub_settings():
+    env = dict(line.split("=", 1) for line in engine_environment(Settings()).splitlines())
+    assert env["CUDA_HOME"] == "/usr/local/cuda-13.0"
+    assert env["TVM_FFI_CACHE_DIR"].startswith("/var/cache/freetoken/")
+    assert env["TRITON_CACHE_DIR"].startswith("/var/cache/freetoken/")
+    assert env["HF_HUB_DISABLE_XET"] == "1" and env["LOG_LEVEL"] == "INFO"
+    assert not any("KEY" in k for k in env)
