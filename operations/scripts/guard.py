@@ -1,0 +1,309 @@
+#!/usr/bin/python3
+"""FreeToken memory guard: one sample per run, run by ``freetoken-guard.timer``.
+
+The field report's operations advice: sample RAM/swap and GPU memory every 30 s; when swap
+stays above 2 GB, or a CUDA out-of-memory appears, stop the engine to free memory (a box that
+swaps with 16.9 GB of experts resident in RAM grinds the whole workstation to a halt).
+
+Each run:
+  * samples /proc/meminfo and ``nvidia-smi`` (missing or failing nvidia-smi: no GPU samples);
+  * reads the engine unit's journal since the previous run, looking for CUDA OOM lines;
+  * if swap used > --swap-limit-gb or an OOM line appeared, and the engine is running:
+    ``systemctl stop`` it, print one ``freetoken-guard: stopped ...`` line (the journal, under
+    systemd) and write the tripped state file (read by the doctor, cleared by the deploy when it
+    starts the engine again). A tripped state is otherwise left alone;
+  * always writes the samples for node_exporter's textfile collector.
+
+Runs on the target with the system python3; standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+PREFIX = "freetoken-guard:"
+# "GB" as in .wslconfig (swap=4GB is 4 GiB) and in `free -h`, which the field report read.
+GB = 1024 ** 3
+OOM_MARKERS = (
+    "CUDA out of memory",
+    "torch.OutOfMemoryError",
+    "CUDA error: out of memory",
+    "cudaErrorMemoryAllocation",
+)
+# nvidia-smi is not on systemd's PATH inside WSL: the Windows driver provides it here.
+WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"
+# First run (no journal position yet): look back this far, not at the whole history, so an
+# OOM from days ago does not stop a healthy engine.
+FIRST_LOOKBACK_S = 120
+RUNNING_STATES = ("active", "activating", "reloading")
+
+
+def log(message: str, warning: bool = False) -> None:
+    # Under systemd (JOURNAL_STREAM set), a "<4>" prefix files the line as a warning.
+    level = "<4>" if warning and os.environ.get("JOURNAL_STREAM") else ""
+    print(f"{level}{PREFIX} {message}", flush=True)
+
+
+# --------------------------------------------------------------------------- samples
+
+
+def read_meminfo(path: str) -> dict:
+    """RAM and swap in bytes from /proc/meminfo; keys missing from the file are left out."""
+    fields = {}
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    scale = 1024 if len(parts) > 1 and parts[1] == "kB" else 1
+                    fields[key.strip()] = int(parts[0]) * scale
+    except OSError as exc:
+        log(f"cannot read {path}: {exc}")
+    samples = {}
+    for name, key in (("ram_total_bytes", "MemTotal"), ("ram_available_bytes", "MemAvailable"),
+                      ("swap_total_bytes", "SwapTotal")):
+        if key in fields:
+            samples[name] = fields[key]
+    if "SwapTotal" in fields and "SwapFree" in fields:
+        samples["swap_used_bytes"] = max(0, fields["SwapTotal"] - fields["SwapFree"])
+    return samples
+
+
+def find_nvidia_smi() -> str | None:
+    found = shutil.which("nvidia-smi")
+    if found:
+        return found
+    return WSL_NVIDIA_SMI if os.access(WSL_NVIDIA_SMI, os.X_OK) else None
+
+
+def _mib(text: str) -> int | None:
+    text = text.strip()
+    return int(float(text) * 1024 * 1024) if text.replace(".", "", 1).isdigit() else None
+
+
+def read_gpus() -> list:
+    """[{index, memory_used_bytes, memory_total_bytes}]; [] when nvidia-smi is missing or fails."""
+    binary = find_nvidia_smi()
+    if not binary:
+        return []
+    try:
+        proc = subprocess.run(
+            [binary, "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        log(f"nvidia-smi failed: {exc}")
+        return []
+    if proc.returncode != 0:
+        return []
+    gpus = []
+    for line in proc.stdout.splitlines():
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != 3 or not cells[0].isdigit():
+            continue
+        gpu = {"index": cells[0]}
+        used, total = _mib(cells[1]), _mib(cells[2])  # "[N/A]" / "[Not Supported]" -> None
+        if used is not None:
+            gpu["memory_used_bytes"] = used
+        if total is not None:
+            gpu["memory_total_bytes"] = total
+        gpus.append(gpu)
+    return gpus
+
+
+# --------------------------------------------------------------------------- journal
+
+
+def load_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _journalctl(unit: str, position: list) -> tuple[int, list]:
+    cmd = ["journalctl", "-u", unit, "-o", "cat", "--no-pager", "-q", "--show-cursor", *position]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log(f"journalctl failed: {exc}")
+        return 1, []
+    return proc.returncode, proc.stdout.splitlines()
+
+
+def scan_journal(unit: str, position_file: str, now: float) -> tuple[list, dict]:
+    """OOM lines the unit logged since the previous run, and the position to save."""
+    previous = load_json(position_file) or {}
+    since = previous.get("time")
+    since = since if isinstance(since, (int, float)) else now - FIRST_LOOKBACK_S
+    by_time = ["--since", f"@{int(since)}"]
+    cursor = previous.get("cursor")
+    rc, lines = _journalctl(unit, [f"--after-cursor={cursor}"] if isinstance(cursor, str) else by_time)
+    if rc != 0 and isinstance(cursor, str):
+        # The cursor's journal file was rotated away: fall back to the time.
+        cursor = None
+        rc, lines = _journalctl(unit, by_time)
+    found = []
+    for line in lines:
+        if line.startswith("-- cursor: "):
+            cursor = line[len("-- cursor: "):].strip()
+        elif not line.startswith(PREFIX) and any(marker in line for marker in OOM_MARKERS):
+            found.append(line.strip())
+    return found, {"cursor": cursor, "time": now}
+
+
+# --------------------------------------------------------------------------- output
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write via a temp file in the same folder and rename: readers never see half a file.
+    World-readable: node_exporter and the doctor (not root) read these."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    # The temp name does not end in .prom, so the textfile collector skips it.
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+METRICS = (
+    ("ram_total_bytes", "Total RAM (MemTotal)."),
+    ("ram_available_bytes", "Available RAM (MemAvailable)."),
+    ("swap_total_bytes", "Total swap (SwapTotal)."),
+    ("swap_used_bytes", "Used swap (SwapTotal - SwapFree)."),
+    ("gpu_memory_used_bytes", "GPU memory used, from nvidia-smi."),
+    ("gpu_memory_total_bytes", "GPU memory total, from nvidia-smi."),
+    ("tripped", "1 when the guard has stopped the engine and nobody has started it again."),
+    ("last_run_timestamp_seconds", "Unix time of the guard's last run."),
+)
+
+
+def _value(value) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(int(value))
+
+
+def render_metrics(samples: dict, tripped: bool, now: float) -> str:
+    values = dict(samples)
+    values["tripped"] = 1 if tripped else 0
+    values["last_run_timestamp_seconds"] = round(now, 3)
+    out = []
+    for name, help_text in METRICS:
+        full = f"freetoken_guard_{name}"
+        if name.startswith("gpu_"):
+            key = name[len("gpu_"):]
+            rows = [(f'{{gpu="{gpu["index"]}"}}', gpu[key]) for gpu in samples.get("gpus", []) if key in gpu]
+        else:
+            rows = [("", values[name])] if name in values else []
+        out.append(f"# HELP {full} {help_text}")
+        out.append(f"# TYPE {full} gauge")
+        out.extend(f"{full}{labels} {_value(value)}" for labels, value in rows)
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- decision
+
+
+def engine_running(unit: str) -> bool:
+    try:
+        proc = subprocess.run(["systemctl", "is-active", unit], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return True  # cannot tell: act as if it were running
+    return proc.stdout.strip() in RUNNING_STATES
+
+
+def stop_engine(unit: str) -> str | None:
+    """Stop the unit; None on success, else what went wrong."""
+    try:
+        proc = subprocess.run(["systemctl", "stop", unit], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    if proc.returncode != 0:
+        return (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}"
+    return None
+
+
+def problems(samples: dict, swap_limit_gb: float, oom_lines: list) -> list:
+    found = []
+    used = samples.get("swap_used_bytes")
+    if used is not None and used > swap_limit_gb * GB:
+        found.append(f"swap {used / GB:.1f} GB > {swap_limit_gb:.1f} GB")
+    if oom_lines:
+        line = oom_lines[-1]
+        line = line if len(line) <= 200 else line[:197] + "..."
+        reason = f"CUDA out of memory in the engine's journal: {line!r}"
+        gpus = [g for g in samples.get("gpus", []) if "memory_used_bytes" in g and g.get("memory_total_bytes")]
+        if gpus and all(g["memory_used_bytes"] < g["memory_total_bytes"] / 2 for g in gpus):
+            # Field report pitfall 4B: an OOM with the GPU mostly free is old WSL's WDDM accounting.
+            reason += " with GPU memory mostly free (pitfall 4B: check `wsl --version`)"
+        found.append(reason)
+    return found
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Stop the FreeToken engine when memory runs out.")
+    parser.add_argument("--unit", default="freetoken.service")
+    parser.add_argument("--swap-limit-gb", type=float, default=2.0)
+    parser.add_argument("--state-file", default="/var/lib/freetoken/guard-state.json")
+    parser.add_argument("--textfile", default="/var/lib/freetoken/metrics/freetoken.prom")
+    parser.add_argument("--meminfo", default="/proc/meminfo")
+    parser.add_argument("--journal-position-file", default=None,
+                        help="where the journal position is kept (default: beside --state-file)")
+    args = parser.parse_args(argv)
+    position_file = args.journal_position_file or os.path.join(
+        os.path.dirname(args.state_file) or ".", "guard-journal.json")
+
+    now = time.time()
+    samples = read_meminfo(args.meminfo)
+    samples["gpus"] = read_gpus()
+    oom_lines, position = scan_journal(args.unit, position_file, now)
+
+    status = 0
+    state = load_json(args.state_file)
+    tripped = bool(state and state.get("tripped") is True)
+    found = problems(samples, args.swap_limit_gb, oom_lines)
+    # A stopped engine frees nothing more; swap pages linger after it stops, so acting again
+    # would only repeat the log line every run.
+    if found and engine_running(args.unit):
+        reason = "; ".join(found)
+        error = stop_engine(args.unit)
+        if error:
+            reason += f" (systemctl stop failed: {error})"
+            log(f"FAILED to stop {args.unit}: {reason}", warning=True)
+            status = 1
+        else:
+            log(f"stopped {args.unit}: {reason}", warning=True)
+        stamp = datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(timespec="seconds")
+        write_atomic(args.state_file, json.dumps(
+            {"tripped": True, "reason": reason, "time": stamp, "unit": args.unit, "samples": samples},
+            indent=2, sort_keys=True) + "\n")
+        tripped = True
+
+    write_atomic(position_file, json.dumps(position) + "\n")
+    write_atomic(args.textfile, render_metrics(samples, tripped, now))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
