@@ -1,0 +1,167 @@
+"""
+The memory guard: a systemd timer that runs ``scripts/guard.py`` every
+``guard_interval_s`` seconds and stops the engine when swap passes ``guard_swap_limit_gb`` or
+a CUDA out-of-memory shows up in its journal (field report, operations advice).
+"""
+
+from __future__ import annotations
+
+import os
+from io import StringIO
+
+from pyinfra.api import operation
+from pyinfra.operations import files, systemd
+
+from freetoken_infra.settings import Settings
+
+ENGINE_UNIT = "freetoken.service"
+GUARD_SERVICE = "freetoken-guard.service"
+GUARD_TIMER = "freetoken-guard.timer"
+GUARD_SCRIPT = "/usr/local/lib/freetoken/guard.py"
+UNIT_DIR = "/etc/systemd/system"
+_LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "guard.py")
+
+
+def guard_state_file(settings: Settings) -> str:
+    """Written by the guard when it stops the engine; read by the ``GuardState`` fact."""
+    return f"{settings.state_dir}/guard-state.json"
+
+
+def guard_textfile(settings: Settings) -> str:
+    """Samples for node_exporter's textfile collector (``--collector.textfile.directory``)."""
+    return f"{settings.state_dir}/metrics/freetoken.prom"
+
+
+def _unit_word(value: str) -> str:
+    """One word of a unit file line: systemd expands ``%`` specifiers and ``$`` variables, and
+    splits on whitespace unless quoted."""
+    value = value.replace("%", "%%").replace("$", "$$")
+    if any(c in value for c in ' \t"\'\\'):
+        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return value
+
+
+def guard_service_unit(settings: Settings) -> str:
+    args = [
+        "/usr/bin/python3", GUARD_SCRIPT,
+        "--unit", ENGINE_UNIT,
+        "--swap-limit-gb", f"{settings.guard_swap_limit_gb:g}",
+        "--state-file", guard_state_file(settings),
+        "--textfile", guard_textfile(settings),
+    ]
+    return "\n".join([
+        "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
+        "[Unit]",
+        "Description=FreeToken memory guard: stop the engine when swap or GPU memory runs out",
+        "After=freetoken.service",
+        "",
+        "[Service]",
+        "Type=oneshot",
+        # Root, not the engine's user: it must be able to stop the engine.
+        "ExecStart=" + " ".join(_unit_word(a) for a in args),
+        "SyslogIdentifier=freetoken-guard",
+        # `systemctl stop` waits for the engine to exit; a hung nvidia-smi must not pile up runs.
+        "TimeoutStartSec=600",
+        "NoNewPrivileges=yes",
+        "PrivateTmp=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=read-only",
+        # '-': no failure when the folder is not there yet.
+        f"ReadWritePaths=-{_unit_word(settings.state_dir)}",
+        "",
+    ])
+
+
+def guard_timer_unit(settings: Settings) -> str:
+    return "\n".join([
+        "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
+        "[Unit]",
+        "Description=Run the FreeToken memory guard every "
+        f"{settings.guard_interval_s} s",
+        "",
+        "[Timer]",
+        "OnBootSec=60",
+        f"OnUnitActiveSec={settings.guard_interval_s}s",
+        "AccuracySec=1s",
+        f"Unit={GUARD_SERVICE}",
+        "",
+        "[Install]",
+        "WantedBy=timers.target",
+        "",
+    ])
+
+
+def _changed(commands) -> "tuple[list, bool]":
+    commands = list(commands)
+    return commands, bool(commands)
+
+
+@operation()
+def guard(settings: Settings):
+    """
+    Install the memory guard: the script, ``freetoken-guard.service`` (oneshot, as root) and
+    ``freetoken-guard.timer`` (every ``settings.guard_interval_s`` seconds), timer enabled and
+    started. With ``settings.guard_enabled`` False the timer is stopped and disabled.
+
+    + settings: the host's ``Settings`` (``guard_enabled``, ``guard_interval_s``,
+      ``guard_swap_limit_gb``, ``state_dir``)
+
+    **Example:**
+
+    .. code:: python
+
+        from freetoken_infra.settings import settings_for
+        from operations.guard import guard
+        guard(name="Memory guard", settings=settings_for(host), _sudo=True)
+    """
+
+    if not settings.guard_enabled:
+        yield from systemd.service._inner(service=GUARD_TIMER, running=False, enabled=False)
+        return
+
+    yield from files.put._inner(
+        src=_LOCAL_SCRIPT, dest=GUARD_SCRIPT, user="root", group="root", mode="755",
+        add_deploy_dir=False,
+    )
+    # node_exporter (not root) reads the metrics; the guard creates the folder too, but a
+    # collector pointed at it before the first run must find it.
+    yield from files.directory._inner(
+        path=os.path.dirname(guard_textfile(settings)), user="root", group="root", mode="755",
+    )
+
+    service_cmds, service_changed = _changed(files.put._inner(
+        src=StringIO(guard_service_unit(settings)), dest=f"{UNIT_DIR}/{GUARD_SERVICE}",
+        user="root", group="root", mode="644",
+    ))
+    yield from service_cmds
+    timer_cmds, timer_changed = _changed(files.put._inner(
+        src=StringIO(guard_timer_unit(settings)), dest=f"{UNIT_DIR}/{GUARD_TIMER}",
+        user="root", group="root", mode="644",
+    ))
+    yield from timer_cmds
+
+    if service_changed or timer_changed:
+        yield from systemd.daemon_reload._inner()
+    # A running timer keeps its old interval until restarted.
+    yield from systemd.service._inner(
+        service=GUARD_TIMER, running=True, enabled=True, restarted=timer_changed,
+    )
+
+
+@operation()
+def clear_guard_state(settings: Settings):
+    """
+    Remove the guard's tripped state, so that the doctor stops reporting it: run when the
+    deploy (re)starts the engine. Yields nothing when there is no state file.
+
+    + settings: the host's ``Settings`` (``state_dir``)
+
+    **Example:**
+
+    .. code:: python
+
+        from operations.guard import clear_guard_state
+        clear_guard_state(name="Forget the guard's last stop", settings=settings, _sudo=True)
+    """
+
+    yield from files.file._inner(path=guard_state_file(settings), present=False)
