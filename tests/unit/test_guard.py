@@ -1,0 +1,361 @@
+"""The memory guard: the target-side script (run for real, with fake nvidia-smi, journalctl and
+systemctl first on PATH), its state fact, and the unit texts the operation writes."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from facts.guard import GuardState, parse_guard_state_output
+from freetoken_infra.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "operations" / "scripts" / "guard.py"
+FIXTURES = ROOT / "tests" / "fixtures" / "real"
+
+# Swap in kB: 4 GiB total; "low" uses 128 MiB (the fixture), "high" 2.6 GiB.
+SWAP_TOTAL_KB = 4194304
+SWAP_HIGH_FREE_KB = SWAP_TOTAL_KB - int(2.6 * 1024 * 1024)
+
+
+def meminfo(swap_free_kb=4063232):
+    text = (FIXTURES / "proc-meminfo-wsl-24g.txt").read_text()
+    return re.sub(r"SwapFree:\s+\d+ kB", f"SwapFree:       {swap_free_kb} kB", text)
+
+
+FAKE = """#!/bin/sh
+echo "$0 $*" >> "{log}"
+{body}
+"""
+
+
+class Target:
+    """A temporary 'host': fake tools on PATH, a meminfo file, state and metrics paths."""
+
+    def __init__(self, tmp_path: Path):
+        self.dir = tmp_path
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        self.log = tmp_path / "calls.log"
+        self.log.write_text("")
+        self.meminfo = tmp_path / "meminfo"
+        self.meminfo.write_text(meminfo())
+        self.journal = tmp_path / "journal.txt"
+        self.journal.write_text("Loading experts 33%\n")
+        self.engine_state = tmp_path / "engine-state"
+        self.engine_state.write_text("active\n")
+        self.state_file = tmp_path / "state" / "guard-state.json"
+        self.textfile = tmp_path / "state" / "metrics" / "freetoken.prom"
+        self.fake("journalctl", f'cat "{self.journal}"; echo "-- cursor: s=abc;i=42"')
+        self.fake("systemctl", (
+            f'case "$1" in is-active) cat "{self.engine_state}"; '
+            f'grep -q "^active" "{self.engine_state}";; '
+            f'stop) echo inactive > "{self.engine_state}";; esac'
+        ))
+        # The real query answers "index, memory.used, memory.total" (MiB).
+        self.fake("nvidia-smi", "awk -F', ' '{print $1\", \"$5\", \"$4}' "
+                                f'"{FIXTURES / "nvidia-smi-query-5060ti.csv"}"')
+
+    def fake(self, name, body):
+        path = self.bin / name
+        path.write_text(FAKE.format(log=self.log, body=body))
+        path.chmod(0o755)
+
+    def run(self, *extra, swap_limit="2.0"):
+        env = {"PATH": f"{self.bin}:/usr/bin:/bin", "LC_ALL": "C"}
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), "--swap-limit-gb", swap_limit,
+             "--state-file", str(self.state_file), "--textfile", str(self.textfile),
+             "--meminfo", str(self.meminfo), *extra],
+            capture_output=True, text=True, env=env, timeout=60,
+        )
+
+    def calls(self, tool):
+        return [line.split(" ", 1)[1] if " " in line else "" for line in self.log.read_text().splitlines()
+                if line.split(" ", 1)[0].endswith("/" + tool)]
+
+    def metrics(self):
+        return parse_textfile(self.textfile.read_text())
+
+
+# A strict reader of Prometheus' text exposition format, as node_exporter's textfile
+# collector expects it: HELP and TYPE before a metric's samples, each metric once.
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_SAMPLE = re.compile(rf'^({_NAME})(\{{(?:[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*")(?:,[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*")*\}})? (\S+)$')
+
+
+def parse_textfile(text):
+    assert text.endswith("\n"), "the file must end with a newline"
+    helped, typed, seen_samples = set(), {}, {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split(" ", 3)[2]
+            assert re.fullmatch(_NAME, name) and name not in helped, line
+            helped.add(name)
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("gauge", "counter", "untyped") and name not in typed, line
+            assert name not in seen_samples, f"TYPE after samples: {line}"
+            typed[name] = kind
+        else:
+            match = _SAMPLE.match(line)
+            assert match, f"not a sample line: {line!r}"
+            name, labels, value = match.group(1), match.group(2) or "", match.group(3)
+            assert name in typed and name in helped, f"sample without HELP/TYPE: {line}"
+            float(value)
+            assert labels not in seen_samples.setdefault(name, {}), f"duplicate sample: {line}"
+            seen_samples[name][labels] = float(value)
+    return seen_samples
+
+
+EXPECTED_METRICS = {
+    "freetoken_guard_ram_total_bytes", "freetoken_guard_ram_available_bytes",
+    "freetoken_guard_swap_total_bytes", "freetoken_guard_swap_used_bytes",
+    "freetoken_guard_gpu_memory_used_bytes", "freetoken_guard_gpu_memory_total_bytes",
+    "freetoken_guard_tripped", "freetoken_guard_last_run_timestamp_seconds",
+}
+
+
+@pytest.fixture
+def target(tmp_path):
+    return Target(tmp_path)
+
+
+def test_swap_below_limit_changes_nothing(target):
+    proc = target.run()
+    assert proc.returncode == 0, proc.stderr
+    assert "stop" not in " ".join(target.calls("systemctl"))
+    assert not target.state_file.exists()
+    assert proc.stdout == ""
+    m = target.metrics()
+    assert set(m) == EXPECTED_METRICS
+    assert m["freetoken_guard_ram_total_bytes"][""] == 24567892 * 1024
+    assert m["freetoken_guard_swap_used_bytes"][""] == (4194304 - 4063232) * 1024
+    assert m["freetoken_guard_gpu_memory_used_bytes"]['{gpu="0"}'] == 1043 * 1024 * 1024
+    assert m["freetoken_guard_gpu_memory_total_bytes"]['{gpu="0"}'] == 16311 * 1024 * 1024
+    assert m["freetoken_guard_tripped"][""] == 0
+    assert oct(target.textfile.stat().st_mode & 0o777) == "0o644"
+    # No temp files left beside the metrics (the collector would read them).
+    assert [p.name for p in target.textfile.parent.iterdir()] == ["freetoken.prom"]
+
+
+def test_swap_above_limit_stops_the_engine(target):
+    target.meminfo.write_text(meminfo(SWAP_HIGH_FREE_KB))
+    proc = target.run()
+    assert proc.returncode == 0, proc.stderr
+    assert "stop freetoken.service" in target.calls("systemctl")
+    assert proc.stdout.strip() == "freetoken-guard: stopped freetoken.service: swap 2.6 GB > 2.0 GB"
+    state = json.loads(target.state_file.read_text())
+    assert state["tripped"] is True
+    assert state["reason"] == "swap 2.6 GB > 2.0 GB"
+    assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$", state["time"])
+    assert state["samples"]["swap_used_bytes"] == (SWAP_TOTAL_KB - SWAP_HIGH_FREE_KB) * 1024
+    assert state["samples"]["gpus"][0]["index"] == "0"
+    assert target.metrics()["freetoken_guard_tripped"][""] == 1
+
+
+def test_swap_limit_argument_is_honoured(target):
+    target.meminfo.write_text(meminfo(SWAP_HIGH_FREE_KB))
+    proc = target.run(swap_limit="3.0")
+    assert proc.returncode == 0, proc.stderr
+    assert not target.state_file.exists()
+
+
+def test_oom_line_in_journal_stops_the_engine(target):
+    target.journal.write_text(
+        "Loading experts 100%\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB. GPU 0 has a total "
+        "capacity of 15.93 GiB of which 11.60 GiB is free. this process has 17179869184.00 GiB memory in use.\n"
+    )
+    proc = target.run()
+    assert proc.returncode == 0, proc.stderr
+    assert "stop freetoken.service" in target.calls("systemctl")
+    state = json.loads(target.state_file.read_text())
+    assert state["tripped"] is True
+    assert "CUDA out of memory in the engine's journal" in state["reason"]
+    assert "Tried to allocate 32.00 MiB" in state["reason"]
+    # 1 GB of 16 GB used: the fake OOM of old WSL (pitfall 4B) is named.
+    assert "pitfall 4B" in state["reason"]
+    assert proc.stdout.startswith("freetoken-guard: stopped freetoken.service: CUDA out of memory")
+    # The journal call asks for the engine unit, plain messages, no pager.
+    (journal_call,) = target.calls("journalctl")
+    assert "-u freetoken.service -o cat --no-pager" in journal_call
+    assert "--since @" in journal_call
+
+
+def test_journal_is_read_from_where_the_last_run_stopped(target):
+    target.run()
+    target.journal.write_text("CUDA error: out of memory\n")
+    target.run()
+    first, second = target.calls("journalctl")
+    assert "--since @" in first
+    assert "--after-cursor=s=abc;i=42" in second
+    assert json.loads(target.state_file.read_text())["reason"].startswith("CUDA out of memory")
+
+
+def test_tripped_state_is_left_alone_when_all_is_well(target):
+    target.state_file.parent.mkdir(parents=True)
+    old = {"tripped": True, "reason": "swap 3.1 GB > 2.0 GB", "time": "2025-01-01T00:00:00+00:00"}
+    target.state_file.write_text(json.dumps(old))
+    target.engine_state.write_text("inactive\n")
+    proc = target.run()
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(target.state_file.read_text()) == old
+    assert target.metrics()["freetoken_guard_tripped"][""] == 1
+    assert "stop freetoken.service" not in target.calls("systemctl")
+
+
+def test_stopped_engine_is_not_stopped_again(target):
+    # Swap pages linger after the engine stops: no repeated stop and log line every 30 s.
+    target.meminfo.write_text(meminfo(SWAP_HIGH_FREE_KB))
+    target.run()
+    proc = target.run()
+    assert proc.stdout == ""
+    assert target.calls("systemctl").count("stop freetoken.service") == 1
+
+
+def test_nvidia_smi_missing_still_samples_memory(target):
+    if shutil.which("nvidia-smi", path="/usr/bin:/bin") or os.path.exists("/usr/lib/wsl/lib/nvidia-smi"):
+        pytest.skip("this machine has a real nvidia-smi")
+    (target.bin / "nvidia-smi").unlink()
+    proc = target.run()
+    assert proc.returncode == 0, proc.stderr
+    m = target.metrics()
+    assert m["freetoken_guard_ram_total_bytes"][""] > 0
+    assert m.get("freetoken_guard_gpu_memory_used_bytes", {}) == {}
+
+
+def test_nvidia_smi_failing_and_na_values(target):
+    target.fake("nvidia-smi", "echo 'NVIDIA-SMI has failed'; exit 9")
+    assert target.run().returncode == 0
+    assert target.metrics().get("freetoken_guard_gpu_memory_used_bytes", {}) == {}
+    target.fake("nvidia-smi", "echo '0, [N/A], 16311'")
+    assert target.run().returncode == 0
+    m = target.metrics()
+    assert m.get("freetoken_guard_gpu_memory_used_bytes", {}) == {}
+    assert m["freetoken_guard_gpu_memory_total_bytes"]['{gpu="0"}'] == 16311 * 1024 * 1024
+
+
+def test_failed_stop_is_reported(target):
+    target.fake("systemctl", 'case "$1" in is-active) echo active;; stop) echo "Access denied" >&2; exit 1;; esac')
+    target.meminfo.write_text(meminfo(SWAP_HIGH_FREE_KB))
+    proc = target.run()
+    assert proc.returncode == 1
+    assert "FAILED to stop freetoken.service" in proc.stdout
+    assert "Access denied" in json.loads(target.state_file.read_text())["reason"]
+
+
+def test_other_unit(target):
+    target.meminfo.write_text(meminfo(SWAP_HIGH_FREE_KB))
+    target.run("--unit", "engine-b.service")
+    assert "stop engine-b.service" in target.calls("systemctl")
+    assert any("-u engine-b.service" in c for c in target.calls("journalctl"))
+
+
+def test_metrics_parser_rejects_bad_files():
+    with pytest.raises(AssertionError):
+        parse_textfile("freetoken_guard_tripped 1\n")  # no HELP/TYPE
+    with pytest.raises(AssertionError):
+        parse_textfile("# HELP a x\n# TYPE a gauge\na 1")  # no final newline
+    with pytest.raises(AssertionError):
+        parse_textfile("# HELP a x\n# TYPE a gauge\na{gpu=0} 1\n")  # unquoted label
+
+
+# --------------------------------------------------------------------------- fact
+
+
+def run_fact(tmp_path, state_file):
+    fact = GuardState()
+    command = fact.command(str(state_file))
+    proc = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return fact.process(proc.stdout.splitlines())
+
+
+def test_fact_missing_file(tmp_path):
+    assert run_fact(tmp_path, tmp_path / "guard-state.json") is None
+    assert GuardState.default() is None
+
+
+def test_fact_reads_the_script_state(target):
+    target.meminfo.write_text(meminfo(SWAP_HIGH_FREE_KB))
+    target.run()
+    state = run_fact(target.dir, target.state_file)
+    assert state["tripped"] is True
+    assert state["reason"] == "swap 2.6 GB > 2.0 GB"
+    assert state["time"]
+
+
+def test_fact_broken_json(tmp_path):
+    path = tmp_path / "guard-state.json"
+    path.write_bytes(b'{"tripped": tru\xff')
+    state = run_fact(tmp_path, path)
+    assert state["tripped"] is False
+    assert "not valid JSON" in state["error"]
+
+
+def test_fact_path_with_spaces_and_not_a_dict(tmp_path):
+    path = tmp_path / "a dir" / "state.json"
+    path.parent.mkdir()
+    path.write_text("[1, 2]")
+    state = run_fact(tmp_path, path)
+    assert state["tripped"] is False and "error" in state
+
+
+def test_fact_process_outputs():
+    assert parse_guard_state_output(["@@ft:missing"]) is None
+    assert parse_guard_state_output([]) == {"tripped": False, "error": "no output from the state probe"}
+    unreadable = parse_guard_state_output(["@@ft:unreadable /var/lib/freetoken/guard-state.json"])
+    assert unreadable["tripped"] is False and "not readable" in unreadable["error"]
+    ok = parse_guard_state_output(["@@ft:state", "eyJ0cmlwcGVkIjogZmFsc2V9"])  # {"tripped": false}
+    assert ok == {"tripped": False}
+
+
+# --------------------------------------------------------------------------- units
+
+
+def test_service_unit():
+    from operations.guard import GUARD_SCRIPT, guard_service_unit
+
+    settings = Settings(guard_swap_limit_gb=3.5, state_dir="/srv/ft state")
+    unit = guard_service_unit(settings)
+    assert "Type=oneshot" in unit
+    assert "User=" not in unit  # root: it must be able to stop the engine
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert exec_start.startswith(f"ExecStart=/usr/bin/python3 {GUARD_SCRIPT} ")
+    assert "--unit freetoken.service" in exec_start
+    assert "--swap-limit-gb 3.5" in exec_start
+    assert '--state-file "/srv/ft state/guard-state.json"' in exec_start
+    assert '--textfile "/srv/ft state/metrics/freetoken.prom"' in exec_start
+    assert 'ReadWritePaths=-"/srv/ft state"' in unit
+
+
+def test_service_unit_escapes_systemd_specifiers():
+    from operations.guard import guard_service_unit
+
+    unit = guard_service_unit(Settings(state_dir="/srv/100%$x"))
+    assert "/srv/100%%$$x/guard-state.json" in unit
+
+
+def test_timer_unit():
+    from operations.guard import guard_timer_unit
+
+    unit = guard_timer_unit(Settings(guard_interval_s=45))
+    lines = unit.splitlines()
+    for expected in ("OnBootSec=60", "OnUnitActiveSec=45s", "AccuracySec=1s",
+                     "Unit=freetoken-guard.service", "WantedBy=timers.target"):
+        assert expected in lines
+    assert lines.index("[Install]") > lines.index("[Timer]")
+
+
+def test_default_paths():
+    from operations.guard import guard_state_file, guard_textfile
+
+    settings = Settings()
+    assert guard_state_file(settings) == "/var/lib/freetoken/guard-state.json"
+    assert guard_textfile(settings) == "/var/lib/freetoken/metrics/freetoken.prom"
