@@ -359,3 +359,121 @@ def test_default_paths():
     settings = Settings()
     assert guard_state_file(settings) == "/var/lib/freetoken/guard-state.json"
     assert guard_textfile(settings) == "/var/lib/freetoken/metrics/freetoken.prom"
+
+
+# --------------------------------------------------------------------------- operation
+# The operation's generator with the host's facts stubbed: what it would run on a bare host,
+# on a converged one, after a settings change, and when disabled. (The fleet tests run it
+# for real over SSH.)
+
+
+class StubHost:
+    """Answers pyinfra facts from a dict of files (path -> (text, mode)) and unit states."""
+
+    def __init__(self, files=None, running=(), enabled=()):
+        self.files = dict(files or {})
+        self.running, self.enabled = set(running), set(enabled)
+
+    def commands(self, op, settings):
+        from pyinfra.api import Config, FileUploadCommand, Inventory, State
+        from pyinfra.context import ctx_host, ctx_state
+
+        inventory = Inventory((["@local"], {}))
+        state = State(inventory, Config())
+        host = inventory.get_host("@local")
+        host.get_fact = self.get_fact
+        with ctx_state.use(state), ctx_host.use(host):
+            return [f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c.get_raw_value()
+                    for c in op._inner(settings)]
+
+    def get_fact(self, cls, *args, **kwargs):
+        import hashlib
+
+        name, path = cls.__name__, kwargs.get("path")
+        dirs = {os.path.dirname(p) for p in self.files} | {"/etc/systemd/system", "/usr/local/lib/freetoken"}
+        if name == "File":
+            if path not in self.files:
+                return None
+            return {"user": "root", "group": "root", "mode": self.files[path][1], "size": 1}
+        if name == "Directory":
+            return {"user": "root", "group": "root", "mode": 755} if path in dirs else None
+        if name == "Link":
+            return None
+        if name == "Sha1File":
+            return hashlib.sha1(self.files[path][0].encode()).hexdigest() if path in self.files else None
+        if name == "SystemdStatus":
+            return {s: s in self.running for s in kwargs["services"]}
+        if name == "SystemdEnabled":
+            return {s: s in self.enabled for s in kwargs["services"]}
+        if name == "TmpDir":
+            return "/tmp"
+        raise AssertionError(f"unexpected fact {name}")
+
+
+def converged_files(settings):
+    from operations.guard import GUARD_SCRIPT, guard_service_unit, guard_timer_unit
+
+    return {
+        GUARD_SCRIPT: (SCRIPT.read_text(), 755),
+        "/etc/systemd/system/freetoken-guard.service": (guard_service_unit(settings), 644),
+        "/etc/systemd/system/freetoken-guard.timer": (guard_timer_unit(settings), 644),
+        f"{settings.state_dir}/metrics/freetoken.prom": ("", 644),
+    }
+
+
+TIMER = "freetoken-guard.timer"
+
+
+def test_operation_on_a_bare_host():
+    from operations.guard import guard
+
+    cmds = StubHost().commands(guard, Settings())
+    assert "upload /usr/local/lib/freetoken/guard.py" in cmds
+    assert "upload /etc/systemd/system/freetoken-guard.service" in cmds
+    assert "upload /etc/systemd/system/freetoken-guard.timer" in cmds
+    assert "mkdir -p /var/lib/freetoken/metrics" in cmds
+    assert cmds[-3:] == ["systemctl daemon-reload", f"systemctl start {TIMER}", f"systemctl enable {TIMER}"]
+
+
+def test_operation_is_idempotent():
+    from operations.guard import guard
+
+    settings = Settings()
+    assert StubHost(converged_files(settings), {TIMER}, {TIMER}).commands(guard, settings) == []
+
+
+def test_operation_interval_change_reloads_and_restarts_the_timer():
+    from operations.guard import guard
+
+    host = StubHost(converged_files(Settings()), {TIMER}, {TIMER})
+    cmds = host.commands(guard, Settings(guard_interval_s=60))
+    assert cmds == ["upload /etc/systemd/system/freetoken-guard.timer", "chown root:root /etc/systemd/system/freetoken-guard.timer",
+                    "chmod 644 /etc/systemd/system/freetoken-guard.timer",
+                    "systemctl daemon-reload", f"systemctl restart {TIMER}"]
+
+
+def test_operation_swap_limit_change_only_reloads():
+    from operations.guard import guard
+
+    host = StubHost(converged_files(Settings()), {TIMER}, {TIMER})
+    cmds = host.commands(guard, Settings(guard_swap_limit_gb=3))
+    assert "upload /etc/systemd/system/freetoken-guard.service" in cmds
+    assert cmds[-1] == "systemctl daemon-reload"
+
+
+def test_operation_disabled():
+    from operations.guard import guard
+
+    settings = Settings(guard_enabled=False)
+    cmds = StubHost(converged_files(Settings()), {TIMER}, {TIMER}).commands(guard, settings)
+    assert cmds == [f"systemctl stop {TIMER}", f"systemctl disable {TIMER}"]
+    assert StubHost().commands(guard, settings) == []
+
+
+def test_clear_guard_state():
+    from operations.guard import clear_guard_state
+
+    settings = Settings()
+    assert StubHost().commands(clear_guard_state, settings) == []
+    state = {"/var/lib/freetoken/guard-state.json": ("{}", 644)}
+    assert StubHost(state).commands(clear_guard_state, settings) == ["rm -f /var/lib/freetoken/guard-state.json"]
