@@ -1,0 +1,337 @@
+"""The health gate, against the FreeToken engine stand-in on loopback.
+
+The gate script runs as it does on a target (a separate python process, stdlib only); the
+operation's execution-time half runs with a host double whose shell is this machine's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pyinfra.api.exceptions import OperationError
+from pyinfra.connectors.util import CommandOutput, OutputLine
+
+from freetoken_infra.settings import Settings
+from operations import health
+from operations.health import GATE_RESULTS, format_gate_report, gate_command, gate_url, run_gate
+from tests.fleet.standins import hub_repos
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_SRC = ROOT / "tests" / "fleet" / "standins" / "engine"
+SCRIPT = ROOT / "operations" / "scripts" / "health_gate.py"
+MODEL_NAME = "Qwen3.6-35B-A3B-NVFP4-nvidia"
+KEY = "ft-test-key-5d1c0a9e7b"
+PACE = 30.0  # tokens/s of the stand-in
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    repos = tmp_path_factory.mktemp("repos")
+    hub_repos.build(str(repos))
+    dst = tmp_path_factory.mktemp("models") / MODEL_NAME
+    shutil.copytree(repos / hub_repos.SUPPORTED_REPO, dst)
+    return dst
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:  # the engine also binds port+1
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
+class StandinEngine:
+    def __init__(self, workdir: Path, model: Path, **config):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = workdir / "standin.json"
+        cfg.write_text(json.dumps({"tokens_per_s": PACE, "load_seconds": 3, "error_exit_delay_s": 10,
+                                   "broken": False, **config}))
+        env = dict(os.environ, PYTHONPATH=str(ENGINE_SRC), FREETOKEN_STANDIN_CONFIG=str(cfg),
+                   FREETOKEN_API_KEY=KEY)
+        self.log = workdir / "engine.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "freetoken", "--model-path", str(model), "--host", "127.0.0.1",
+             "--port", str(self.port)],
+            env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+
+    def wait_bound(self) -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("engine stand-in never bound")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture()
+def engine_factory(tmp_path, model_dir):
+    started = []
+
+    def start(**config) -> StandinEngine:
+        e = StandinEngine(tmp_path / f"engine{len(started)}", model_dir, **config)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+@pytest.fixture(scope="module")
+def ready_engine(tmp_path_factory, model_dir):
+    """One loaded engine shared by the tests that do not watch loading."""
+    e = StandinEngine(tmp_path_factory.mktemp("ready"), model_dir, load_seconds=0.5)
+    e.wait_bound()
+    yield e
+    e.stop()
+
+
+@pytest.fixture()
+def key_file(tmp_path) -> Path:
+    f = tmp_path / "api.env"
+    f.write_text(f"# written by the deploy\nFREETOKEN_API_KEY={KEY}\n")
+    f.chmod(0o600)
+    return f
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess, elapsed: float):
+        self.rc = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.elapsed = elapsed
+        self.lines = proc.stdout.splitlines()
+        self.result = json.loads(self.lines[-1])
+
+
+def run_script(url: str, *extra: str, timeout: float = 30) -> Run:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--url", url, "--timeout", str(timeout), "--model", MODEL_NAME, *extra],
+        capture_output=True, text=True, timeout=timeout + 120,
+        env={k: v for k, v in os.environ.items() if k != "FREETOKEN_API_KEY"},
+    )
+    return Run(proc, time.monotonic() - t0)
+
+
+def assert_key_hidden(run: Run) -> None:
+    assert KEY not in run.stdout
+    assert KEY not in run.stderr
+
+
+# ---------------------------------------------------------------------------- the script
+def test_passes_after_loading_with_progress(engine_factory, key_file, tmp_path):
+    engine = engine_factory(load_seconds=4)
+    out = tmp_path / "gate.json"
+    run = run_script(engine.url, "--key-file", str(key_file), "--json-out", str(out))
+    assert run.rc == 0, run.stdout + run.stderr
+    r = run.result
+    assert r["ok"] is True and r["phase"] == "done" and r["error"] is None
+    assert r["load_wait_s"] >= 1.0
+    progress = [line for line in run.lines if line.startswith("loading: ")]
+    assert progress, run.stdout
+    assert any("%" in line and "MB)" in line for line in progress), progress
+    # At most one progress line per 2 s: a 4 s load prints a handful, not one per poll.
+    assert len(progress) <= 4, progress
+    assert json.loads(out.read_text()) == r
+    assert_key_hidden(run)
+
+
+def test_decode_speed_matches_engine_pace(ready_engine, key_file):
+    run = run_script(ready_engine.url, "--key-file", str(key_file), "--max-tokens", "48")
+    assert run.rc == 0, run.stdout + run.stderr
+    r = run.result
+    assert r["completion_tokens"] == 48
+    # A check of the measurement, not a benchmark: a loose band around the paced rate.
+    assert 0.5 * PACE <= r["decode_tps"] <= 1.5 * PACE, r
+    assert_key_hidden(run)
+
+
+def test_wrong_key_fails_in_chat_with_401(ready_engine, tmp_path):
+    wrong = tmp_path / "wrong.env"
+    wrong.write_text('export FREETOKEN_API_KEY="not-the-key"\n')
+    run = run_script(ready_engine.url, "--key-file", str(wrong))
+    assert run.rc == 1
+    assert run.result["ok"] is False
+    assert run.result["phase"] == "chat"
+    assert "401" in run.result["error"]
+    assert "not-the-key" not in run.stdout + run.stderr
+
+
+def test_no_key_file_sends_no_key(ready_engine):
+    run = run_script(ready_engine.url)
+    assert run.result["phase"] == "chat" and "401" in run.result["error"]
+
+
+def test_key_file_without_key_fails_before_any_request(ready_engine, tmp_path):
+    f = tmp_path / "empty.env"
+    f.write_text("OTHER=1\n")
+    run = run_script(ready_engine.url, "--key-file", str(f))
+    assert run.rc == 1
+    assert "FREETOKEN_API_KEY" in run.result["error"]
+
+
+def test_broken_engine_fails_with_its_health_message(engine_factory, key_file):
+    engine = engine_factory(load_seconds=1, broken=True)
+    run = run_script(engine.url, "--key-file", str(key_file))
+    assert run.rc == 1
+    r = run.result
+    assert r["ok"] is False and r["phase"] == "health"
+    assert "scheduler failed after load" in r["error"], r
+    # It fails on the error status, not by waiting out the timeout.
+    assert run.elapsed < 20
+    assert_key_hidden(run)
+
+
+def test_nothing_listening_fails_after_the_timeout(key_file):
+    port = free_port()
+    run = run_script(f"http://127.0.0.1:{port}", "--key-file", str(key_file), timeout=2)
+    assert run.rc == 1
+    r = run.result
+    assert r["ok"] is False and r["phase"] == "health"
+    assert "not ready after 2 s" in r["error"] and "connection refused" in r["error"]
+    assert 2.0 <= run.elapsed < 15
+    assert any(line.startswith("waiting: connection refused") for line in run.lines)
+
+
+# ---------------------------------------------------------------------------- the operation
+class LocalHost:
+    """Just enough of a pyinfra Host: a name, a prefix and a shell (this machine's)."""
+
+    def __init__(self, name: str, journal: list[str]):
+        self.name = name
+        self.print_prefix = f"[{name}] "
+        self.journal = journal
+        self.commands: list[tuple[str, dict]] = []
+
+    def run_shell_command(self, command, print_output=False, **arguments):
+        self.commands.append((str(command), arguments))
+        if str(command).startswith("journalctl "):
+            return True, CommandOutput([OutputLine("stdout", line) for line in self.journal])
+        proc = subprocess.run(str(command), shell=True, capture_output=True, text=True)
+        lines = [OutputLine("stdout", line) for line in proc.stdout.splitlines()]
+        lines += [OutputLine("stderr", line) for line in proc.stderr.splitlines()]
+        if print_output:
+            for line in lines:
+                print(self.print_prefix + line.line)
+        return proc.returncode == 0, CommandOutput(lines)
+
+
+def settings_for(port: int, **extra) -> Settings:
+    return Settings(listen_port=port, model_dir=f"/var/lib/freetoken/models/{MODEL_NAME}", **extra)
+
+
+def test_run_gate_records_the_result(ready_engine, key_file, capsys):
+    GATE_RESULTS.clear()
+    host = LocalHost("ws1", journal=[])
+    settings = settings_for(ready_engine.port, health_timeout_s=30, decode_floor_tps=5)
+    result = run_gate(None, host, settings, str(key_file), str(SCRIPT), {"_sudo": True})
+    assert result["ok"] is True
+    assert GATE_RESULTS["ws1"]["decode_tps"] > 0
+    assert GATE_RESULTS["ws1"]["decode_floor_tps"] == 5
+    assert host.commands[0][1]["_sudo"] is True  # the operation's privileges reach the script
+    assert not any(c.startswith("journalctl") for c, _ in host.commands)
+    out = capsys.readouterr().out
+    assert "[ws1] chat ok" in out
+    assert KEY not in out and all(KEY not in c for c, _ in host.commands)
+
+
+def test_run_gate_failure_names_host_phase_and_journal(key_file):
+    GATE_RESULTS.clear()
+    host = LocalHost("ws2", journal=["Loading experts: 50% (4/9 MiB)", "RuntimeError: boom"])
+    settings = settings_for(free_port(), health_timeout_s=10)
+    t0 = time.monotonic()
+    with pytest.raises(OperationError) as info:
+        run_gate(None, host, settings, str(key_file), str(SCRIPT))
+    assert time.monotonic() - t0 >= 10
+    message = str(info.value)
+    assert "ws2" in message and "health phase" in message
+    assert "RuntimeError: boom" in message and "journalctl -u freetoken.service" in message
+    assert GATE_RESULTS["ws2"]["ok"] is False
+    assert host.commands[-1][0] == "journalctl -u freetoken.service -n 30 --no-pager -o cat"
+
+
+def test_gate_url_and_command():
+    assert gate_url(settings_for(8000)) == "http://127.0.0.1:8000"
+    assert gate_url(settings_for(8000, listen_host="0.0.0.0")) == "http://127.0.0.1:8000"
+    assert gate_url(settings_for(8000, listen_host="::")) == "http://[::1]:8000"
+    cmd = gate_command(settings_for(8000, health_timeout_s=900), "/etc/freetoken/api.env")
+    assert cmd == (f"python3 {health.GATE_SCRIPT_PATH} --url http://127.0.0.1:8000 --timeout 900 "
+                   f"--model {MODEL_NAME} --key-file /etc/freetoken/api.env")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the operation uploads the script owned by root")
+def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(
+        "from pyinfra.operations import python\n"
+        "from freetoken_infra.settings import Settings\n"
+        "from operations.health import GATE_RESULTS, format_gate_report, health_gate\n"
+        f"s = Settings(listen_port={ready_engine.port}, model_dir='/srv/models/{MODEL_NAME}',\n"
+        "             health_timeout_s=30, decode_floor_tps=1000)\n"
+        f"health_gate(name='gate', settings=s, key_file={str(key_file)!r},\n"
+        f"            script_path={str(tmp_path / 'lib' / 'health_gate.py')!r})\n"
+        "python.call(name='report', function=lambda: print(format_gate_report(GATE_RESULTS)))\n"
+    )
+    pyinfra = Path(sys.executable).with_name("pyinfra")
+    proc = subprocess.run([str(pyinfra), "-y", "@local", str(deploy)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert (tmp_path / "lib" / "health_gate.py").read_text() == SCRIPT.read_text()
+    assert "[@local] stream ok" in out
+    assert "below floor" in out
+    assert KEY not in out
+
+
+# ---------------------------------------------------------------------------- the report
+def test_report_flags_below_floor_and_failures():
+    results = {
+        "ws-fast": {"ok": True, "phase": "done", "load_wait_s": 34.2, "decode_tps": 23.7,
+                    "completion_tokens": 64, "error": None, "decode_floor_tps": 20.0},
+        "ws-slow": {"ok": True, "phase": "done", "load_wait_s": 41.0, "decode_tps": 12.5,
+                    "completion_tokens": 64, "error": None, "decode_floor_tps": 20.0},
+        "ws-dead": {"ok": False, "phase": "health", "load_wait_s": None, "decode_tps": None,
+                    "completion_tokens": None, "error": "engine reports error: worker died\nmore",
+                    "decode_floor_tps": None},
+        "ws-nofloor": {"ok": True, "phase": "done", "load_wait_s": 30.0, "decode_tps": 3.0,
+                       "completion_tokens": 64, "error": None, "decode_floor_tps": None},
+    }
+    report = format_gate_report(results)
+    rows = {line.split()[0]: line for line in report.splitlines()[3:-1]}
+    assert "below floor" in rows["ws-slow"] and "12.5" in rows["ws-slow"]
+    assert "below floor" not in rows["ws-fast"] and "23.7" in rows["ws-fast"]
+    assert "below floor" not in rows["ws-nofloor"]
+    assert "FAILED in health: engine reports error: worker died" in rows["ws-dead"]
+    assert "more" not in rows["ws-dead"]
+    assert report.splitlines()[-1] == "4 host(s): 3 serving, 1 below the decode floor, 1 failed"
+    # A fleet-wide floor applies to hosts that recorded none.
+    assert "below floor" in format_gate_report({"ws-nofloor": results["ws-nofloor"]}, floor_tps=5)
