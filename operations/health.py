@@ -155,6 +155,12 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
             key_file="/etc/freetoken/api.env",
             _sudo=True,
         )
+        # Last op of the deploy: every host's gate has run (or failed) by then.
+        python.call(
+            name="Health gate report",
+            function=lambda: click.echo(format_gate_report(GATE_RESULTS)),
+            _run_once=True,
+        )
     """
     yield from files.put._inner(
         src=str(GATE_SCRIPT_SOURCE),

@@ -299,7 +299,8 @@ def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
         "             health_timeout_s=30, decode_floor_tps=1000)\n"
         f"health_gate(name='gate', settings=s, key_file={str(key_file)!r},\n"
         f"            script_path={str(tmp_path / 'lib' / 'health_gate.py')!r})\n"
-        "python.call(name='report', function=lambda: print(format_gate_report(GATE_RESULTS)))\n"
+        "python.call(name='report', function=lambda: print(format_gate_report(GATE_RESULTS)),\n"
+        "            _run_once=True)\n"
     )
     pyinfra = Path(sys.executable).with_name("pyinfra")
     proc = subprocess.run([str(pyinfra), "-y", "@local", str(deploy)], capture_output=True, text=True,
