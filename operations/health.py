@@ -147,6 +147,9 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
 
     .. code:: python
 
+        import click
+        from pyinfra.operations import python
+
         from operations.health import GATE_RESULTS, format_gate_report, health_gate
 
         health_gate(
