@@ -14,6 +14,8 @@ from pyinfra.api.exceptions import PyinfraError
 from facts.cuda import CudaToolchain
 from facts.engine import EngineInstall
 from facts.gpu import NvidiaGpus
+from facts.guard import GuardState
+from operations.guard import guard_state_file
 from facts.gpu_memory import GpuMemoryProbe
 from facts.init import InitSystem
 from facts.model import ModelDirectory
@@ -68,6 +70,7 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         gpu_memory=gpu_memory,
         engine=host.get_fact(EngineInstall, base_dir=settings.engine_base_dir),
         model=host.get_fact(ModelDirectory, path=settings.model_dir),
+        guard_state=host.get_fact(GuardState, state_file=guard_state_file(settings)),
     )
 
 
