@@ -388,3 +388,113 @@ def test_status_file_is_rewritten_while_waiting(script_dir, fresh, repos, tmp_pa
     assert any(s["rate_bps"] > 0 and s["eta_s"] is not None and s["current_file"] for s in downloading)
     assert len({s["updated_at"] for s in seen}) >= 2
     assert json.loads(status.read_text())["state"] == "done"
+
+
+# --------------------------------------------------------------------------- the operations' pure parts
+
+
+def test_fetch_unit_runs_as_service_user_with_token_as_credential(tmp_path):
+    from freetoken_infra.settings import Settings
+    from operations.model import fetch_unit
+
+    s = Settings(hub_token_file="/etc/freetoken/hub-token", hub_endpoint="http://10.213.0.1:8082",
+                 model_dir="/home/dev/models/Qwen3.6-35B-A3B-NVFP4-nvidia")
+    unit = fetch_unit(s, ["http://10.213.0.9:8090"])
+    exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert exec_line.startswith("ExecStart=/usr/bin/python3 /usr/local/lib/freetoken/fetch_model.py --endpoint "
+                                "http://10.213.0.1:8082 --repo nvidia/Qwen3.6-35B-A3B-NVFP4 --revision main")
+    assert "--source http://10.213.0.9:8090" in exec_line and "--token-file %d/hub-token" in exec_line
+    assert "--status-file /var/lib/freetoken/model-fetch/status.json" in exec_line
+    for line in ("Type=oneshot", "User=freetoken", "Environment=HF_HUB_DISABLE_XET=1",
+                 "LoadCredential=hub-token:/etc/freetoken/hub-token", "TimeoutStartSec=infinity",
+                 "ReadWritePaths=/home/dev/models/Qwen3.6-35B-A3B-NVFP4-nvidia /var/lib/freetoken/model-fetch"):
+        assert line in unit.splitlines(), line
+    plain = fetch_unit(Settings(hub_disable_xet=False))
+    assert "HF_HUB_DISABLE_XET" not in plain and "--token-file" not in plain and "LoadCredential" not in plain
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        path = tmp_path / "freetoken-model-fetch.service"
+        path.write_text(unit)
+        out = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True)
+        assert "Unknown key" not in out.stderr and "Unknown section" not in out.stderr, out.stderr
+
+
+def _fact_output(dest: Path) -> list[str]:
+    from facts.model_manifest import ModelManifest
+
+    cmd = ModelManifest().command(str(dest))
+    return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_manifest_fact_covers_only_a_complete_untouched_download(script_dir, fresh, complete_model):
+    from facts.model_manifest import parse_model_manifest_output
+
+    dest = complete_model
+    info = parse_model_manifest_output(str(dest), _fact_output(dest))
+    assert info.covers(SUPPORTED, "main") == (True, "complete")
+    assert info.covers(SUPPORTED, hub_repos.REPOS[SUPPORTED]["sha"])[0]
+    assert not info.covers(UNSUPPORTED, "main")[0]
+    assert not info.covers(SUPPORTED, "v2")[0]
+    shard = dest / SHARD1
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1))
+    touched = parse_model_manifest_output(str(dest), _fact_output(dest))
+    assert touched.covers(SUPPORTED, "main") == (False, f"{SHARD1} changed since it was verified")
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns - 1))
+    assert parse_model_manifest_output(str(dest), _fact_output(dest)).covers(SUPPORTED, "main")[0]
+    (dest / SHARD2).unlink()
+    assert "missing" in parse_model_manifest_output(str(dest), _fact_output(dest)).covers(SUPPORTED, "main")[1]
+    empty = parse_model_manifest_output(str(dest / "nope"), _fact_output(dest / "nope"))
+    assert empty.manifest is None and not empty.covers(SUPPORTED, "main")[0]
+
+
+class _Output:
+    def __init__(self, lines):
+        self.stdout_lines = self.output_lines = lines
+
+
+class FakeHost:
+    """Answers the wait callback's commands from a script of unit/status states."""
+
+    name = "ws1"
+    print_prefix = "[ws1] "
+
+    def __init__(self, probes):
+        self.probes = list(probes)
+        self.commands = []
+
+    def run_shell_command(self, command, **kwargs):
+        self.commands.append((command, kwargs))
+        if command.startswith("systemctl show"):
+            unit, status = self.probes.pop(0) if len(self.probes) > 1 else self.probes[0]
+            lines = [f"{k}={v}" for k, v in unit.items()] + ([json.dumps(status)] if status else [])
+            return True, _Output(lines)
+        if command.startswith("journalctl"):
+            return True, _Output(["fetch_model: REFUSED: refusing unsloth/..."])
+        return True, _Output([])
+
+
+def test_wait_follows_the_unit_and_reports_refusal_with_host_and_error(capsys):
+    from pyinfra.api.exceptions import OperationError
+
+    from freetoken_infra.settings import Settings
+    from operations.model import wait_for_fetch
+
+    downloading = {"state": "downloading", "bytes_done": 5_000_000_000, "bytes_total": 22_000_000_000,
+                   "rate_bps": 50_000_000, "eta_s": 340, "current_file": SHARD1}
+    done = {**downloading, "state": "done", "bytes_done": 22_000_000_000, "bytes_transferred": 17e9}
+    host = FakeHost([({"ActiveState": "activating", "jobs": "0"}, downloading),
+                     ({"ActiveState": "inactive", "Result": "success", "jobs": "0"}, done)])
+    result = wait_for_fetch(None, host, Settings(), {"_sudo": True}, poll_s=0.6)
+    assert result["state"] == "done"
+    assert host.commands[0][0].startswith("systemctl is-active -q freetoken-model-fetch.service || rm -f ")
+    assert "systemctl start --no-block freetoken-model-fetch.service" in host.commands[0][0]
+    assert all(kw == {"_sudo": True} for _, kw in host.commands)
+    err = capsys.readouterr().err
+    assert "[ws1] model downloading: 5.0 GB of 22.0 GB (22.7 %), 50.0 MB/s, 5m40s left" in err
+
+    refused = {"state": "refused", "error": "refusing unsloth/Qwen3.6-35B-A3B-NVFP4: ... fp8_tensor ..."}
+    host = FakeHost([({"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "3", "jobs": "0"}, refused)])
+    with pytest.raises(OperationError) as exc:
+        wait_for_fetch(None, host, Settings(), poll_s=0.6)
+    text = str(exc.value)
+    assert text.startswith("host ws1: the model download refused: refusing unsloth") and "journalctl" in text

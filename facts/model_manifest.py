@@ -1,0 +1,99 @@
+"""Fact: the model downloader's manifest (``MODEL_DIR/.freetoken-manifest.json``) and the size
+and mtime of each file it names, so a converge can tell "the model is here" without hashing
+22 GB. The downloader (operations/scripts/fetch_model.py) stays the authority: when this fact
+has any doubt, the deploy starts it, and it hashes only the files that changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+from pyinfra.api import FactBase
+
+from ._output import MARKER, b64decode_lines, quote, sections
+
+MANIFEST_NAME = ".freetoken-manifest.json"
+
+
+@dataclass(frozen=True)
+class ModelManifestInfo:
+    path: str
+    manifest: dict | None = None
+    # file name (relative, as in the manifest) -> (size, mtime_ns) on disk now
+    on_disk: dict[str, tuple[int, int]] = field(default_factory=dict)
+    error: str | None = None
+
+    def covers(self, repo: str, revision: str) -> tuple[bool, str]:
+        """Whether a complete, untouched download of ``repo`` at ``revision`` is here, and why not."""
+        m = self.manifest
+        if m is None:
+            return False, self.error or f"no {MANIFEST_NAME} in {self.path}"
+        if m.get("repo") != repo:
+            return False, f"{self.path} holds {m.get('repo')}, not {repo}"
+        if revision not in (m.get("revision"), m.get("commit")):
+            return False, f"{self.path} holds revision {m.get('revision')} ({str(m.get('commit'))[:12]}), not {revision}"
+        if m.get("complete") is not True:
+            return False, f"the download into {self.path} is not complete"
+        for name, entry in (m.get("files") or {}).items():
+            seen = self.on_disk.get(name)
+            if seen is None:
+                return False, f"{name} is missing from {self.path}"
+            if not isinstance(entry, dict) or (entry.get("size"), entry.get("mtime_ns")) != seen:
+                return False, f"{name} changed since it was verified"
+        return True, "complete"
+
+
+def parse_model_manifest_output(path: str, lines: list[str]) -> ModelManifestInfo:
+    manifest = None
+    error = None
+    on_disk: dict[str, tuple[int, int]] = {}
+    for name, arg, body in sections(lines):
+        if name == "manifest":
+            data = b64decode_lines(body)
+            try:
+                doc = json.loads(data.decode("utf-8")) if data is not None else None
+            except (UnicodeDecodeError, ValueError):
+                doc = None
+            if isinstance(doc, dict) and isinstance(doc.get("files"), dict):
+                manifest = doc
+            else:
+                error = f"{path}/{MANIFEST_NAME} is unreadable"
+        elif name == "files":
+            for line in body:
+                size, _, rest = line.partition("\t")
+                mtime, _, rel = rest.partition("\t")
+                try:
+                    on_disk[rel] = (int(size), int(Decimal(mtime) * 1_000_000_000))
+                except (ValueError, InvalidOperation):
+                    continue
+    return ModelManifestInfo(path, manifest, on_disk, error)
+
+
+class ModelManifest(FactBase[ModelManifestInfo]):
+    """
+    Returns ``ModelManifestInfo`` for a model directory: the downloader's manifest (None when
+    absent) and ``(size, mtime_ns)`` of every file under the directory (``.partial/`` left
+    out). ``info.covers(repo, revision)`` says whether the download is complete and untouched.
+
+    + model_dir: e.g. ``/var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia``
+    """
+
+    def command(self, model_dir: str) -> str:
+        self._path = model_dir
+        d = quote(model_dir)
+        m = quote(f"{model_dir}/{MANIFEST_NAME}")
+        return (
+            f"if [ -f {m} ]; then echo '{MARKER}manifest'; base64 < {m}; fi; "
+            f"if [ -d {d} ]; then echo '{MARKER}files'; "
+            f"find {d} -path {quote(model_dir + '/.partial')} -prune -o -type f -printf '%s\\t%T@\\t%P\\n'; "
+            "fi; true"
+        )
+
+    @staticmethod
+    def default() -> ModelManifestInfo:
+        return ModelManifestInfo("")
+
+    def process(self, output: list[str]) -> ModelManifestInfo:
+        return parse_model_manifest_output(getattr(self, "_path", ""), output)

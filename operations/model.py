@@ -1,0 +1,326 @@
+"""
+The model: a verified, resumable download into ``settings.model_dir``.
+
+The download runs on the target as ``freetoken-model-fetch.service`` (a oneshot running
+``scripts/fetch_model.py`` as the service user), never as a command of the SSH session: a
+22 GB fetch must outlive the connection that started it (field report, pitfall 4A), and a
+re-run of the deploy simply waits on the same unit. The script refuses an unsupported
+quantisation (pitfall 2) and a full disk before any weight byte, resumes with HTTP Range,
+verifies every file and keeps a manifest that the ``ModelManifest`` fact reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from io import StringIO
+from typing import Any, Mapping, Optional, Sequence
+
+import click
+from pyinfra import host as current_host
+from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.api.exceptions import OperationError
+from pyinfra.operations import files, systemd
+
+from facts.model_manifest import ModelManifest
+from freetoken_infra.settings import Settings
+
+FETCH_UNIT = "freetoken-model-fetch.service"
+LIB_DIR = "/usr/local/lib/freetoken"
+FETCH_SCRIPT = f"{LIB_DIR}/fetch_model.py"
+QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
+UNIT_DIR = "/etc/systemd/system"
+TOKEN_CREDENTIAL = "hub-token"
+JOURNAL_LINES = 20
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LOCAL_SCRIPT = os.path.join(_HERE, "scripts", "fetch_model.py")
+_LOCAL_QUANT = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "quant.py")
+
+# The operation's privilege arguments also apply to the callback's commands (a python
+# callback does not inherit them).
+_ELEVATION_ARGS = ("_sudo", "_sudo_user", "_use_sudo_login", "_sudo_password", "_preserve_sudo_env",
+                   "_su_user", "_use_su_login", "_preserve_su_env", "_su_shell", "_su_password",
+                   "_doas", "_doas_user", "_dzdo", "_dzdo_user")
+
+# fetch_model.py's exit codes that are refusals, not failures: restarting cannot help.
+_REFUSAL_EXIT_CODES = (3, 4)
+
+
+def fetch_status_dir(settings: Settings) -> str:
+    """Owned by the service user: the fetcher rewrites its status file there atomically."""
+    return f"{settings.state_dir}/model-fetch"
+
+
+def fetch_status_file(settings: Settings) -> str:
+    return f"{fetch_status_dir(settings)}/status.json"
+
+
+def _unit_word(value: str) -> str:
+    """One word of a unit file line: systemd expands ``%`` and ``$`` and splits on whitespace."""
+    value = value.replace("%", "%%").replace("$", "$$")
+    if any(c in value for c in ' \t"\'\\'):
+        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return value
+
+
+def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: Optional[str] = None) -> list[str]:
+    """The downloader's command line (no token in it: at most the name of its file)."""
+    argv = [
+        "/usr/bin/python3", FETCH_SCRIPT,
+        "--endpoint", str(settings.hub_endpoint).rstrip("/"),
+        "--repo", settings.model_repo,
+        "--revision", settings.model_revision,
+        "--dest", settings.model_dir,
+        "--status-file", fetch_status_file(settings),
+        "--disk-margin-gb", f"{settings.disk_margin_gb:g}",
+    ]
+    for source in sources:
+        argv += ["--source", source]
+    if token_file:
+        argv += ["--token-file", token_file]
+    return argv
+
+
+def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
+    """Text of ``freetoken-model-fetch.service``."""
+    exec_words = [_unit_word(a) for a in fetch_argv(settings, sources)]
+    lines = [
+        "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
+        "[Unit]",
+        f"Description=Fetch the FreeToken model {settings.model_repo}@{settings.model_revision} "
+        "(resumable, verified)",
+        "Wants=network-online.target",
+        "After=network-online.target",
+        "",
+        "[Service]",
+        "Type=oneshot",
+        f"User={settings.service_user}",
+        f"Group={settings.service_user}",
+    ]
+    if settings.hub_token_file:
+        # systemd hands the service a private copy of the root-only token file (%d is the
+        # credentials folder): the service user never needs read access to the original, and
+        # the token never appears on a command line.
+        lines.append(f"LoadCredential={TOKEN_CREDENTIAL}:{_unit_word(settings.hub_token_file)}")
+        exec_words += ["--token-file", f"%d/{TOKEN_CREDENTIAL}"]
+    lines.append("ExecStart=" + " ".join(exec_words))
+    if settings.hub_disable_xet:
+        # Field report, pitfall 2: Xet answered 401 through a mirror. fetch_model.py never
+        # uses Xet; the variable is set for anything else that reads it.
+        lines.append("Environment=HF_HUB_DISABLE_XET=1")
+    lines += [
+        "Environment=PYTHONUNBUFFERED=1",
+        "SyslogIdentifier=freetoken-model-fetch",
+        # Hours on a slow link are normal; the script retries stalls itself.
+        "TimeoutStartSec=infinity",
+        "Nice=10",
+        "IOSchedulingClass=best-effort",
+        "IOSchedulingPriority=7",
+        "NoNewPrivileges=yes",
+        "PrivateTmp=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=read-only",
+        f"ReadWritePaths={_unit_word(settings.model_dir)} {_unit_word(fetch_status_dir(settings))}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+@operation()
+def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
+    """
+    Install the model downloader: ``fetch_model.py`` and ``quant.py`` under
+    ``/usr/local/lib/freetoken/``, the model and status folders owned by the service user, and
+    ``freetoken-model-fetch.service`` (oneshot, not enabled: ``model_present`` starts it).
+    Yields nothing when all of it is in place.
+
+    + settings: the host's ``Settings``; uses ``model_repo``, ``model_revision``, ``model_dir``,
+      ``hub_endpoint`` (a mirror works), ``hub_token_file`` (a root-only file on the target,
+      handed to the unit through ``LoadCredential=``), ``hub_disable_xet``, ``disk_margin_gb``,
+      ``service_user`` (must exist) and ``state_dir`` (status file in ``state_dir/model-fetch/``)
+    + sources: LAN caches speaking the hub's endpoints, tried before ``hub_endpoint``; their
+      bytes are verified against the upstream listing, so a wrong cache cannot poison a host
+
+    Run it as root (``_sudo=True``).
+
+    **Example:**
+
+    .. code:: python
+
+        from freetoken_infra.settings import settings_for
+        from operations.model import model_fetcher, model_present
+
+        settings = settings_for(host)
+        model_fetcher(name="Model downloader", settings=settings, _sudo=True)
+        model_present(name="Model present and verified", settings=settings, _sudo=True)
+    """
+    for src, dest in ((_LOCAL_SCRIPT, FETCH_SCRIPT), (_LOCAL_QUANT, QUANT_MODULE)):
+        yield from files.put._inner(
+            src=src, dest=dest, user="root", group="root", mode="644", add_deploy_dir=False,
+        )
+    user = settings.service_user
+    yield from files.directory._inner(path=settings.model_dir, user=user, group=user, mode="755")
+    yield from files.directory._inner(path=fetch_status_dir(settings), user=user, group=user, mode="755")
+
+    unit_commands = list(files.put._inner(
+        src=StringIO(fetch_unit(settings, sources)), dest=f"{UNIT_DIR}/{FETCH_UNIT}",
+        user="root", group="root", mode="644",
+    ))
+    yield from unit_commands
+    if unit_commands:
+        yield from systemd.daemon_reload._inner()
+
+
+# --------------------------------------------------------------------------- waiting
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n} B"
+
+
+def _duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def format_progress(status: Mapping[str, Any]) -> str:
+    """One progress line from the fetcher's status file."""
+    state = status.get("state") or "?"
+    done, total = status.get("bytes_done") or 0, status.get("bytes_total") or 0
+    pct = f"{100.0 * done / total:.1f} %" if total else "-"
+    line = f"model {state}: {_human(done)} of {_human(total)} ({pct})"
+    if state == "downloading":
+        line += f", {_human(status.get('rate_bps') or 0)}/s, {_duration(status.get('eta_s'))} left"
+    if status.get("current_file"):
+        line += f", {status['current_file']}"
+    return line
+
+
+# The callback's probe: the unit's state, then the status file (one line of JSON).
+def _probe_command(settings: Settings) -> str:
+    return (
+        f"systemctl show {FETCH_UNIT} -p ActiveState -p Result -p ExecMainStatus; "
+        f"echo jobs=$(systemctl list-jobs --no-legend {FETCH_UNIT} 2>/dev/null | wc -l); "
+        f"cat {shlex.quote(fetch_status_file(settings))} 2>/dev/null || true"
+    )
+
+
+def _parse_probe(lines: list[str]) -> tuple[dict[str, str], Optional[dict]]:
+    unit: dict[str, str] = {}
+    status = None
+    for line in lines:
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                status = json.loads(line)
+            except ValueError:
+                status = None
+        elif "=" in line:
+            key, _, value = line.partition("=")
+            unit[key] = value
+    return unit, status
+
+
+def wait_for_fetch(state, host, settings: Settings, elevation: Optional[Mapping[str, Any]] = None,
+                   timeout_s: float = 12 * 3600, poll_s: float = 5.0, print_every_s: float = 30.0) -> dict:
+    """Execution-time half of ``model_present``: start the unit, show progress, fail loudly."""
+    elevation = dict(elevation or {})
+    status_file = fetch_status_file(settings)
+    # A finished earlier run's status must not be read as this run's result.
+    start = (f"systemctl is-active -q {FETCH_UNIT} || rm -f {shlex.quote(status_file)}; "
+             f"systemctl start --no-block {FETCH_UNIT}")
+    ok, output = host.run_shell_command(start, **elevation)
+    if not ok:
+        raise OperationError(f"host {host.name}: cannot start {FETCH_UNIT}: "
+                             + " ".join(output.output_lines[-3:]))
+    click.echo(f"{host.print_prefix}model: fetching {settings.model_repo}@{settings.model_revision} into "
+               f"{settings.model_dir} ({FETCH_UNIT}; it keeps running if this session drops)", err=True)
+    t0 = time.monotonic()
+    last_print = 0.0
+    last_state = None
+    while True:
+        _, output = host.run_shell_command(_probe_command(settings), **elevation)
+        unit, status = _parse_probe(output.stdout_lines)
+        running = unit.get("ActiveState") in ("active", "activating", "reloading") or unit.get("jobs", "0") != "0"
+        now = time.monotonic()
+        if status and (status.get("state") != last_state or now - last_print >= print_every_s):
+            click.echo(f"{host.print_prefix}{format_progress(status)}", err=True)
+            last_print, last_state = now, status.get("state")
+        if not running and now - t0 > 1.0:
+            break
+        if now - t0 > timeout_s:
+            raise OperationError(
+                f"host {host.name}: the model download is still running after {_duration(timeout_s)} "
+                f"({format_progress(status or {})}); it continues in the background as {FETCH_UNIT}: "
+                "run the deploy again to wait for it, or `journalctl -u freetoken-model-fetch` to watch it"
+            )
+        time.sleep(poll_s)
+
+    if status and status.get("state") == "done":
+        click.echo(f"{host.print_prefix}model: {settings.model_repo} verified in {settings.model_dir} "
+                   f"({_human(status.get('bytes_transferred') or 0)} transferred)", err=True)
+        return status
+    _, journal = host.run_shell_command(
+        f"journalctl -u {FETCH_UNIT} -n {JOURNAL_LINES} --no-pager -o cat", **elevation,
+    )
+    journal_text = "\n".join("    " + line for line in journal.output_lines) or "    (no journal lines)"
+    exit_status = unit.get("ExecMainStatus", "?")
+    what = "refused" if status and status.get("state") == "refused" else "failed"
+    error = (status or {}).get("error") or f"the unit ended with {unit.get('Result', '?')} (exit {exit_status}) " \
+                                           "before writing a status"
+    raise OperationError(
+        f"host {host.name}: the model download {what}: {error}\n"
+        f"  last {JOURNAL_LINES} lines of `journalctl -u {FETCH_UNIT}`:\n{journal_text}"
+    )
+
+
+@operation(is_idempotent=True)
+def model_present(settings: Settings, wait: bool = True, timeout_s: int = 12 * 3600):
+    """
+    Make sure ``settings.model_repo`` at ``settings.model_revision`` is fully downloaded and
+    verified in ``settings.model_dir``. Yields nothing when the downloader's manifest already
+    covers that revision and every file still has its verified size and mtime (the
+    ``ModelManifest`` fact; no hashing). Otherwise starts ``freetoken-model-fetch.service``
+    (install it first with ``model_fetcher``) and, with ``wait``, follows it at execution time:
+    a progress line (bytes, rate, time left) every 30 s, and ``OperationError`` naming the host
+    and the fetcher's error (an unsupported quantisation, a full disk, a hub error) with the
+    unit's journal when it ends failed or refused.
+
+    + settings: the host's ``Settings`` (``model_repo``, ``model_revision``, ``model_dir``,
+      ``state_dir``)
+    + wait: follow the download until it ends; ``False`` only starts it (the engine must not
+      be started before the model is present)
+    + timeout_s: how long to wait; the unit keeps going afterwards, a later deploy waits again
+
+    Run it as root (``_sudo=True``); the privilege arguments apply to the callback too.
+
+    **Example:**
+
+    .. code:: python
+
+        from operations.model import model_present
+        model_present(name="Model present and verified", settings=settings, _sudo=True)
+    """
+    info = current_host.get_fact(ModelManifest, model_dir=settings.model_dir)
+    covered, _why = info.covers(settings.model_repo, settings.model_revision)
+    if covered:
+        return
+    if not wait:
+        yield StringCommand("systemctl", "start", "--no-block", FETCH_UNIT)
+        return
+    global_arguments = current_host.current_op_global_arguments or {}
+    elevation = {k: global_arguments[k] for k in _ELEVATION_ARGS if global_arguments.get(k)}
+    yield FunctionCommand(wait_for_fetch, (settings, elevation), {"timeout_s": timeout_s})
