@@ -1,13 +1,110 @@
 """Converge a workstation into a FreeToken endpoint:
 `pyinfra inventories/home.py deploys/freetoken.py`.
 
-Step 1 is the doctor's preflight: a host with a blocker is stopped before any
-change, with its findings printed; the other hosts go on.
+1. Preflight (the doctor's rules): a host with a blocker is stopped before any
+   change, with its findings printed; the other hosts go on.
+2. Windows side: .wslconfig [wsl2] and /etc/wsl.conf [boot] systemd=true, merged
+   into the user's files. A change needs `wsl.exe --shutdown`; when systemd is not
+   up yet, everything after this step waits for that restart.
+3. CUDA 13 toolchain from NVIDIA's repository, with driver packages pinned out.
+4. The engine in its own environment, the model (downloaded and verified by a
+   systemd unit), the service, the guard timer.
+5. Health gate: /health ok, one chat completion, decode tokens/s.
+A second run on a converged host changes nothing.
 """
 
+import click
 from pyinfra import host
+from pyinfra.api.exceptions import OperationError
 from pyinfra.context import state
+from pyinfra.facts.server import User
+from pyinfra.facts.systemd import SystemdStatus
+from pyinfra.operations import python, systemd
+from pyinfra.operations.util import any_changed
 
-from freetoken_infra.preflight import run_preflight
+from facts.engine import EngineHealth
+from facts.windows_tasks import WslDistroName
+from freetoken_infra import rules
+from freetoken_infra.preflight import fleet_settings, run_preflight
+from operations import cuda, engine, guard, health, model, service, windows
 
-settings, observations, findings, ok = run_preflight(state, host)
+RESTART = "restart required: run `wsl.exe --shutdown` from Windows"
+
+if host.get_fact(User) != "root":
+    host.data._sudo = True
+
+
+def windows_side(settings, obs) -> list[str]:
+    """Queue the Windows-side merges; return the files that will change."""
+    targets = [("/etc/wsl.conf", "boot", {"systemd": "true"})]
+    if obs.windows_profile is not None and obs.windows_profile.path:
+        targets.insert(0, (f"{obs.windows_profile.path}/.wslconfig", "wsl2", settings.wslconfig_values()))
+    changing = [p for p, section, values in targets if windows.ini_needs_change(p, section, values)]
+    for path, section, values in targets:
+        name = ".wslconfig [wsl2]" if section == "wsl2" else f"{path} [{section}]"
+        windows.ini_values(name=f"Windows side: {name}", path=path, section=section, values=values)
+    return changing
+
+
+def stop_for_restart(obs) -> None:
+    """The only blockers are the deploy's own to fix: apply the Windows side, then stop."""
+    changing = windows_side(fleet_settings(state)[host.name], obs)
+    message = f"{host.name}: {RESTART} ({', '.join(changing) or 'systemd not yet PID 1'}); every later step waits for it"
+    click.echo(f"    [{host.name}] {message}", err=True)
+
+    def stop():
+        raise OperationError(message)
+
+    python.call(name="Wait for the WSL restart", function=stop)
+
+
+settings, obs, findings, ok = run_preflight(state, host, on_fixable=stop_for_restart)
+
+if ok:
+    changing = windows_side(settings, obs)
+    if changing:
+        click.echo(
+            f"    [{host.name}] {RESTART}: {', '.join(changing)} change(s); the engine runs with the "
+            "old VM limits until then (no later step waits for it)",
+            err=True,
+        )
+    if settings.windows_autostart:
+        windows.windows_autostart(
+            name="Windows: start the distro at logon", task_name="FreeToken-WSL",
+            distro=host.get_fact(WslDistroName) or "Ubuntu",
+        )
+
+    gpu = rules.primary_gpu(obs)
+    arch = f"compute_{gpu.compute_cap[0]}{gpu.compute_cap[1]}"
+    plan = rules.plan_for(settings, obs)
+
+    cuda.packages_present(name="Prerequisites", packages=["ca-certificates", "curl", "python3-venv"])
+    cuda.repository(name="CUDA: NVIDIA repository, keyring, driver pin", settings=settings)
+    cuda.toolkit(name=f"CUDA: toolkit packages, nvcc lists {arch}", settings=settings, gpu_arch=arch)
+
+    engine.service_user(name="Engine: service user and directories", settings=settings)
+    env_op = engine.environment(name=f"Engine: {settings.engine_requirement} environment", settings=settings)
+
+    model.model_fetcher(name="Model: downloader unit", settings=settings)
+    model_op = model.model_present(name=f"Model: {settings.model_repo}@{settings.model_revision}", settings=settings)
+
+    key_op = service.api_key(name="Service: API key (0600)", settings=settings)
+    unit_op = service.unit(name="Service: freetoken.service and its environment", settings=settings, plan=plan)
+    changed = any_changed(env_op, model_op, key_op, unit_op)
+
+    guard.clear_guard_state(name="Guard: clear a tripped state", settings=settings)
+    was_running = (host.get_fact(SystemdStatus) or {}).get("freetoken.service", False)
+    systemd.service(name="Service: enabled and running", service="freetoken.service", running=True, enabled=True)
+    if was_running:
+        systemd.service(
+            name="Service: restart (unit, environment, key, model or engine changed)",
+            service="freetoken.service", restarted=True, _if=changed,
+        )
+    guard.guard(name="Guard: timer", settings=settings)
+
+    healthy_now = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port).status == "ok"
+    gate_args = {} if not (healthy_now and was_running) else {"_if": changed}
+    health.health_gate(
+        name="Health gate: /health ok, chat completion, decode tok/s",
+        settings=settings, key_file=service.key_path(settings), **gate_args,
+    )

@@ -27,6 +27,10 @@ def pip_conf(settings: Settings) -> str:
         lines.append(f"index-url = {settings.pip_index_url}")
     if settings.pip_extra_index_urls:
         lines.append("extra-index-url = " + " ".join(str(u) for u in settings.pip_extra_index_urls))
+    # pip ignores a plain-http index unless trusted; configuring one is the user's trust.
+    plain = [u for u in [settings.pip_index_url, *settings.pip_extra_index_urls] if u and u.scheme == "http"]
+    if plain:
+        lines.append("trusted-host = " + " ".join(sorted({u.host for u in plain})))
     return "\n".join(lines) + "\n"
 
 
