@@ -17,7 +17,7 @@ import click
 from pyinfra import host
 from pyinfra.api.exceptions import OperationError
 from pyinfra.context import state
-from pyinfra.facts.server import User
+from pyinfra.facts.server import Command
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import python, systemd
 from pyinfra.operations.util import any_changed
@@ -30,7 +30,8 @@ from operations import cuda, engine, guard, health, model, service, windows
 
 RESTART = "restart required: run `wsl.exe --shutdown` from Windows"
 
-if host.get_fact(User) != "root":
+# Operations need root; a workstation user runs the deploy through sudo.
+if host.get_fact(Command, command="id -u").strip() != "0":
     host.data._sudo = True
 
 
