@@ -95,7 +95,7 @@ class Settings(BaseModel):
     launch_max_running_requests: Optional[int] = Field(None, ge=1, le=64)
     launch_moe_cpu_layers: Optional[str] = None
     launch_attention_backend: Optional[
-        Literal["auto", "triton", "trtllm", "fi", "fa", "flashinfer", "torch"]
+        Literal["auto", "triton", "trtllm", "fi", "fa"]
     ] = None
     launch_memory_ratio: Optional[float] = Field(None, gt=0, le=1)
     listen_host: IPvAnyAddress = IPvAnyAddress("127.0.0.1")  # type: ignore[operator]

@@ -66,10 +66,7 @@ def _literal_values(field: str) -> tuple:
 # Every value Settings lets a host choose must reach the engine as something it accepts.
 # Known mismatches are strict xfails: the test starts failing (XPASS) once they are fixed,
 # so this list must then shrink.
-KNOWN_REJECTED = {
-    ("launch_attention_backend", "flashinfer"): "0.2.1 registers 'fi', not 'flashinfer'",
-    ("launch_attention_backend", "torch"): "0.2.1 has no 'torch' attention backend",
-}
+KNOWN_REJECTED: dict = {}
 SWEEP = [
     (field, value)
     for field in ("launch_attention_backend", "launch_moe_strategy")

@@ -207,3 +207,13 @@ def test_a_converge_after_the_guard_tripped_brings_the_engine_back(sim_fleet, co
 def test_rebooted_host_comes_back_healthy(sim_fleet, converged):
     sim_fleet.reboot("ws1")
     wait_healthy(sim_fleet, "ws1", timeout=180)
+
+
+def test_opt_in_windows_autostart_creates_the_scheduled_task_once(sim_fleet, converged):
+    first = deploy("--limit", "ws1", "--data", "windows_autostart=true")
+    assert "Windows: start the distro at logon" in first.stdout + first.stderr
+    tasks = sim_fleet.run("ws1", "cat /mnt/c/.sim/schtasks.json", check=True).stdout
+    assert "FreeToken-WSL" in tasks and "wsl.exe" in tasks
+    again = deploy("--limit", "ws1", "--data", "windows_autostart=true")
+    total = re.search(r"Grand total\s+(\d+)\s+(\S+)", again.stdout + again.stderr)
+    assert total and total.group(2) == "-", again.stdout
