@@ -261,7 +261,8 @@ def _kill_netns_processes(ns: str) -> None:
 
 def _our_stray_processes() -> list[int]:
     """PIDs of processes this harness starts, found by their exact command lines: nspawn on our
-    host copies, and servers bound to the bridge address (after a crash lost their PIDs)."""
+    host copies, servers bound to the bridge address (after a crash lost their PIDs), and
+    copy/chroot helpers still writing into a host tree after their parent was killed."""
     hosts_dir = str(cache_dir() / "hosts") + "/"
     found = []
     for entry in Path("/proc").iterdir():
@@ -270,7 +271,8 @@ def _our_stray_processes() -> list[int]:
         cmd = _pid_cmdline(int(entry.name))
         if ("systemd-nspawn" in cmd and f"-D {hosts_dir}" in cmd) or (
                 "tests.fleet.standins" in cmd and BRIDGE_ADDRESS in cmd) or (
-                "http.server" in cmd and f"--bind {BRIDGE_ADDRESS}" in cmd):
+                "http.server" in cmd and f"--bind {BRIDGE_ADDRESS}" in cmd) or (
+                os.path.basename(cmd.split(" ", 1)[0]) in ("cp", "chroot") and hosts_dir in cmd):
             found.append(int(entry.name))
     return found
 
