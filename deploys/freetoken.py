@@ -72,7 +72,7 @@ if ok:
     if settings.windows_autostart:
         windows.windows_autostart(
             name="Windows: start the distro at logon", task_name="FreeToken-WSL",
-            distro=host.get_fact(WslDistroName) or "Ubuntu",
+            distro=host.get_fact(WslDistroName),
         )
 
     gpu = rules.primary_gpu(obs)

@@ -216,6 +216,11 @@ def check_gpu_memory(obs: Observations) -> Finding:
     free = f"{p.free_bytes / GiB:.1f} GiB free of {p.total_bytes / GiB:.1f} GiB" if p.free_bytes is not None and p.total_bytes else "memory unknown"
     if p.status == "healthy":
         return Finding("gpu_memory", "pass", f"{free}; 32 MiB and large allocations succeed")
+    if p.status == "allocation_locked" and not p.free_bytes:
+        return Finding(
+            "gpu_memory", "block", f"{free}: the card is full, allocations fail",
+            "stop what holds GPU memory (see nvidia-smi on Windows), then re-run",
+        )
     if p.status == "allocation_locked":
         return Finding(
             "gpu_memory", "block",
@@ -330,17 +335,18 @@ def check_hardware_profile(settings: Settings, obs: Observations) -> Finding:
     gpu = primary_gpu(obs)
     if settings.hardware_profile == "auto":
         return Finding("hardware_profile", "pass", "auto (launch plan from the GPU's memory)")
-    profile = HARDWARE_PROFILES[settings.hardware_profile]
+    declared = settings.hardware_profile
+    want = HARDWARE_PROFILES[declared]
     if gpu is None:
-        return Finding("hardware_profile", "block", f"{profile.name} declared, no GPU seen", "see the gpu check")
+        return Finding("hardware_profile", "block", f"{declared} declared, no GPU seen", "see the gpu check")
     seen = nominal_vram_gb(gpu.memory_total_mib)
-    if seen != profile.vram_gb:
+    if seen != want:
         return Finding(
             "hardware_profile", "block",
-            f"declared {profile.name} ({profile.vram_gb} GB) but the GPU has {seen} GB ({gpu.name})",
+            f"declared {declared} ({want} GB) but the GPU has {seen} GB ({gpu.name})",
             "fix the host's group in the inventory or its hardware_profile",
         )
-    return Finding("hardware_profile", "pass", f"{profile.name}: {gpu.name}")
+    return Finding("hardware_profile", "pass", f"{declared}: {gpu.name}")
 
 
 def check_launch_plan(settings: Settings, obs: Observations) -> Finding:

@@ -2,4 +2,4 @@
 doubles the expert cache and the KV tokens (README, "Launch plan")."""
 
 hardware_profile = "rtx5090_32gb"
-decode_floor_tps = 40.0
+decode_floor_tps = 40.0  # an estimate (no 5090 measured yet): about twice the 16 GB card

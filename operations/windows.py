@@ -13,9 +13,11 @@ from typing import Mapping
 from configupdater import ConfigUpdater
 from pyinfra import host
 from pyinfra.api import operation
+from pyinfra.api.exceptions import OperationError
 from pyinfra.operations import files, server
 
 from facts.files import FileBytes
+from facts.windows_tasks import ScheduledTaskExists
 from facts.windows import decode_ini_bytes
 
 
@@ -94,11 +96,14 @@ def windows_autostart(task_name: str, distro: str):
     + task_name: the task's name in the Windows Task Scheduler
     + distro: the WSL distro to start (``$WSL_DISTRO_NAME``)
     """
-    from facts.windows_tasks import ScheduledTaskExists
-
     if host.get_fact(ScheduledTaskExists, task_name=task_name):
         host.noop(f"scheduled task {task_name} exists")
         return
+    if not distro:
+        raise OperationError(
+            f"{host.name}: windows_autostart: the distro's name is unknown ($WSL_DISTRO_NAME is "
+            "empty and `wslpath -w /` gave none); run the deploy inside the WSL distro"
+        )
     yield from server.shell._inner(
         commands=[
             "cd /mnt/c && schtasks.exe /Create /F /SC ONLOGON "

@@ -141,6 +141,13 @@ def test_allocation_locked_gpu_memory_is_the_fake_oom():
     assert "wsl.exe --update" in f.remedy
 
 
+def test_a_genuinely_full_card_is_not_blamed_on_wsl():
+    full = GpuMemoryProbeResult("allocation_locked", 0, 16 * GiB, False, False, GiB, "no free GPU memory reported")
+    f = finding("gpu_memory", healthy(gpu_memory=full))
+    assert f.status == "block" and "full" in f.evidence
+    assert "pitfall 4B" not in f.evidence and "wsl.exe --update" not in f.remedy
+
+
 def test_no_cuda_blocks():
     f = finding("gpu_memory", healthy(gpu_memory=GpuMemoryProbeResult("no_cuda", None, None, None, None, None, "libcuda.so.1 not found")))
     assert f.status == "block" and "libcuda" in f.evidence
