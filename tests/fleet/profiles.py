@@ -9,7 +9,7 @@ report's machine, ws3 is the report's "fake OOM" (pitfall 4B: old WSL, WDDM allo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, asdict
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2

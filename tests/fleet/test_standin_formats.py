@@ -1,7 +1,6 @@
 """The stand-ins print what the real tools print: layout, encoding, line endings and error texts
 are compared with the real-format fixtures in tests/fixtures/real/ (values differ by profile).
 Runs the stand-in programs locally; no containers, no root."""
-import ctypes
 import json
 import re
 import shutil

@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from tests.loopback import free_port
+
 from facts.engine import EngineHealth, EngineInstall, parse_engine_install_output, parse_health_body, parse_health_output
 
 
@@ -115,10 +117,7 @@ def test_health_command_against_local_server(health_server):
 
 
 def test_health_command_nothing_listening():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     fact = EngineHealth()
+    port = free_port()
     info = fact.process(run_sh(fact.command(port=port)))
     assert info.reachable is False and info.error

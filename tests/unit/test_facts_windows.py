@@ -1,6 +1,5 @@
 import base64
 import os
-import stat
 import subprocess
 from pathlib import Path
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.fleet.standins import hub_repos
+from tests.loopback import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORTED = hub_repos.SUPPORTED_REPO
@@ -27,12 +27,6 @@ SHARD1 = "model-00001-of-00003.safetensors"
 SHARD2 = "model-00002-of-00003.safetensors"
 CHUNK = 1024 * 1024  # the script's read size
 TOKEN = "hf_standinSECRETtoken_0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env() -> dict:
@@ -45,7 +39,7 @@ class Hub:
     """A hub stand-in subprocess on a free loopback port."""
 
     def __init__(self, repos: Path, token_file: Path | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tests.fleet.standins.hub", "--bind", "127.0.0.1",
                "--port", str(self.port), "--repos", str(repos)]
@@ -89,10 +83,8 @@ class Hub:
 
 
 @pytest.fixture(scope="module")
-def repos(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("repos")
-    hub_repos.build(str(d))
-    return d
+def repos(standin_repos) -> Path:
+    return standin_repos
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +348,7 @@ def test_lan_source_with_wrong_bytes_is_rejected_and_upstream_used(script_dir, f
 
 
 def test_unreachable_source_falls_back_to_upstream(script_dir, fresh, repos, tmp_path):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     dest = tmp_path / "model"
     run = fetch(script_dir, fresh.url, dest, "--source", dead, "--retries", "1")
     assert run.rc == 0, run.stderr

@@ -23,6 +23,7 @@ from freetoken_infra.settings import Settings
 from operations import health
 from operations.health import GATE_RESULTS, format_gate_report, gate_command, gate_url, run_gate
 from tests.fleet.standins import hub_repos
+from tests.loopback import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SRC = ROOT / "tests" / "fleet" / "standins" / "engine"
@@ -33,31 +34,16 @@ PACE = 30.0  # tokens/s of the stand-in
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    repos = tmp_path_factory.mktemp("repos")
-    hub_repos.build(str(repos))
+def model_dir(tmp_path_factory, standin_repos) -> Path:
     dst = tmp_path_factory.mktemp("models") / MODEL_NAME
-    shutil.copytree(repos / hub_repos.SUPPORTED_REPO, dst)
+    shutil.copytree(standin_repos / hub_repos.SUPPORTED_REPO, dst)
     return dst
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:  # the engine also binds port+1
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
 
 
 class StandinEngine:
     def __init__(self, workdir: Path, model: Path, **config):
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = free_port(with_next=True)
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = workdir / "standin.json"
         cfg.write_text(json.dumps({"tokens_per_s": PACE, "load_seconds": 3, "error_exit_delay_s": 10,
@@ -212,7 +198,7 @@ def test_broken_engine_fails_with_its_health_message(engine_factory, key_file):
 
 
 def test_nothing_listening_fails_after_the_timeout(key_file):
-    port = free_port()
+    port = free_port(with_next=True)
     run = run_script(f"http://127.0.0.1:{port}", "--key-file", str(key_file), timeout=2)
     assert run.rc == 1
     r = run.result
@@ -267,7 +253,7 @@ def test_run_gate_records_the_result(ready_engine, key_file, capsys):
 def test_run_gate_failure_names_host_phase_and_journal(key_file):
     GATE_RESULTS.clear()
     host = LocalHost("ws2", journal=["Loading experts: 50% (4/9 MiB)", "RuntimeError: boom"])
-    settings = settings_for(free_port(), health_timeout_s=10)
+    settings = settings_for(free_port(with_next=True), health_timeout_s=10)
     t0 = time.monotonic()
     with pytest.raises(OperationError) as info:
         run_gate(None, host, settings, str(key_file), str(SCRIPT))

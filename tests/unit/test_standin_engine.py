@@ -17,42 +17,23 @@ from pathlib import Path
 import pytest
 
 from tests.fleet.standins import hub_repos
+from tests.loopback import free_port
 
 ENGINE_SRC = Path(__file__).resolve().parents[1] / "fleet" / "standins" / "engine"
 sys.path.insert(0, str(ENGINE_SRC))
 from freetoken.server import args as standin_args  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def repos(tmp_path_factory):
-    d = tmp_path_factory.mktemp("repos")
-    hub_repos.build(str(d))
-    return d
-
-
 @pytest.fixture()
-def model(repos, tmp_path):
+def model(standin_repos, tmp_path):
     dst = tmp_path / "Qwen3.6-35B-A3B-NVFP4-nvidia"
-    shutil.copytree(repos / hub_repos.SUPPORTED_REPO, dst)
+    shutil.copytree(standin_repos / hub_repos.SUPPORTED_REPO, dst)
     return dst
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:  # the engine also needs port+1
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
 
 
 class Engine:
     def __init__(self, tmp_path, model, *extra, config=None, env=None):
-        self.port = free_port()
+        self.port = free_port(with_next=True)
         cfg = tmp_path / "standin.json"
         cfg.write_text(json.dumps({"load_seconds": 1.0, "error_exit_delay_s": 1, "tokens_per_s": 40.0, **(config or {})}))
         e = dict(os.environ, PYTHONPATH=str(ENGINE_SRC), FREETOKEN_STANDIN_CONFIG=str(cfg))
@@ -232,8 +213,8 @@ def test_parser_matches_real_0_2_1_flags():
             ns.attention_backend, ns.moe_strategy, ns.memory_ratio) == ("127.0.0.1", 1919, 4, 8192, 8192, "auto", "auto", 0.9)
 
 
-def test_unsupported_model_fails_with_fp8_tensor(engines, tmp_path, repos):
-    e = start(engines, tmp_path, repos / hub_repos.UNSUPPORTED_REPO, config={"fatal_exit": "code"})
+def test_unsupported_model_fails_with_fp8_tensor(engines, tmp_path, standin_repos):
+    e = start(engines, tmp_path, standin_repos / hub_repos.UNSUPPORTED_REPO, config={"fatal_exit": "code"})
     e.wait_bound()
     rc = e.proc.wait(20)
     _, err = e.logs()

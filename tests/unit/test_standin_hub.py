@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
 import struct
 import subprocess
@@ -26,10 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def repos_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("repos")
-    hub_repos.build(str(d))
-    return d
+def repos_dir(standin_repos):
+    return standin_repos
 
 
 @pytest.fixture()

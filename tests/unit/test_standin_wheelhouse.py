@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.fleet.standins import wheelhouse
+from tests.loopback import free_port
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,7 @@ def house(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def index_url(house):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port),
                              "--directory", str(house)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(200):

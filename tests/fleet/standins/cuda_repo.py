@@ -19,7 +19,6 @@ The signing key lives in OUTDIR/../gnupg (a throwaway key of the simulated fleet
 from __future__ import annotations
 
 import gzip
-import os
 import shutil
 import subprocess
 import sys
