@@ -452,15 +452,16 @@ class Handler(BaseHTTPRequestHandler):
         kind = body.get("kind")
         if kind not in ("crash", "exit", "oom"):
             return self._json(400, {"error": "kind must be crash, exit or oom"})
+        # the state changes before the answer, so a client that got 200 already sees the fault
+        if kind == "exit":
+            self.engine.backend_died("backend worker freetoken-TP0-scheduler (pid %d) exited unexpectedly with code -9"
+                                     % (os.getpid() + 1))
+        elif kind == "oom":
+            self.engine.oom()
         self._json(200, {"ok": True, "kind": kind})
         self.wfile.flush()
         if kind == "crash":
             threading.Timer(0.1, self.engine.crash).start()
-        elif kind == "exit":
-            self.engine.backend_died("backend worker freetoken-TP0-scheduler (pid %d) exited unexpectedly with code -9"
-                                     % (os.getpid() + 1))
-        else:
-            self.engine.oom()
 
     # -------------------------------------------------------------- generation
     def _generate(self, path: str, body: dict) -> None:
