@@ -43,6 +43,11 @@ def main() -> int:
     ap.add_argument("--warm-runs", type=int, default=3)
     ap.add_argument("--skip-cold", action="store_true")
     a = ap.parse_args()
+    with harness.exclusive():
+        return _bench(a)
+
+
+def _bench(a) -> int:
     print(machine())
     results = {}
     harness.down(quiet=True)

@@ -13,8 +13,9 @@ from tests.fleet import harness
 def sim_fleet():
     if os.geteuid() != 0:
         pytest.skip("the simulated fleet needs root (systemd-nspawn, network namespaces)")
-    fleet = harness.up(int(os.environ.get("FREETOKEN_SIM_HOSTS", "3")))
-    try:
-        yield fleet
-    finally:
-        harness.down()
+    with harness.exclusive():
+        fleet = harness.up(int(os.environ.get("FREETOKEN_SIM_HOSTS", "3")))
+        try:
+            yield fleet
+        finally:
+            harness.down()

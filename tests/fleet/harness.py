@@ -13,6 +13,8 @@ PIDs, logs, served directories).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -61,6 +63,32 @@ def state_dir() -> Path:
 
 def state_file() -> Path:
     return state_dir() / "state.json"
+
+
+@contextlib.contextmanager
+def exclusive(timeout_s: float = 3 * 3600):
+    """Hold the machine's one fleet: the bridge, addresses and container names are fixed, so two
+    test sessions or benchmarks wait for each other here instead of tearing each other's hosts down."""
+    path = cache_dir() / "fleet.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"another session holds the simulated fleet ({path}); waiting")
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise FleetError(f"waited {timeout_s:.0f} s for {path}") from None
+                    time.sleep(1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _log(msg: str) -> None:
