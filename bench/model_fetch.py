@@ -8,13 +8,17 @@
    serves its verified directory as the cache for the other two. Figure: upstream bytes / model
    size (target 1.0).
 
-The cache is the hub stand-in itself (tests/fleet/standins/hub.py) pointed at the first
-host's model directory (a repos.json naming the repo and commit, and a symlink): it already
-speaks the resolve endpoint with Range, and the downloader verifies every byte from a cache
-against the upstream listing anyway, so a cache server needs no logic of its own. On a real
-fleet any static server exposing that path layout would do the same job.
+The upstream is the hub stand-in (tests/fleet/standins/hub.py); the cache is the product's own
+LAN cache, operations/scripts/model_cache.py, serving the first host's verified directory, as
+``freetoken-model-cache.service`` does on the fleet's cache host (setting ``model_cache_host``).
+The fleet test tests/fleet/test_model.py shows the same through the deploy on real hosts.
 
-Usage: ``python3 bench/model_fetch.py [--runs N]``  (stdlib + the project checkout)
+3. ``--fleet``: the same figure from the deploy itself: four simulated hosts (three serve,
+   ws3 is refused at preflight), ``model_cache_host=ws1``, the hub stand-in counting what it
+   sent; then again without the cache.
+
+Usage: ``python3 bench/model_fetch.py [--runs N] [--fleet]``  (stdlib + the project checkout;
+``--fleet`` needs root and the project's venv)
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +44,7 @@ from tests.fleet.standins import hub, hub_repos  # noqa: E402
 
 REPO = hub_repos.SUPPORTED_REPO
 SCRIPT = ROOT / "operations" / "scripts" / "fetch_model.py"
+CACHE_SCRIPT = ROOT / "operations" / "scripts" / "model_cache.py"
 CHUNK = 1024 * 1024
 
 
@@ -88,16 +94,32 @@ def cut_and_resume(repos: Path, work: Path, model_size: int) -> tuple[float, flo
         server.close()
 
 
-def cache_repos_for(model_dir: Path, where: Path) -> Path:
-    """A hub stand-in repos dir serving a verified model directory."""
-    manifest = json.loads((model_dir / ".freetoken-manifest.json").read_text())
-    owner, name = REPO.split("/")
-    (where / owner).mkdir(parents=True)
-    os.symlink(model_dir, where / owner / name)
-    (where / hub_repos.MANIFEST).write_text(json.dumps({"repos": {REPO: {
-        "sha": manifest["commit"], "revisions": {"main": manifest["commit"]},
-        "files": sorted(manifest["files"])}}}))
-    return where
+class Cache:
+    """The product's LAN cache (operations/scripts/model_cache.py) serving a host's model dir."""
+
+    def __init__(self, model_dir: Path):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, str(CACHE_SCRIPT), "--dir", str(model_dir),
+                                      "--bind", "127.0.0.1", "--port", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise SystemExit("model_cache.py did not start")
+                time.sleep(0.05)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 def fleet(repos: Path, work: Path, model_size: int, with_cache: bool) -> float:
@@ -107,7 +129,7 @@ def fleet(repos: Path, work: Path, model_size: int, with_cache: bool) -> float:
         fetch(upstream.url, work / "host1")
         extra: list[str] = []
         if with_cache:
-            cache = Server(cache_repos_for(work / "host1", work / "cache-repos"))
+            cache = Cache(work / "host1")
             extra = ["--source", cache.url]
         for name in ("host2", "host3"):
             fetch(upstream.url, work / name, *extra)
@@ -121,9 +143,51 @@ def fleet(repos: Path, work: Path, model_size: int, with_cache: bool) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--fleet", action="store_true",
+                    help="also roll the deploy out to 3 serving simulated hosts (root; a few minutes)")
     args = ap.parse_args(argv)
     u = platform.uname()
     print(f"machine: {u.system} {u.release} {u.machine}, nproc {os.cpu_count()}, python {platform.python_version()}")
+    code = loopback(args)
+    return fleet_rollout() or code if args.fleet else code
+
+
+def fleet_rollout() -> int:
+    """The deploy itself on the simulated fleet: ws1, ws2 and ws4 serve (ws3 is refused at
+    preflight), with ws1 as model_cache_host, then again with no cache. Figure: upstream bytes
+    (the hub stand-in's counters) / model size."""
+    from tests.fleet import harness
+    from tests.fleet.client import deploy
+    from tests.fleet.test_model import MODEL_DIR, hub
+
+    size = sum(len(b) for b in hub_repos.repo_files(REPO).values())
+    figures = {}
+    with harness.exclusive():
+        fleet_ = harness.up(4)
+        try:
+            for label, extra in (("through the LAN cache (model_cache_host=ws1)", ("--data", "model_cache_host=ws1")),
+                                 ("without a cache", ())):
+                for h in ("ws1", "ws2", "ws4"):
+                    fleet_.run(h, f"systemctl stop freetoken.service 2>/dev/null; rm -rf {MODEL_DIR}")
+                hub(fleet_, "/_standin/reset", {})
+                t0 = time.monotonic()
+                run = deploy(*extra)
+                wall = time.monotonic() - t0
+                if "ws3" not in run.stdout + run.stderr or "Grand total" not in run.stdout + run.stderr:
+                    raise SystemExit("the fleet deploy did not run through")
+                sent = sum(hub(fleet_, "/_standin/stats")["by_file"].values())
+                figures[label] = (sent / size, wall)
+        finally:
+            harness.down(quiet=True)
+    for label, (ratio, wall) in figures.items():
+        print(f"fleet rollout to 3 serving hosts {label}: upstream bytes / model size = {ratio:.3f} "
+              f"(deploy {wall:.0f} s)")
+    ok = abs(figures["through the LAN cache (model_cache_host=ws1)"][0] - 1.0) < 1e-9
+    print("fleet: PASS" if ok else "fleet: FAIL (target 1.0 through the cache)")
+    return 0 if ok else 1
+
+
+def loopback(args) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-model-fetch-") as tmp:
         repos = Path(tmp) / "repos"
         hub_repos.build(str(repos))

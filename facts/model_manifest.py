@@ -12,9 +12,11 @@ from decimal import Decimal, InvalidOperation
 
 from pyinfra.api import FactBase
 
+from freetoken_infra import manifest
+
 from ._output import MARKER, b64decode_lines, quote, sections
 
-MANIFEST_NAME = ".freetoken-manifest.json"
+MANIFEST_NAME = manifest.MANIFEST_NAME
 
 
 @dataclass(frozen=True)
@@ -27,22 +29,7 @@ class ModelManifestInfo:
 
     def covers(self, repo: str, revision: str) -> tuple[bool, str]:
         """Whether a complete, untouched download of ``repo`` at ``revision`` is here, and why not."""
-        m = self.manifest
-        if m is None:
-            return False, self.error or f"no {MANIFEST_NAME} in {self.path}"
-        if m.get("repo") != repo:
-            return False, f"{self.path} holds {m.get('repo')}, not {repo}"
-        if revision not in (m.get("revision"), m.get("commit")):
-            return False, f"{self.path} holds revision {m.get('revision')} ({str(m.get('commit'))[:12]}), not {revision}"
-        if m.get("complete") is not True:
-            return False, f"the download into {self.path} is not complete"
-        for name, entry in (m.get("files") or {}).items():
-            seen = self.on_disk.get(name)
-            if seen is None:
-                return False, f"{name} is missing from {self.path}"
-            if not isinstance(entry, dict) or (entry.get("size"), entry.get("mtime_ns")) != seen:
-                return False, f"{name} changed since it was verified"
-        return True, "complete"
+        return manifest.covers(self.manifest, self.on_disk, repo, revision, self.path, self.error)
 
 
 def parse_model_manifest_output(path: str, lines: list[str]) -> ModelManifestInfo:

@@ -84,6 +84,15 @@ class Settings(BaseModel):
     hub_endpoint: AnyHttpUrl = AnyHttpUrl("https://huggingface.co")
     hub_disable_xet: bool = True  # pitfall 2: the Xet protocol answered 401
     hub_token_file: Optional[str] = None
+    # The LAN model cache (upstream read once per fleet): the inventory name of the host that
+    # serves its verified model to the others on model_cache_port; every other host fetches
+    # from it first. model_sources: further caches (e.g. one the controller runs), tried next.
+    model_cache_host: Optional[str] = None
+    model_cache_port: int = Field(8090, ge=1, le=65535)
+    model_sources: list[AnyHttpUrl] = Field(default_factory=list)
+    # One-shot: re-hash every model file this run, trusting no manifest entry
+    # (`pyinfra ... --data model_reverify=true`). Normally size and mtime suffice.
+    model_reverify: bool = False
 
     # --- launch plan (None = derived from the hardware profile) ---------------
     hardware_profile: str = "auto"
@@ -375,11 +384,17 @@ def validate_inventory(inventory) -> dict[str, Settings]:
     """Validate every host of an inventory; raise one SettingsError listing all problems."""
     result: dict[str, Settings] = {}
     problems: list[str] = []
+    names = {host.name for host in inventory}
     for host in inventory:
         try:
             result[host.name] = settings_for(host)
         except SettingsError as exc:
             problems.extend(exc.problems)
+            continue
+        cache = result[host.name].model_cache_host
+        if cache is not None and cache not in names:
+            problems.append(f"host {host.name}: setting 'model_cache_host' = {_short(cache)} is invalid: "
+                            f"not a host of this inventory (hosts: {', '.join(sorted(names))})")
     if problems:
         raise SettingsError(problems)
     return result

@@ -21,6 +21,9 @@ model_dir = "/var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia"
 model_size_gb = 22.0
 model_expert_ram_gb = 16.9
 hub_disable_xet = True
+# A fleet reads the model from upstream once: set model_cache_host (inventory or group
+# data) to the host that serves its verified copy to the others on this port.
+model_cache_port = 8090
 
 # The API: loopback only, port 8000, a key generated on the host.
 listen_host = "127.0.0.1"

@@ -13,6 +13,7 @@ from pyinfra.api import operation
 from pyinfra.operations import files, systemd
 
 from freetoken_infra.settings import Settings
+from operations.model import unit_word
 
 ENGINE_UNIT = "freetoken.service"
 GUARD_SERVICE = "freetoken-guard.service"
@@ -32,15 +33,6 @@ def guard_textfile(settings: Settings) -> str:
     return f"{settings.state_dir}/metrics/freetoken.prom"
 
 
-def _unit_word(value: str) -> str:
-    """One word of a unit file line: systemd expands ``%`` specifiers and ``$`` variables, and
-    splits on whitespace unless quoted."""
-    value = value.replace("%", "%%").replace("$", "$$")
-    if any(c in value for c in ' \t"\'\\'):
-        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return value
-
-
 def guard_service_unit(settings: Settings) -> str:
     args = [
         "/usr/bin/python3", GUARD_SCRIPT,
@@ -58,7 +50,7 @@ def guard_service_unit(settings: Settings) -> str:
         "[Service]",
         "Type=oneshot",
         # Root, not the engine's user: it must be able to stop the engine.
-        "ExecStart=" + " ".join(_unit_word(a) for a in args),
+        "ExecStart=" + " ".join(unit_word(a) for a in args),
         "SyslogIdentifier=freetoken-guard",
         # `systemctl stop` waits for the engine to exit; a hung nvidia-smi must not pile up runs.
         "TimeoutStartSec=600",
@@ -67,7 +59,7 @@ def guard_service_unit(settings: Settings) -> str:
         "ProtectSystem=strict",
         "ProtectHome=read-only",
         # '-': no failure when the folder is not there yet.
-        f"ReadWritePaths=-{_unit_word(settings.state_dir)}",
+        f"ReadWritePaths=-{unit_word(settings.state_dir)}",
         "",
     ])
 

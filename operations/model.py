@@ -22,6 +22,7 @@ import click
 from pyinfra import host as current_host
 from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
 from facts.model_manifest import ModelManifest
@@ -31,6 +32,9 @@ FETCH_UNIT = "freetoken-model-fetch.service"
 LIB_DIR = "/usr/local/lib/freetoken"
 FETCH_SCRIPT = f"{LIB_DIR}/fetch_model.py"
 QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
+MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
+CACHE_SCRIPT = f"{LIB_DIR}/model_cache.py"
+CACHE_UNIT = "freetoken-model-cache.service"
 UNIT_DIR = "/etc/systemd/system"
 TOKEN_CREDENTIAL = "hub-token"
 JOURNAL_LINES = 20
@@ -38,6 +42,8 @@ JOURNAL_LINES = 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOCAL_SCRIPT = os.path.join(_HERE, "scripts", "fetch_model.py")
 _LOCAL_QUANT = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "quant.py")
+_LOCAL_MANIFEST = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "manifest.py")
+_LOCAL_CACHE_SCRIPT = os.path.join(_HERE, "scripts", "model_cache.py")
 
 # The operation's privilege arguments also apply to the callback's commands (a python
 # callback does not inherit them).
@@ -58,7 +64,12 @@ def fetch_status_file(settings: Settings) -> str:
     return f"{fetch_status_dir(settings)}/status.json"
 
 
-def _unit_word(value: str) -> str:
+def reverify_request_file(settings: Settings) -> str:
+    """While this file exists the downloader re-hashes every file (``model_reverify``)."""
+    return f"{fetch_status_dir(settings)}/reverify-requested"
+
+
+def unit_word(value: str) -> str:
     """One word of a unit file line: systemd expands ``%`` and ``$`` and splits on whitespace."""
     value = value.replace("%", "%%").replace("$", "$$")
     if any(c in value for c in ' \t"\'\\'):
@@ -76,6 +87,7 @@ def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: Opti
         "--dest", settings.model_dir,
         "--status-file", fetch_status_file(settings),
         "--disk-margin-gb", f"{settings.disk_margin_gb:g}",
+        "--reverify-request", reverify_request_file(settings),
     ]
     for source in sources:
         argv += ["--source", source]
@@ -84,9 +96,58 @@ def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: Opti
     return argv
 
 
+def check_argv(settings: Settings) -> list[str]:
+    """``fetch_model.py --check``: exit 0 only when the model directory holds the verified model
+    (no network, no hashing). The engine's unit runs it before every start."""
+    return ["/usr/bin/python3", FETCH_SCRIPT, "--check", "--repo", settings.model_repo,
+            "--revision", settings.model_revision, "--dest", settings.model_dir]
+
+
+def cache_sources(settings: Settings, host_name: str, inventory) -> list[str]:
+    """Where ``host_name`` fetches the model before the hub: the fleet's LAN cache host (unless
+    it is this host), reached at the address pyinfra reaches it by, then ``model_sources``."""
+    sources = []
+    if settings.model_cache_host and settings.model_cache_host != host_name:
+        cache = inventory.get_host(settings.model_cache_host)
+        address = (cache.data.get("ssh_hostname") if cache is not None else None) or settings.model_cache_host
+        if ":" in address and not address.startswith("["):
+            address = f"[{address}]"  # IPv6 literal
+        sources.append(f"http://{address}:{settings.model_cache_port}")
+    return sources + [str(u).rstrip("/") for u in settings.model_sources]
+
+
+def cache_unit(settings: Settings) -> str:
+    """Text of ``freetoken-model-cache.service``: the verified model, read-only, to the LAN."""
+    argv = ["/usr/bin/python3", CACHE_SCRIPT, "--dir", settings.model_dir,
+            "--port", str(settings.model_cache_port)]
+    return "\n".join([
+        "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
+        "[Unit]",
+        f"Description=LAN cache of the verified model {settings.model_repo} for the fleet",
+        "Wants=network-online.target",
+        "After=network-online.target",
+        "",
+        "[Service]",
+        f"User={settings.service_user}",
+        f"Group={settings.service_user}",
+        "ExecStart=" + " ".join(unit_word(a) for a in argv),
+        "Restart=on-failure",
+        "RestartSec=5",
+        "SyslogIdentifier=freetoken-model-cache",
+        "NoNewPrivileges=yes",
+        "PrivateTmp=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=read-only",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+        "",
+    ])
+
+
 def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
     """Text of ``freetoken-model-fetch.service``."""
-    exec_words = [_unit_word(a) for a in fetch_argv(settings, sources)]
+    exec_words = [unit_word(a) for a in fetch_argv(settings, sources)]
     lines = [
         "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
         "[Unit]",
@@ -104,7 +165,7 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
         # systemd hands the service a private copy of the root-only token file (%d is the
         # credentials folder): the service user never needs read access to the original, and
         # the token never appears on a command line.
-        lines.append(f"LoadCredential={TOKEN_CREDENTIAL}:{_unit_word(settings.hub_token_file)}")
+        lines.append(f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file)}")
         exec_words += ["--token-file", f"%d/{TOKEN_CREDENTIAL}"]
     lines.append("ExecStart=" + " ".join(exec_words))
     if settings.hub_disable_xet:
@@ -123,7 +184,7 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
         "PrivateTmp=yes",
         "ProtectSystem=strict",
         "ProtectHome=read-only",
-        f"ReadWritePaths={_unit_word(settings.model_dir)} {_unit_word(fetch_status_dir(settings))}",
+        f"ReadWritePaths={unit_word(settings.model_dir)} {unit_word(fetch_status_dir(settings))}",
         "",
     ]
     return "\n".join(lines)
@@ -157,7 +218,8 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
         model_fetcher(name="Model downloader", settings=settings, _sudo=True)
         model_present(name="Model present and verified", settings=settings, _sudo=True)
     """
-    for src, dest in ((_LOCAL_SCRIPT, FETCH_SCRIPT), (_LOCAL_QUANT, QUANT_MODULE)):
+    for src, dest in ((_LOCAL_SCRIPT, FETCH_SCRIPT), (_LOCAL_QUANT, QUANT_MODULE),
+                      (_LOCAL_MANIFEST, MANIFEST_MODULE)):
         yield from files.put._inner(
             src=src, dest=dest, user="root", group="root", mode="644", add_deploy_dir=False,
         )
@@ -172,6 +234,52 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
     yield from unit_commands
     if unit_commands:
         yield from systemd.daemon_reload._inner()
+
+
+@operation()
+def model_cache(settings: Settings, present: bool = True):
+    """
+    Serve this host's verified model to the rest of the fleet: ``model_cache.py`` (only files
+    the manifest vouches for, with HTTP Range) as ``freetoken-model-cache.service`` on
+    ``settings.model_cache_port``, enabled and running. Yields nothing when it already is.
+    Install the downloader first (``model_fetcher``: it uploads ``manifest.py``).
+
+    + settings: the cache host's ``Settings`` (``model_dir``, ``model_cache_port``,
+      ``service_user``)
+    + present: ``False`` stops, disables and removes the cache (a host that is no longer the
+      fleet's cache host); nothing is yielded when it is not there
+
+    Under WSL the other hosts reach it only with ``networkingMode=mirrored`` (setting
+    ``wslconfig_networking_mode``) and the port open in the Windows firewall.
+
+    **Example:**
+
+    .. code:: python
+
+        from operations.model import model_cache
+        model_cache(name="Model: LAN cache", settings=settings, _sudo=True)
+    """
+    unit_path = f"{UNIT_DIR}/{CACHE_UNIT}"
+    if not present:
+        if CACHE_UNIT in (current_host.get_fact(SystemdStatus) or {}):  # already probed by the deploy
+            yield from systemd.service._inner(service=CACHE_UNIT, running=False, enabled=False)
+            yield from files.file._inner(path=unit_path, present=False)
+            yield from files.file._inner(path=CACHE_SCRIPT, present=False)
+            yield from systemd.daemon_reload._inner()
+        return
+    script_commands = list(files.put._inner(
+        src=_LOCAL_CACHE_SCRIPT, dest=CACHE_SCRIPT, user="root", group="root", mode="644",
+        add_deploy_dir=False,
+    ))
+    unit_commands = list(files.put._inner(
+        src=StringIO(cache_unit(settings)), dest=unit_path, user="root", group="root", mode="644",
+    ))
+    yield from script_commands
+    yield from unit_commands
+    yield from systemd.service._inner(
+        service=CACHE_UNIT, running=True, enabled=True, restarted=bool(script_commands or unit_commands),
+        daemon_reload=bool(unit_commands),
+    )
 
 
 # --------------------------------------------------------------------------- waiting
@@ -242,6 +350,8 @@ def wait_for_fetch(state, host, settings: Settings, elevation: Optional[Mapping[
     # A finished earlier run's status must not be read as this run's result.
     start = (f"systemctl is-active -q {FETCH_UNIT} || rm -f {shlex.quote(status_file)}; "
              f"systemctl start --no-block {FETCH_UNIT}")
+    if settings.model_reverify:
+        start = f"touch {shlex.quote(reverify_request_file(settings))} && {start}"
     ok, output = host.run_shell_command(start, **elevation)
     if not ok:
         raise OperationError(f"host {host.name}: cannot start {FETCH_UNIT}: "
@@ -305,6 +415,10 @@ def model_present(settings: Settings, wait: bool = True, timeout_s: int = 12 * 3
       be started before the model is present)
     + timeout_s: how long to wait; the unit keeps going afterwards, a later deploy waits again
 
+    With ``settings.model_reverify`` it runs the downloader even on a covered model, asking it
+    (through a request file that outlives an interrupted run) to re-hash every file; the
+    operation then counts as changed, so the engine restarts on the re-verified model.
+
     Run it as root (``_sudo=True``); the privilege arguments apply to the callback too.
 
     **Example:**
@@ -316,7 +430,7 @@ def model_present(settings: Settings, wait: bool = True, timeout_s: int = 12 * 3
     """
     info = current_host.get_fact(ModelManifest, model_dir=settings.model_dir)
     covered, _why = info.covers(settings.model_repo, settings.model_revision)
-    if covered:
+    if covered and not settings.model_reverify:
         return
     if not wait:
         yield StringCommand("systemctl", "start", "--no-block", FETCH_UNIT)

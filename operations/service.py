@@ -18,6 +18,7 @@ from pyinfra.operations import files
 from facts.files import FileText
 from freetoken_infra.launch import LaunchPlan, engine_command
 from freetoken_infra.settings import Settings
+from operations.model import unit_word, check_argv
 
 UNIT_PATH = "/etc/systemd/system/freetoken.service"
 KEY_VAR = "FREETOKEN_API_KEY"
@@ -29,10 +30,6 @@ def env_path(settings: Settings) -> str:
 
 def key_path(settings: Settings) -> str:
     return f"{settings.config_dir}/api-key.env"
-
-
-def manifest_path(settings: Settings) -> str:
-    return f"{settings.model_dir}/.freetoken-manifest.json"
 
 
 def engine_environment(settings: Settings) -> str:
@@ -71,8 +68,9 @@ Group={settings.service_user}
 WorkingDirectory={settings.state_dir}
 EnvironmentFile={env_path(settings)}
 EnvironmentFile=-{key_path(settings)}
-# The engine never starts on a model whose download did not verify.
-ExecStartPre=/usr/bin/test -s {manifest_path(settings)}
+# The engine never starts on a model whose download did not verify (complete, and every
+# file as it was when its hash was checked).
+ExecStartPre={" ".join(unit_word(a) for a in check_argv(settings))}
 ExecStart={command}
 Restart=on-failure
 # FreeToken 0.2.1 ends itself with SIGTERM when a backend worker dies, which

@@ -22,7 +22,7 @@ Order of work (nothing heavy happens before the cheap refusals):
      a cache cannot serve wrong bytes;
   5. ``DEST/.freetoken-manifest.json`` records each verified file with its size and mtime; a
      re-run trusts entries whose size and mtime still match and hashes nothing
-     (``--reverify`` re-hashes everything).
+     (``--reverify``, or ``--reverify-request FILE`` while FILE exists, re-hashes everything).
 
 Exit codes: 0 every file verified; 1 failed (network, hub error, verification); 2 usage;
 3 refused: unsupported quantisation; 4 refused: not enough disk.
@@ -32,7 +32,12 @@ plain ``/resolve/`` HTTP endpoints and never speaks the Xet protocol (which answ
 through a mirror in the field report).
 
 The hub token is read from ``--token-file`` only, sent as ``Authorization: Bearer`` to the
-upstream endpoint and the sources, never printed, and dropped on redirects to another host.
+upstream endpoint only (never to a ``--source``), never printed, and dropped on redirects to
+another host.
+
+``--check`` (no network): exit 0 when DEST's manifest vouches for REPO at REVISION (complete,
+every file still with its verified size and mtime; ``manifest.py``), else 1 naming what is
+wrong. The engine's unit runs it before every start.
 """
 
 from __future__ import annotations
@@ -53,14 +58,16 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-try:
-    import quant  # uploaded beside this script on the target
+try:  # uploaded beside this script on the target
+    import manifest as manifest_rules
+    import quant
 except ImportError:  # run from a checkout of the project
     sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+    from freetoken_infra import manifest as manifest_rules  # type: ignore[no-redef]
     from freetoken_infra import quant  # type: ignore[no-redef]
 
-MANIFEST = ".freetoken-manifest.json"
-PARTIAL_DIR = ".partial"
+MANIFEST = manifest_rules.MANIFEST_NAME
+PARTIAL_DIR = manifest_rules.PARTIAL_DIR
 CONFIG_FILES = ("config.json", "hf_quant_config.json")
 SUPPORTED_REPO = "nvidia/Qwen3.6-35B-A3B-NVFP4"
 CHUNK = 1024 * 1024
@@ -90,6 +97,10 @@ class Transient(Exception):
 
 class BadSource(Exception):
     """A source cannot serve this file (404, wrong bytes, no such repo): try the next one."""
+
+
+class SourceDown(BadSource):
+    """A source cannot be reached at all: drop it for the rest of the run."""
 
 
 def log(msg: str) -> None:
@@ -157,14 +168,17 @@ class _SameOriginAuthRedirect(urllib.request.HTTPRedirectHandler):
 
 
 class Http:
-    def __init__(self, token: str | None, timeout: float):
+    def __init__(self, token: str | None, timeout: float, token_origin: str | None = None):
         self._token = token
+        # The token goes to the upstream endpoint only: a LAN cache needs none, and it is
+        # often plain HTTP on a shared network.
+        self._token_origin = urllib.parse.urlsplit(token_origin)[:2] if token_origin else None
         self.timeout = timeout
         self._opener = urllib.request.build_opener(_SameOriginAuthRedirect())
 
     def open(self, url: str, headers: dict | None = None):
         req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **(headers or {})})
-        if self._token:
+        if self._token and (self._token_origin is None or urllib.parse.urlsplit(url)[:2] == self._token_origin):
             req.add_header("Authorization", f"Bearer {self._token}")
         return self._opener.open(req, timeout=self.timeout)
 
@@ -429,6 +443,8 @@ class Fetcher:
                 raise BadSource(f"{source} answered HTTP {exc.code}") from None
             raise Failed(hub_error(exc, url)) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            if source != self.endpoint:
+                raise SourceDown(f"{source} is unreachable ({reason(exc)})") from None
             raise Transient(f"{source}: {reason(exc)}") from None
         with resp:
             if have and resp.status == 200:  # the server ignored Range: start over
@@ -492,7 +508,11 @@ class Fetcher:
                     continue
                 except BadSource as exc:
                     errors.append(str(exc))
-                    log(f"{f.name}: {exc}; trying the next source")
+                    if isinstance(exc, SourceDown) and source in self.sources:
+                        self.sources.remove(source)
+                        log(f"{f.name}: {exc}; not asking it again in this run")
+                    else:
+                        log(f"{f.name}: {exc}; trying the next source")
                     break
                 if self.matches(f, h):
                     moved_from = source
@@ -679,13 +699,18 @@ def read_token(path: str | None) -> str | None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="fetch_model.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--endpoint", required=True, help="hub or hub mirror, e.g. the HF_ENDPOINT value")
+    p.add_argument("--endpoint", help="hub or hub mirror, e.g. the HF_ENDPOINT value (required unless --check)")
+    p.add_argument("--check", action="store_true",
+                   help="no download: exit 0 only if DEST holds a verified, untouched REPO@REVISION")
     p.add_argument("--repo", required=True, help="owner/name")
     p.add_argument("--revision", default="main", help="branch, tag or commit sha")
     p.add_argument("--dest", required=True, help="model directory")
     p.add_argument("--token-file", help="file holding the hub token (never pass the token itself)")
     p.add_argument("--status-file", help="JSON progress, atomically rewritten at least every second")
     p.add_argument("--reverify", action="store_true", help="re-hash every file, trusting no manifest entry")
+    p.add_argument("--reverify-request", metavar="FILE",
+                   help="act as --reverify while FILE exists; removed once every file verified (a "
+                        "re-verify asked for by the deploy survives an interrupted run)")
     p.add_argument("--disk-margin-gb", type=float, default=5.0, help="free space to keep beyond the download")
     p.add_argument("--source", action="append", default=[],
                    help="LAN cache with the hub's endpoints, tried before --endpoint (repeatable)")
@@ -693,20 +718,53 @@ def parse_args(argv=None):
     p.add_argument("--backoff-s", type=float, default=2.0, help="first retry delay, doubled each time (max 30)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="socket timeout: a stalled link is retried")
     args = p.parse_args(argv)
+    if not args.check and not args.endpoint:
+        p.error("--endpoint is required")
     if args.repo.count("/") != 1 or any(c in args.repo for c in " ?#") or ".." in args.repo:
         p.error("--repo must be owner/name")
     return args
 
 
+def check(args) -> int:
+    """``--check``: the manifest's verdict on DEST, without hashing or network."""
+    dest = os.path.abspath(args.dest)
+    doc, error = None, None
+    try:
+        with open(os.path.join(dest, MANIFEST), "rb") as f:
+            doc = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:
+        error = f"{dest}/{MANIFEST} is unreadable: {exc}"
+    if doc is not None and not (isinstance(doc, dict) and isinstance(doc.get("files"), dict)):
+        doc, error = None, f"{dest}/{MANIFEST} is not a download manifest"
+    ok, why = manifest_rules.covers(doc, manifest_rules.files_on_disk(dest), args.repo, args.revision, dest, error)
+    if ok:
+        log(f"{args.repo}@{args.revision} in {dest}: verified")
+        return EXIT_OK
+    log(f"NOT VERIFIED: {why}; the engine must not start on it. Run the deploy (or "
+        f"`systemctl start freetoken-model-fetch`) to fetch and verify the model.")
+    return EXIT_FAILED
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.check:
+        return check(args)
+    if args.reverify_request and os.path.exists(args.reverify_request):
+        args.reverify = True
     socket.setdefaulttimeout(args.timeout_s)
     fetcher = None
     try:
         fetcher = Fetcher(args)
-        fetcher.http = Http(read_token(args.token_file), args.timeout_s)
+        fetcher.http = Http(read_token(args.token_file), args.timeout_s, token_origin=fetcher.endpoint)
         fetcher.run()
         code = EXIT_OK
+        if args.reverify and args.reverify_request:
+            try:
+                os.unlink(args.reverify_request)
+            except FileNotFoundError:
+                pass
     except Failed as exc:
         log(("REFUSED: " if isinstance(exc, Refused) else "FAILED: ") + str(exc))
         if fetcher:

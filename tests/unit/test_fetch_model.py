@@ -92,6 +92,7 @@ def script_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("lib-freetoken")
     shutil.copy(ROOT / "operations" / "scripts" / "fetch_model.py", d / "fetch_model.py")
     shutil.copy(ROOT / "freetoken_infra" / "quant.py", d / "quant.py")
+    shutil.copy(ROOT / "freetoken_infra" / "manifest.py", d / "manifest.py")
     return d
 
 
@@ -347,13 +348,49 @@ def test_lan_source_with_wrong_bytes_is_rejected_and_upstream_used(script_dir, f
         cache.close()
 
 
-def test_unreachable_source_falls_back_to_upstream(script_dir, fresh, repos, tmp_path):
+def test_unreachable_source_is_dropped_at_once_and_upstream_used(script_dir, fresh, repos, tmp_path):
+    """A cache host that is down costs one refused connection, not retries for every file."""
     dead = f"http://127.0.0.1:{free_port()}"
     dest = tmp_path / "model"
-    run = fetch(script_dir, fresh.url, dest, "--source", dead, "--retries", "1")
+    run = fetch(script_dir, fresh.url, dest, "--source", dead)
     assert run.rc == 0, run.stderr
     assert_complete(dest, repos)
     assert fresh.stats()["bytes_sent"] == sum(model_bytes(repos).values())
+    assert run.stderr.count(dead) == 1, run.stderr
+    assert "not asking it again" in run.stderr and "retry" not in run.stderr
+
+
+def test_the_token_goes_to_upstream_only_never_to_a_source(script_dir, repos, tmp_path):
+    """A LAN cache is plain HTTP on a shared network: it gets no Authorization header."""
+    import http.server
+    import threading
+
+    seen: list[dict] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(dict(self.headers))
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    source = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=source.serve_forever, daemon=True).start()
+    token_file = tmp_path / "hub-token"
+    token_file.write_text(TOKEN + "\n")
+    gated = Hub(repos, token_file=token_file)
+    try:
+        run = fetch(script_dir, gated.url, tmp_path / "model", "--token-file", str(token_file),
+                    "--source", f"http://127.0.0.1:{source.server_address[1]}")
+        assert run.rc == 0, run.stderr
+        assert_complete(tmp_path / "model", repos)
+        assert seen and all("Authorization" not in h and TOKEN not in str(h) for h in seen)
+    finally:
+        gated.close()
+        source.shutdown()
 
 
 def test_status_file_is_rewritten_while_waiting(script_dir, fresh, repos, tmp_path):
@@ -490,3 +527,161 @@ def test_wait_follows_the_unit_and_reports_refusal_with_host_and_error(capsys):
         wait_for_fetch(None, host, Settings(), poll_s=0.6)
     text = str(exc.value)
     assert text.startswith("host ws1: the model download refused: refusing unsloth") and "journalctl" in text
+
+
+# --------------------------------------------------------------------------- the LAN model cache
+
+
+class Cache:
+    """operations/scripts/model_cache.py, as the cache host runs it, on a free loopback port."""
+
+    def __init__(self, script_dir: Path, model_dir: Path):
+        shutil.copy(ROOT / "operations" / "scripts" / "model_cache.py", script_dir / "model_cache.py")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", str(script_dir / "model_cache.py"), "--dir", str(model_dir),
+             "--bind", "127.0.0.1", "--port", str(self.port)],
+            cwd="/", env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError("model_cache.py did not start")
+                time.sleep(0.05)
+
+    def get(self, path: str, headers: dict | None = None, method: str = "GET"):
+        """(status, headers, body); HTTP errors are answers too."""
+        import urllib.error
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        req = urllib.request.Request(self.url + path, headers=headers or {}, method=method)
+        try:
+            with opener.open(req, timeout=10) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def resolve(name: str, rev: str = hub_repos.REPOS[SUPPORTED]["sha"]) -> str:
+    return f"/{SUPPORTED}/resolve/{rev}/{name}"
+
+
+def test_cache_serves_verified_files_with_range_and_nothing_else(script_dir, repos, complete_model):
+    cache = Cache(script_dir, complete_model)
+    try:
+        want = (complete_model / SHARD1).read_bytes()
+        status, _, body = cache.get(resolve(SHARD1))
+        assert status == 200 and body == want
+        status, headers, body = cache.get(resolve(SHARD1, "main"), {"Range": "bytes=1000-"})
+        assert status == 206 and body == want[1000:]
+        assert headers["Content-Range"] == f"bytes 1000-{len(want) - 1}/{len(want)}"
+        assert cache.get(resolve(SHARD1), {"Range": f"bytes={len(want)}-"})[0] == 416
+        status, headers, body = cache.get(resolve(SHARD1), method="HEAD")
+        assert status == 200 and int(headers["Content-Length"]) == len(want) and body == b""
+        health = json.loads(cache.get("/health")[2])
+        assert health["complete"] and health["repo"] == SUPPORTED and health["files"] == len(model_bytes(repos))
+
+        # Not vouched for: another commit, another repo, a file the manifest does not list, a
+        # partial download, the manifest itself, a file changed after it was verified.
+        (complete_model / "notes.txt").write_text("mine")
+        (complete_model / ".partial").mkdir()
+        (complete_model / ".partial" / "x.part").write_text("half")
+        for path in (resolve(SHARD1, "0" * 40), f"/{UNSUPPORTED}/resolve/main/{SHARD1}", resolve("notes.txt"),
+                     resolve(".partial/x.part"), resolve(".freetoken-manifest.json"), resolve("../model/config.json"),
+                     "/api/models/" + SUPPORTED):
+            assert cache.get(path)[0] == 404, path
+        shard = complete_model / SHARD2
+        os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+        status, _, body = cache.get(resolve(SHARD2))
+        assert status == 404 and b"changed since it was verified" in body
+    finally:
+        cache.close()
+
+
+def test_a_fleet_through_the_cache_reads_upstream_once(script_dir, fresh, repos, tmp_path):
+    """Host 1 fetches from the hub and serves its copy; hosts 2 and 3 take every byte from it."""
+    size = sum(model_bytes(repos).values())
+    first = tmp_path / "host1"
+    assert fetch(script_dir, fresh.url, first).rc == 0
+    cache = Cache(script_dir, first)
+    try:
+        for name in ("host2", "host3"):
+            run = fetch(script_dir, fresh.url, tmp_path / name, "--source", cache.url)
+            assert run.rc == 0, run.stderr
+            assert_complete(tmp_path / name, repos)
+            assert "from cache " + cache.url in run.stderr
+        assert fresh.stats()["bytes_sent"] == size  # host1's download, and nothing more
+    finally:
+        cache.close()
+
+
+def test_a_cache_still_filling_serves_what_it_has_and_upstream_the_rest(script_dir, fresh, repos, tmp_path):
+    first = tmp_path / "host1"
+    assert fetch(script_dir, fresh.url, first).rc == 0
+    manifest = json.loads((first / ".freetoken-manifest.json").read_text())
+    manifest["complete"] = False
+    del manifest["files"][SHARD2]  # as while the cache host is still downloading it
+    (first / ".freetoken-manifest.json").write_text(json.dumps(manifest))
+    cache = Cache(script_dir, first)
+    try:
+        fresh.reset()
+        run = fetch(script_dir, fresh.url, tmp_path / "host2", "--source", cache.url)
+        assert run.rc == 0, run.stderr
+        assert_complete(tmp_path / "host2", repos)
+        assert fresh.stats()["by_file"] == {f"{SUPPORTED}/{SHARD2}": model_bytes(repos)[SHARD2]}
+    finally:
+        cache.close()
+
+
+def check(script_dir: Path, dest: Path, revision: str = "main") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-I", str(script_dir / "fetch_model.py"), "--check", "--repo", SUPPORTED,
+         "--revision", revision, "--dest", str(dest)],
+        cwd="/", env=_clean_env(), capture_output=True, text=True, timeout=30)
+
+
+def test_check_passes_only_a_complete_untouched_download(script_dir, complete_model, tmp_path):
+    assert check(script_dir, complete_model).returncode == 0
+    assert check(script_dir, complete_model, hub_repos.REPOS[SUPPORTED]["sha"]).returncode == 0
+    other = check(script_dir, complete_model, "v2")
+    assert other.returncode == 1 and "not v2" in other.stderr
+    empty = check(script_dir, tmp_path / "nothing")
+    assert empty.returncode == 1 and "no .freetoken-manifest.json" in empty.stderr
+    shard = complete_model / SHARD1
+    flip_byte(shard, 10)  # an edit changes the mtime
+    bad = check(script_dir, complete_model)
+    assert bad.returncode == 1 and f"{SHARD1} changed since it was verified" in bad.stderr
+    assert "must not start" in bad.stderr
+
+
+def test_a_reverify_request_survives_until_a_run_verifies_everything(script_dir, fresh, repos, complete_model,
+                                                                       tmp_path):
+    request = tmp_path / "reverify-requested"
+    request.touch()
+    shard = complete_model / SHARD2
+    st = shard.stat()
+    flip_byte(shard, st.st_size // 3)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # only a full re-hash can tell
+    fresh.cut(after_bytes=1000, times=100)  # the re-fetch fails ...
+    failed = fetch(script_dir, fresh.url, complete_model, "--reverify-request", str(request), "--retries", "1")
+    assert failed.rc == 1 and request.exists()  # ... and the request stays for the next run
+    fresh.reset()
+    run = fetch(script_dir, fresh.url, complete_model, "--reverify-request", str(request))
+    assert run.rc == 0, run.stderr
+    assert run.status["bytes_hashed"] >= sum(model_bytes(repos).values()) - st.st_size
+    assert_complete(complete_model, repos)
+    assert not request.exists()
+    again = fetch(script_dir, fresh.url, complete_model, "--reverify-request", str(request))
+    assert again.rc == 0 and again.status["bytes_hashed"] == 0
