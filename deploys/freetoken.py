@@ -86,8 +86,21 @@ if ok:
     engine.service_user(name="Engine: service user and directories", settings=settings)
     env_op = engine.environment(name=f"Engine: {settings.engine_requirement} environment", settings=settings)
 
-    model.model_fetcher(name="Model: downloader unit", settings=settings)
-    model_op = model.model_present(name=f"Model: {settings.model_repo}@{settings.model_revision}", settings=settings)
+    # The fleet's LAN model cache host fetches first and then serves its verified copy; the
+    # other hosts fetch after it, from it (upstream is read once per fleet). pyinfra orders
+    # operations per host; the cache step, called by every host from this one line, is the
+    # point the others wait for.
+    model_name = f"Model: {settings.model_repo}@{settings.model_revision}"
+    sources = model.cache_sources(settings, host.name, state.inventory)
+    fetches_first = settings.model_cache_host in (None, host.name)
+    if fetches_first:
+        model.model_fetcher(name="Model: downloader unit", settings=settings, sources=sources)
+        model_op = model.model_present(name=model_name, settings=settings)
+    model.model_cache(name="Model: LAN cache (on the model_cache_host only)", settings=settings,
+                      present=settings.model_cache_host == host.name)
+    if not fetches_first:
+        model.model_fetcher(name="Model: downloader unit (LAN cache first)", settings=settings, sources=sources)
+        model_op = model.model_present(name=f"{model_name} (LAN cache first)", settings=settings)
 
     key_op = service.api_key(name="Service: API key (0600)", settings=settings)
     unit_op = service.unit(name="Service: freetoken.service and its environment", settings=settings, plan=plan)

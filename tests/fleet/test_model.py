@@ -1,0 +1,192 @@
+"""Model delivery on the simulated fleet: the LAN model cache, a transfer cut part-way, a corrupt
+shard, an unsupported model. Real pyinfra over real SSH; the hub is the stand-in
+(tests/fleet/standins/hub.py), whose byte counters say what crossed "the internet".
+
+ws1 is the fleet's cache host (``model_cache_host=ws1``): it fetches from the hub and serves its
+verified copy; ws2 fetches from ws1. ws3 is refused at preflight, as always.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from tests.fleet import harness
+from tests.fleet.client import PYINFRA, ROOT, chat, api_key, deploy, health, wait_healthy
+from tests.fleet.standins import hub_repos
+
+pytestmark = pytest.mark.fleet
+
+REPO = hub_repos.SUPPORTED_REPO
+MODEL_DIR = "/var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia"
+STATUS = "/var/lib/freetoken/model-fetch/status.json"
+SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+CACHE = ("--data", "model_cache_host=ws1")
+CHUNK = 1024 * 1024  # fetch_model.py's read size
+
+
+def hub(fleet, path: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(fleet.url("hub") + path, data=data, method="POST" if data else "GET")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def weight_bytes(stats: dict, repo: str = REPO) -> int:
+    return sum(n for key, n in stats["by_file"].items() if key.startswith(repo + "/") and key.endswith(".safetensors"))
+
+
+def model_size() -> int:
+    return sum(len(b) for b in hub_repos.repo_files(REPO).values())
+
+
+def out(run: subprocess.CompletedProcess) -> str:
+    return run.stdout + run.stderr
+
+
+@pytest.fixture(scope="module")
+def cached_rollout(sim_fleet):
+    """The fleet's first converge with ws1 as the LAN cache; the hub counts what it sent."""
+    for host in ("ws1", "ws2"):  # whatever an earlier module left: no model on either host
+        sim_fleet.run(host, f"systemctl stop freetoken.service 2>/dev/null; rm -rf {MODEL_DIR}")
+    hub(sim_fleet, "/_standin/reset", {})
+    run = deploy(*CACHE)
+    return run, hub(sim_fleet, "/_standin/stats")
+
+
+def test_a_fleet_rollout_through_the_lan_cache_reads_the_hub_once(sim_fleet, cached_rollout):
+    run, stats = cached_rollout
+    for host in ("ws1", "ws2"):
+        wait_healthy(sim_fleet, host)
+        assert chat(sim_fleet, host, api_key(sim_fleet, host))["choices"][0]["message"]["content"]
+    # Two hosts got the model, the hub sent it once: every weight byte ws2 has came from ws1.
+    assert weight_bytes(stats) == sum(len(b) for n, b in hub_repos.repo_files(REPO).items() if n in SHARDS)
+    fetch_log = sim_fleet.run("ws2", "journalctl -u freetoken-model-fetch --no-pager -o cat", check=True).stdout
+    for shard in SHARDS:
+        assert f"{shard}: " in fetch_log and "verified, from cache http://10.213.0.11:8090" in fetch_log, fetch_log
+    assert sim_fleet.run("ws1", "systemctl is-active freetoken-model-cache.service").stdout.strip() == "active"
+    assert sim_fleet.run("ws2", "systemctl is-active freetoken-model-cache.service").stdout.strip() != "active"
+
+
+def test_a_transfer_cut_part_way_resumes_and_a_rerun_completes(sim_fleet, cached_rollout):
+    """The link drops mid-file (resumed with Range), the controller dies (pitfall 4A's reaped
+    session: the download unit keeps going), then the VM goes down mid-file; the next deploy
+    resumes from the partial file and finishes the job."""
+    host = "ws1"
+    missing = sum(len(b) for n, b in hub_repos.repo_files(REPO).items() if n in SHARDS[1:])
+    sim_fleet.run(host, "systemctl stop freetoken.service", check=True)
+    sim_fleet.run(host, f"rm {MODEL_DIR}/{SHARDS[1]} {MODEL_DIR}/{SHARDS[2]} {STATUS}", check=True)
+    hub(sim_fleet, "/_standin/reset", {})
+    hub(sim_fleet, "/_standin/throttle", {"bytes_per_s": 400_000})
+    hub(sim_fleet, "/_standin/cut", {"after_bytes": 500_000, "times": 1})  # the first transfer drops
+    controller = subprocess.Popen(
+        [PYINFRA, "-y", *CACHE, "--limit", host, "inventories/sim.py", "deploys/freetoken.py"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())}, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            status = sim_fleet.run(host, f"cat {STATUS} 2>/dev/null").stdout
+            doc = json.loads(status) if status.strip() else {}
+            if doc.get("state") == "downloading" and doc.get("bytes_transferred", 0) > 1_000_000:
+                break
+            assert controller.poll() is None, "the deploy ended before the download got going"
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the download never started")
+        os.killpg(controller.pid, signal.SIGKILL)
+    finally:
+        if controller.poll() is None:
+            os.killpg(controller.pid, signal.SIGKILL)
+        controller.wait()
+    time.sleep(2)
+    assert sim_fleet.run(host, "systemctl is-active freetoken-model-fetch.service").stdout.strip() in (
+        "active", "activating"), "the download died with the session that started it"
+    sim_fleet.run(host, "systemctl stop freetoken-model-fetch.service", check=True)  # the VM goes down
+    log = sim_fleet.run(host, "journalctl -u freetoken-model-fetch --no-pager -o cat -n 60", check=True).stdout
+    assert "link dropped" in log and "resuming" in log, log
+    partial = sim_fleet.run(host, f"du -bs {MODEL_DIR}/.partial", check=True).stdout.split()[0]
+    assert int(partial) > 0
+    hub(sim_fleet, "/_standin/throttle", {"bytes_per_s": 0})
+
+    rerun = deploy(*CACHE, "--limit", host)
+    assert rerun.returncode == 0, out(rerun)[-5000:]
+    assert f"[{host}] model: {REPO} verified in {MODEL_DIR}" in out(rerun)
+    wait_healthy(sim_fleet, host)
+    sent = weight_bytes(hub(sim_fleet, "/_standin/stats"))
+    print(f"cut, stopped and resumed: bytes sent / bytes missing = {sent / missing:.4f}")
+    # Nothing fetched twice: at most one read chunk in flight per interruption.
+    assert missing <= sent <= missing + 2 * CHUNK, (sent, missing)
+
+
+def test_a_corrupt_shard_is_refetched_and_the_engine_waits_for_it(sim_fleet, cached_rollout):
+    host = "ws2"
+    wait_healthy(sim_fleet, host)
+    shard = f"{MODEL_DIR}/{SHARDS[0]}"
+    sim_fleet.run(host, f"printf 'X' | dd of={shard} bs=1 seek=4096 conv=notrunc status=none", check=True)
+
+    # The engine's unit refuses to start on it ...
+    sim_fleet.run(host, "systemctl restart freetoken.service")
+    time.sleep(1)
+    assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() != "active"
+    journal = sim_fleet.run(host, "journalctl -u freetoken.service --no-pager -o cat -n 20", check=True).stdout
+    assert f"NOT VERIFIED: {SHARDS[0]} changed since it was verified" in journal, journal
+    assert health(sim_fleet, host)["status"] == "down"
+    # (stop its restart loop, so the only start left is the deploy's and the order below is exact)
+    sim_fleet.run(host, "systemctl stop freetoken.service", check=True)
+
+    # ... and the deploy finds it, fetches it again (from the cache) and only then starts it.
+    hub(sim_fleet, "/_standin/reset", {})
+    run = deploy(*CACHE, "--limit", host)
+    assert run.returncode == 0, out(run)[-5000:]
+    fetch_log = sim_fleet.run(host, "journalctl -u freetoken-model-fetch --no-pager -o cat -n 40", check=True).stdout
+    assert f"{SHARDS[0]}: on disk but corrupt (hash mismatch); fetching it again" in fetch_log
+    wait_healthy(sim_fleet, host)
+    # Both units' lines in journal order: the download's end, then the engine's pre-start check.
+    lines = sim_fleet.run(host, "journalctl -u freetoken-model-fetch -u freetoken.service -o cat --no-pager -n 300",
+                          check=True).stdout.splitlines()
+    done = max(i for i, line in enumerate(lines) if line.startswith("fetch_model: done:"))
+    checked = max(i for i, line in enumerate(lines) if line.endswith(f"in {MODEL_DIR}: verified"))
+    assert done < checked, lines[-40:]
+    assert weight_bytes(hub(sim_fleet, "/_standin/stats")) == 0  # the good copy came from ws1
+
+
+def test_an_explicit_reverify_finds_corruption_that_kept_size_and_mtime(sim_fleet, cached_rollout):
+    host = "ws2"
+    shard = f"{MODEL_DIR}/{SHARDS[2]}"
+    sim_fleet.run(host, f"touch -r {shard} /tmp/mtime && printf 'X' | dd of={shard} bs=1 seek=100 conv=notrunc "
+                        f"status=none && touch -r /tmp/mtime {shard}", check=True)
+    plain = deploy(*CACHE, "--limit", host)  # size and mtime match: nothing to see without hashing
+    assert plain.returncode == 0
+    assert "corrupt" not in sim_fleet.run(host, "journalctl -u freetoken-model-fetch --no-pager -o cat -n 5").stdout
+    run = deploy(*CACHE, "--limit", host, "--data", "model_reverify=true")
+    assert run.returncode == 0, out(run)[-5000:]
+    log = sim_fleet.run(host, "journalctl -u freetoken-model-fetch --no-pager -o cat -n 40", check=True).stdout
+    assert f"{SHARDS[2]}: on disk but corrupt (hash mismatch); fetching it again" in log, log
+    assert sim_fleet.run(host, "test -e /var/lib/freetoken/model-fetch/reverify-requested").returncode != 0
+    wait_healthy(sim_fleet, host)
+
+
+def test_an_unsupported_model_is_refused_before_a_single_weight_byte(sim_fleet, cached_rollout):
+    host = "ws2"
+    before = health(sim_fleet, host)
+    hub(sim_fleet, "/_standin/reset", {})
+    other = "/var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-unsloth"
+    run = deploy(*CACHE, "--limit", host, "--data", f"model_repo={hub_repos.UNSUPPORTED_REPO}",
+                 "--data", f"model_dir={other}")
+    assert run.returncode != 0
+    assert f"refusing {hub_repos.UNSUPPORTED_REPO}" in out(run) and "No weights were downloaded" in out(run)
+    stats = hub(sim_fleet, "/_standin/stats")
+    assert weight_bytes(stats, hub_repos.UNSUPPORTED_REPO) == 0, stats
+    assert sim_fleet.run(host, f"ls {other}/*.safetensors").returncode != 0
+    # Nothing half-changed: the engine still serves the model it had.
+    after = wait_healthy(sim_fleet, host)
+    assert after["instance_id"] == before["instance_id"] and after["model"] == before["model"]
