@@ -24,7 +24,7 @@ from pyinfra.operations.util import any_changed
 
 from facts.engine import EngineHealth
 from facts.windows_tasks import WslDistroName
-from freetoken_infra import rules
+from freetoken_infra import report, rules
 from freetoken_infra.preflight import fleet_settings, run_preflight
 from operations import cuda, engine, guard, health, model, service, windows
 
@@ -44,6 +44,7 @@ def windows_side(settings, obs) -> list[str]:
     for path, section, values in targets:
         name = ".wslconfig [wsl2]" if section == "wsl2" else f"{path} [{section}]"
         windows.ini_values(name=f"Windows side: {name}", path=path, section=section, values=values)
+    report.record(host.name, restart_pending=changing)  # for a rollout's fleet report
     return changing
 
 
@@ -60,6 +61,7 @@ def stop_for_restart(obs) -> None:
 
 
 settings, obs, findings, ok = run_preflight(state, host, on_fixable=stop_for_restart)
+report.record_host(state, host, settings, obs, findings)  # only under a rollout (FREETOKEN_RUN_RECORD)
 
 if ok:
     changing = windows_side(settings, obs)
@@ -84,6 +86,9 @@ if ok:
     cuda.toolkit(name=f"CUDA: toolkit packages, nvcc lists {arch}", settings=settings, gpu_arch=arch)
 
     engine.service_user(name="Engine: service user and directories", settings=settings)
+    # Blue-green: the version that serves now stays installed; if the new one fails the
+    # health gate, the gate switches back to it (README, "Upgrades and rollback").
+    rollback_to = engine.previous_version(obs.engine, settings)
     env_op = engine.environment(name=f"Engine: {settings.engine_requirement} environment", settings=settings)
 
     # The fleet's LAN model cache host fetches first and then serves its verified copy; the
@@ -120,5 +125,5 @@ if ok:
     gate_args = {} if not (healthy_now and was_running) else {"_if": changed}
     health.health_gate(
         name="Health gate: /health ok, chat completion, decode tok/s",
-        settings=settings, key_file=service.key_path(settings), **gate_args,
+        settings=settings, key_file=service.key_path(settings), rollback_to=rollback_to, **gate_args,
     )

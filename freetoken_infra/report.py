@@ -1,10 +1,15 @@
-"""Plain-text reports: one findings table per host, one summary per fleet."""
+"""Plain-text reports: one findings table per host, one summary per fleet, and the fleet
+report a rollout ends with (table and JSON)."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import textwrap
-from typing import Iterable
+from typing import Any, Iterable, Optional
+
+from pyinfra.api.state import BaseStateCallback
 
 from freetoken_infra.rules import Finding
 
@@ -44,4 +49,236 @@ def fleet_summary(results: dict[str, list[Finding]]) -> str:
         lines.append(f"{name:<{name_w}}  {verdict:<7}{detail}")
     ready = sum(1 for f in results.values() if not any(x.status == "block" for x in f))
     lines.append(f"{ready} of {len(results)} host(s) ready")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- fleet report
+# What a rollout (freetoken_infra.rollout) prints at its end: one row per host, gathered
+# while each batch's deploy runs. The deploy appends JSON lines to the file named by
+# $FREETOKEN_RUN_RECORD (set by the rollout; nothing is recorded without it): what the
+# facts saw at preflight, the health gate's result, a rollback, failed operations, and at
+# disconnect whether pyinfra failed the host and how many operations changed something.
+
+RECORD_ENV = "FREETOKEN_RUN_RECORD"
+RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN = "ok", "failed", "not run"
+
+
+def last_gate_path(settings) -> str:
+    """Where the health gate leaves its last result on the host (decode tok/s for a report
+    when a later run had nothing to re-check)."""
+    return f"{settings.state_dir}/health-gate.json"
+
+
+def record(host_name: str, **fields: Any) -> None:
+    """Append one record for `host_name` to $FREETOKEN_RUN_RECORD (no-op when unset)."""
+    path = os.environ.get(RECORD_ENV)
+    if not path:
+        return
+    line = json.dumps({"host": host_name, **fields}, default=str)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def read_records(path: str) -> dict[str, list[dict]]:
+    """The records of one deploy run, by host (a torn last line is ignored)."""
+    by_host: dict[str, list[dict]] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return by_host
+    for line in lines:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("host"), str):
+            by_host.setdefault(doc["host"], []).append(doc)
+    return by_host
+
+
+class RunRecorder(BaseStateCallback):
+    """pyinfra callbacks: which operation failed on a host, and the host's end state."""
+
+    @staticmethod
+    def operation_host_error(state, host, op_hash, retry_count: int = 0, max_retries: int = 0):
+        names = sorted(state.get_op_meta(op_hash).names) or ["an operation"]
+        record(host.name, op_error=", ".join(names))
+
+    @staticmethod
+    def host_disconnect(state, host):
+        changes = 0
+        for op_data in state.ops.get(host, {}).values():
+            meta = op_data.operation_meta
+            if meta.is_complete() and meta.did_change():
+                changes += 1
+        # Not `host in state.failed_hosts`: the preflight fails hosts through pyinfra's
+        # context proxy, which cannot be compared outside the deploy's context.
+        record(host.name, finished={"failed": host not in state.active_hosts, "changes": changes})
+
+
+def record_host(state, host, settings, obs, findings) -> None:
+    """Called by the deploy right after preflight: register the recorder once per run and
+    record what the facts saw on this host (reads only)."""
+    if not os.environ.get(RECORD_ENV):
+        return
+    if not any(isinstance(h, RunRecorder) for h in state.callback_handlers):
+        state.add_callback_handler(RunRecorder())
+    from facts.engine import EngineHealth
+    from facts.files import FileText
+    from facts.restart import RestartPending
+    from freetoken_infra import rules
+
+    gpu = rules.primary_gpu(obs)
+    blocked = rules.blockers(findings)
+    observed: dict[str, Any] = {
+        "gpu": gpu.name if gpu else None,
+        "vram_mib": gpu.memory_total_mib if gpu else None,
+        "wsl_version": ".".join(map(str, obs.wsl.version)) if obs.wsl.version else None,
+        "wsl_kind": obs.kernel.kind,
+        "engine_active": obs.engine.active,
+        "engine_version": settings.engine_version,
+        "model": f"{settings.model_repo}@{settings.model_revision}",
+        "blockers": [f.check for f in blocked],
+        "restart_only": bool(blocked) and rules.only_deploy_fixable(findings),
+    }
+    if not blocked:
+        health = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port)
+        observed["health"] = {"status": health.status if health.reachable else "down",
+                              "version": health.version, "message": health.message}
+        text = host.get_fact(FileText, path=last_gate_path(settings))
+        try:
+            observed["last_gate"] = json.loads(text) if text else None
+        except ValueError:
+            observed["last_gate"] = None
+    paths = ["/etc/wsl.conf"]
+    if obs.windows_profile is not None and obs.windows_profile.path:
+        paths.insert(0, f"{obs.windows_profile.path}/.wslconfig")
+    observed["restart_pending"] = host.get_fact(RestartPending, paths=paths)
+    record(host.name, observed=observed)
+
+
+def _first_line(text: Any) -> str:
+    lines = str(text or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
+             not_run: Optional[str] = None, unreachable: Optional[str] = None,
+             no_result: str = "no result from the deploy") -> dict[str, Any]:
+    """One report row from a host's records. `not_run`: why the rollout never got to it;
+    `unreachable`: pyinfra's connection error when the deploy recorded nothing; `no_result`:
+    the reason when it recorded nothing and no connection error was seen."""
+    observed: dict = {}
+    gate = rollback = finished = None
+    op_errors: list[str] = []
+    restart_files: list[str] = []
+    for r in records:
+        observed.update(r.get("observed") or {})
+        gate = r.get("gate", gate)
+        rollback = r.get("rollback", rollback)
+        finished = r.get("finished", finished)
+        if r.get("op_error"):
+            op_errors.append(r["op_error"])
+        restart_files += r.get("restart_pending") or []
+    restart_files += observed.get("restart_pending") or []
+    restart_files = sorted(set(restart_files))
+
+    last_gate = observed.get("last_gate") or None
+    health_before = observed.get("health") or {}
+    if gate is not None:
+        health = "ok" if gate.get("ok") else f"failed ({gate.get('phase') or '?'})"
+        tps, tps_source = gate.get("decode_tps"), "this run"
+        engine = gate.get("version") or (observed.get("engine_version") if gate.get("ok") else None)
+    else:
+        status = health_before.get("status")
+        health = status or "-"
+        tps, tps_source = None, None
+        if status == "ok" and last_gate and last_gate.get("ok"):
+            tps, tps_source = last_gate.get("decode_tps"), "last gate"
+        engine = health_before.get("version") or observed.get("engine_active")
+    if rollback:
+        engine = rollback.get("to") if rollback.get("ok") else engine
+
+    if not_run:
+        result, reason = RESULT_NOT_RUN, not_run
+    elif not records:
+        result, reason = RESULT_FAILED, f"unreachable: {unreachable}" if unreachable else no_result
+    elif observed.get("blockers") and observed.get("restart_only"):
+        result, reason = RESULT_FAILED, "restart required: run `wsl.exe --shutdown` from Windows, then re-run"
+    elif observed.get("blockers"):
+        result, reason = RESULT_FAILED, "refused at preflight: " + ", ".join(observed["blockers"])
+    elif rollback:
+        result = RESULT_FAILED
+        if rollback.get("ok"):
+            reason = f"rolled back to {rollback.get('to')}: {_first_line(rollback.get('reason'))}"
+        else:
+            reason = (f"rollback to {rollback.get('to')} failed too: {_first_line(rollback.get('error'))} "
+                      f"(upgrade failed: {_first_line(rollback.get('reason'))})")
+    elif gate is not None and not gate.get("ok"):
+        result = RESULT_FAILED
+        reason = f"health gate failed in the {gate.get('phase') or '?'} phase: {_first_line(gate.get('error'))}"
+    elif op_errors:
+        result, reason = RESULT_FAILED, "failed at: " + "; ".join(op_errors)
+    elif finished is None:
+        result, reason = RESULT_FAILED, "the deploy stopped before this host finished"
+    elif finished.get("failed"):
+        result, reason = RESULT_FAILED, "pyinfra failed the host (see the log above)"
+    else:
+        result = RESULT_OK
+        changes = finished.get("changes") or 0
+        reason = f"{changes} change(s)" if changes else "no change"
+        before = observed.get("engine_active")
+        if before and engine and before != engine:
+            reason += f", upgraded from {before}"
+    vram = observed.get("vram_mib")
+    return {
+        "host": name,
+        "batch": batch,
+        "gpu": observed.get("gpu"),
+        "vram_gb": round(vram / 1024) if isinstance(vram, (int, float)) else None,
+        "wsl_version": observed.get("wsl_version"),
+        "engine_version": engine,
+        "model": observed.get("model"),
+        "health": health if records else "-",
+        "tokens_per_s": tps,
+        "tokens_per_s_source": tps_source,
+        "restart_pending": bool(restart_files) if observed else None,
+        "restart_pending_files": restart_files,
+        "result": result,
+        "reason": reason,
+        "changes": (finished or {}).get("changes"),
+    }
+
+
+def format_fleet_report(rows: list[dict]) -> str:
+    """The fleet table (one line per host, the reason last) and a one-line summary."""
+    header = ("host", "GPU", "VRAM", "WSL", "engine", "model", "health", "tok/s", "restart", "result")
+    table = []
+    for r in rows:
+        tps = r.get("tokens_per_s")
+        tps_text = "-" if not isinstance(tps, (int, float)) else (
+            f"{tps:.1f}" + ("*" if r.get("tokens_per_s_source") == "last gate" else ""))
+        restart = r.get("restart_pending")
+        table.append((
+            r["host"], r.get("gpu") or "-",
+            f"{r['vram_gb']} GB" if r.get("vram_gb") is not None else "-",
+            r.get("wsl_version") or "-", r.get("engine_version") or "-", r.get("model") or "-",
+            r.get("health") or "-", tps_text,
+            "-" if restart is None else ("yes" if restart else "no"),
+            f"{r['result']}: {r['reason']}" if r.get("reason") else r["result"],
+        ))
+    widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header) - 1)]
+
+    def fmt(row):
+        cells = [f"{str(c):<{w}}" for c, w in zip(row[:-1], widths)] + [str(row[-1])]
+        return "  ".join(cells).rstrip()
+
+    lines = ["== fleet report ==", fmt(header), "-" * (sum(widths) + 2 * len(widths) + len("result"))]
+    lines += [fmt(row) for row in table]
+    count = {k: sum(1 for r in rows if r["result"] == k) for k in (RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN)}
+    lines.append(f"{len(rows)} host(s): {count[RESULT_OK]} ok, {count[RESULT_FAILED]} failed, "
+                 f"{count[RESULT_NOT_RUN]} not run")
+    if any(r.get("tokens_per_s_source") == "last gate" for r in rows):
+        lines.append("* tok/s of the host's last health gate (nothing changed, so the gate did not run again)")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.operations import files
 
+from freetoken_infra.report import last_gate_path, record
 from freetoken_infra.settings import Settings
 
 GATE_SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "health_gate.py"
@@ -82,14 +83,9 @@ def parse_gate_output(lines: list[str]) -> Optional[dict[str, Any]]:
     return None
 
 
-def run_gate(state, host, settings: Settings, key_file: Optional[str],
-             script_path: str = GATE_SCRIPT_PATH,
-             elevation: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-    """Execution-time half of the operation: run the script, record, or raise OperationError.
-
-    ``elevation``: connector arguments such as ``{"_sudo": True}`` for the gate's commands.
-    """
-    elevation = dict(elevation or {})
+def _gate_once(host, settings: Settings, key_file: Optional[str], script_path: str,
+               elevation: Mapping[str, Any]) -> dict[str, Any]:
+    """Run the gate script once; its JSON result (a failed one when it printed none)."""
     command = gate_command(settings, key_file, script_path)
     click.echo(f"{host.print_prefix}health gate: {gate_url(settings)} "
                f"(model {settings.served_model_name}, up to {settings.health_timeout_s} s)", err=True)
@@ -106,25 +102,102 @@ def run_gate(state, host, settings: Settings, key_file: Optional[str],
                   "error": f"the gate script printed no result (exit {'0' if status else 'non-zero'}):\n{tail}"}
     elif not status and result.get("ok"):
         result = {**result, "ok": False, "error": "the gate script exited non-zero"}
-    result = {**result, "decode_floor_tps": settings.decode_floor_tps}
-    GATE_RESULTS[host.name] = result
-    if result["ok"]:
-        return result
+    return {**result, "decode_floor_tps": settings.decode_floor_tps}
 
+
+def _journal(host, elevation: Mapping[str, Any]) -> str:
     _, journal = host.run_shell_command(
         f"journalctl -u {ENGINE_UNIT} -n {JOURNAL_LINES} --no-pager -o cat", **elevation,
     )
-    journal_text = "\n".join("    " + line for line in journal.output_lines) or "    (no journal lines)"
+    return "\n".join("    " + line for line in journal.output_lines) or "    (no journal lines)"
+
+
+def _keep_result(host, result: Mapping[str, Any], path: Optional[str], elevation: Mapping[str, Any]) -> None:
+    """Leave the result on the host (no secret in it) for later reports; best effort."""
+    if path:
+        text = shlex.quote(json.dumps(dict(result)))
+        host.run_shell_command(f"umask 022 && printf '%s\\n' {text} > {shlex.quote(path)}", **elevation)
+
+
+def rollback_command(settings: Settings, version: str) -> str:
+    """Point the ``active`` link back at ``version`` (atomically) and restart the engine."""
+    target = shlex.quote(f"{settings.engine_base_dir}/{version}")
+    link = shlex.quote(settings.engine_active_link)
+    return (f"ln -sfn {target} {link}.rollback && mv -Tf {link}.rollback {link} && "
+            f"systemctl restart {ENGINE_UNIT}")
+
+
+def run_gate(state, host, settings: Settings, key_file: Optional[str],
+             script_path: str = GATE_SCRIPT_PATH,
+             elevation: Optional[Mapping[str, Any]] = None,
+             rollback_to: Optional[str] = None,
+             result_path: Optional[str] = None) -> dict[str, Any]:
+    """Execution-time half of the operation: run the script, record, or raise OperationError.
+
+    ``elevation``: connector arguments such as ``{"_sudo": True}`` for the gate's commands.
+    ``rollback_to``: the engine version that served before this run switched to
+    ``settings.engine_version``; when the gate fails, the ``active`` link goes back to it, the
+    engine restarts and the gate runs again. The host still fails (the upgrade did), with
+    ``rolled back to <version>: <why>``. ``result_path``: file on the host that keeps the last
+    result (``freetoken_infra.report.last_gate_path``).
+    """
+    elevation = dict(elevation or {})
+    result = _gate_once(host, settings, key_file, script_path, elevation)
+    GATE_RESULTS[host.name] = result
+    _keep_result(host, result, result_path, elevation)
+    if result["ok"]:
+        record(host.name, gate=result)
+        return result
+
+    journal_text = _journal(host, elevation)
     phase = result.get("phase") or "health"
-    raise OperationError(
+    failure = (
         f"host {host.name}: the health gate failed in the {phase} phase: {result.get('error')}\n"
         f"  what to do: {_REMEDY.get(phase, _REMEDY['health'])}\n"
         f"  last {JOURNAL_LINES} lines of `journalctl -u {ENGINE_UNIT}`:\n{journal_text}"
     )
+    if not rollback_to or rollback_to == settings.engine_version:
+        record(host.name, gate=result)
+        raise OperationError(failure)
+
+    # Blue-green: the previous version's environment is still there; switch back to it.
+    new = settings.engine_version
+    reason = f"{new} failed the health gate in the {phase} phase: {_first_line(result.get('error'))}"
+    click.echo(f"{host.print_prefix}{reason}; rolling back to {rollback_to}", err=True)
+    switched, output = host.run_shell_command(rollback_command(settings, rollback_to), **elevation)
+    if not switched:
+        error = "switching back failed: " + " / ".join(output.output_lines[-5:])
+        record(host.name, gate=result, rollback={"from": new, "to": rollback_to, "reason": reason,
+                                                 "ok": False, "error": error})
+        raise OperationError(f"host {host.name}: rollback to {rollback_to} failed: {error}\n{failure}")
+    again = {**_gate_once(host, settings, key_file, script_path, elevation), "rolled_back_from": new}
+    GATE_RESULTS[host.name] = again
+    _keep_result(host, again, result_path, elevation)
+    record(host.name, gate=again, rollback={
+        "from": new, "to": rollback_to, "reason": reason, "ok": bool(again["ok"]),
+        "error": None if again["ok"] else again.get("error")})
+    if again["ok"]:
+        raise OperationError(
+            f"host {host.name}: rolled back to {rollback_to}: {reason}\n"
+            f"  {rollback_to} serves again (health gate passed); {new} stays installed beside it\n"
+            f"  what {new} logged:\n{journal_text}"
+        )
+    raise OperationError(
+        f"host {host.name}: rollback to {rollback_to} failed too: the health gate failed in the "
+        f"{again.get('phase') or 'health'} phase: {again.get('error')}\n"
+        f"  last {JOURNAL_LINES} lines of `journalctl -u {ENGINE_UNIT}`:\n{_journal(host, elevation)}\n"
+        f"  first failure ({new}): {_first_line(result.get('error'))}"
+    )
+
+
+def _first_line(text: Any) -> str:
+    lines = str(text or "").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 @operation(is_idempotent=False)
-def health_gate(settings: Settings, key_file: Optional[str] = None, script_path: str = GATE_SCRIPT_PATH):
+def health_gate(settings: Settings, key_file: Optional[str] = None, script_path: str = GATE_SCRIPT_PATH,
+                rollback_to: Optional[str] = None):
     """
     Wait until the FreeToken engine serves, then prove it with a chat and a timed stream.
 
@@ -134,6 +207,9 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
     + key_file: env-style file on the target with ``FREETOKEN_API_KEY=...`` (the service's
       key); ``None`` when the engine runs without a key
     + script_path: where the gate script is uploaded on the target
+    + rollback_to: the engine version that served before this run (blue-green upgrade): on a
+      failed gate the ``active`` link goes back to it, the engine restarts and the gate runs
+      again; the operation still fails, saying ``rolled back to <version>: <why>``
 
     Run it as root (``_sudo=True``, or connected as root) so that the script can read the key
     file and the journal; the privilege arguments apply to the gate's commands too. The script
@@ -175,7 +251,8 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
     )
     global_arguments = current_host.current_op_global_arguments or {}
     elevation = {k: global_arguments[k] for k in _ELEVATION_ARGS if global_arguments.get(k)}
-    yield FunctionCommand(run_gate, (settings, key_file, script_path, elevation), {})
+    yield FunctionCommand(run_gate, (settings, key_file, script_path, elevation),
+                          {"rollback_to": rollback_to, "result_path": last_gate_path(settings)})
 
 
 def _seconds(value: Any) -> str:

@@ -27,7 +27,9 @@ never printed.
 
 Output: progress lines, then ONE final JSON line (also written to --json-out):
     {"ok": bool, "phase": "health"|"chat"|"stream"|"done", "load_wait_s": float|null,
-     "decode_tps": float|null, "completion_tokens": int|null, "error": str|null}
+     "decode_tps": float|null, "completion_tokens": int|null, "error": str|null,
+     "version": str|null}
+``version`` is the engine version ``/health`` reported once ok (null before that).
 ``phase`` is where the gate stopped ("done" when everything passed). Exit 0 only when ok.
 """
 
@@ -125,6 +127,7 @@ class Gate:
         self.timeout_s = timeout_s
         self.max_tokens = max_tokens
         self.out = out
+        self.version = None  # the engine's version from /health once ok
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -159,6 +162,7 @@ class Gate:
                 if status == "ok":
                     waited = time.monotonic() - start
                     version = doc.get("version")
+                    self.version = str(version) if version is not None else None
                     self.say(f"ready after {waited:.1f} s"
                              + (f" (freetoken {version}, model {doc.get('model')})" if version else ""))
                     return waited
@@ -265,11 +269,12 @@ class Gate:
 
 def run(args, out=sys.stdout) -> dict:
     result = {"ok": False, "phase": "health", "load_wait_s": None, "decode_tps": None,
-              "completion_tokens": None, "error": None}
+              "completion_tokens": None, "error": None, "version": None}
     try:
         key = read_key(args.key_file) if args.key_file else None
         gate = Gate(args.url, args.model, key, args.timeout, args.max_tokens, out=out)
         result["load_wait_s"] = round(gate.wait_healthy(), 2)
+        result["version"] = gate.version
         result["phase"] = "chat"
         gate.chat()
         result["phase"] = "stream"

@@ -1,0 +1,290 @@
+"""Roll the deploy out to a fleet: a canary first, then batches, each gated on the health gate.
+
+    python -m freetoken_infra.rollout INVENTORY [--batches 1,25%,100%] [--canary HOST[,HOST]]
+        [--max-fail-pct P] [--data KEY=VALUE ...] [--limit HOST[,HOST]] [--json FILE]
+
+Each batch is converged by exactly what a user runs by hand,
+``pyinfra -y INVENTORY deploys/freetoken.py --limit HOST --limit HOST ...`` (the batch's hosts), so every host gets
+the deploy's preflight, its blue-green engine switch and its health gate (a host whose gate
+fails is failed by the deploy, after an automatic rollback when it was an upgrade).
+
+* Hosts go in name order (natural: ws2 before ws10); ``--canary`` puts the named hosts first
+  and makes them the first batch.
+* ``--batches``: batch sizes, each a host count or a percentage of all hosts (rounded up),
+  like Ansible's ``serial``; the last size repeats until every host had its turn. The first
+  batch is the canary: any failure in it stops the rollout, no other host is touched.
+* Later batches stop the rollout when more than ``--max-fail-pct`` percent of their hosts
+  failed (default 0: any failure stops the rest).
+* A re-run resumes: the deploy is idempotent, converged hosts pass with no change.
+* At the end: the fleet report (``freetoken_infra.report.format_fleet_report``), and with
+  ``--json FILE`` the same rows as JSON. Exit status: 0 every host ok, 1 some host failed,
+  3 the rollout stopped early, 2 bad arguments or settings (nothing touched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from freetoken_infra.report import (
+    RECORD_ENV, RESULT_FAILED, RESULT_OK, format_fleet_report, host_row, read_records,
+)
+
+DEFAULT_BATCHES = "1,25%,100%"
+DEFAULT_DEPLOY = "deploys/freetoken.py"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class RolloutError(Exception):
+    """Bad arguments or settings: reported before any host is touched."""
+
+
+# --------------------------------------------------------------------------- planning
+def parse_batch_sizes(spec: str) -> list[str]:
+    """``"1,25%,100%"`` -> ``["1", "25%", "100%"]``; RolloutError on anything else."""
+    sizes = [part.strip() for part in spec.split(",") if part.strip()]
+    if not sizes:
+        raise RolloutError(f"--batches {spec!r}: give at least one size, e.g. 1,25%,100%")
+    for size in sizes:
+        m = re.fullmatch(r"(\d+)(%?)", size)
+        if not m or int(m.group(1)) == 0 or (m.group(2) and int(m.group(1)) > 100):
+            raise RolloutError(
+                f"--batches {spec!r}: {size!r} is not a host count (>= 1) or a percentage (1%-100%)")
+    return sizes
+
+
+def batch_size(size: str, total: int) -> int:
+    """A size of ``--batches`` as a host count: percentages of `total`, rounded up, at least 1."""
+    if size.endswith("%"):
+        return max(1, math.ceil(total * int(size[:-1]) / 100))
+    return int(size)
+
+
+def natural_key(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def plan_batches(hosts: Sequence[str], sizes: Sequence[str],
+                 canary: Sequence[str] = ()) -> list[list[str]]:
+    """Split `hosts` into batches: the canary hosts (when named) or the first size's hosts
+    first, then the following sizes, the last one repeating until no host is left."""
+    unknown = [h for h in canary if h not in hosts]
+    if unknown:
+        raise RolloutError(f"--canary: {', '.join(unknown)} not in the inventory (hosts: {', '.join(hosts)})")
+    ordered = list(dict.fromkeys(canary)) + sorted((h for h in hosts if h not in canary), key=natural_key)
+    total = len(ordered)
+    batches: list[list[str]] = []
+    rest = sizes
+    if canary:
+        batches.append(ordered[:len(set(canary))])
+        ordered = ordered[len(set(canary)):]
+        rest = sizes[1:] or sizes
+    i = 0
+    while ordered:
+        n = batch_size(rest[min(i, len(rest) - 1)], total)
+        batches.append(ordered[:n])
+        ordered = ordered[n:]
+        i += 1
+    return batches
+
+
+def batch_stops(index: int, failed: int, size: int, max_fail_pct: float) -> Optional[str]:
+    """Why the rollout stops after this batch, or None to go on. The canary (index 0) allows
+    no failure; later batches allow up to `max_fail_pct` percent of their hosts."""
+    if not failed:
+        return None
+    if index == 0:
+        return f"the canary failed ({failed} of {size} host(s))"
+    pct = 100.0 * failed / size
+    if pct > max_fail_pct:
+        return (f"batch {index + 1}: {failed} of {size} host(s) failed ({pct:.0f}% > "
+                f"--max-fail-pct {max_fail_pct:g}%)")
+    return None
+
+
+# --------------------------------------------------------------------------- inventory
+def parse_data(items: Sequence[str]) -> dict:
+    """``--data KEY=VALUE`` as pyinfra parses it (so validation sees what the deploy sees)."""
+    from pyinfra_cli.util import parse_cli_arg
+
+    data = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RolloutError(f"--data {item!r}: expected KEY=VALUE")
+        data[key] = parse_cli_arg(value)
+    return data
+
+
+def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[str]:
+    """Host names of the inventory (as the pyinfra CLI loads it, group_data included), after
+    validating every host's settings; RolloutError naming host and field otherwise."""
+    from pyinfra.api import State
+    from pyinfra.context import ctx_state
+    from pyinfra_cli.inventory import make_inventory
+
+    from freetoken_infra.settings import SettingsError, validate_inventory
+
+    try:
+        # The CLI's loader runs the inventory file under a state (it records the file's name).
+        with ctx_state.use(State()):
+            inv = make_inventory(inventory, cwd=os.getcwd(), override_data=data or None)
+    except SystemExit as exc:  # an inventory module may refuse, e.g. inventories/sim.py
+        raise RolloutError(f"{inventory}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - pyinfra raises several kinds
+        raise RolloutError(f"{inventory}: cannot load the inventory: {exc}") from None
+    try:
+        settings = validate_inventory(inv)
+    except SettingsError as exc:
+        raise RolloutError(str(exc)) from None
+    names = list(settings)
+    if limit:
+        missing = [h for h in limit if h not in names]
+        if missing:
+            raise RolloutError(f"--limit: {', '.join(missing)} not in the inventory")
+        names = [h for h in names if h in limit]
+    if not names:
+        raise RolloutError(f"{inventory}: no hosts")
+    return names
+
+
+# --------------------------------------------------------------------------- running
+def pyinfra_argv(inventory: str, deploy: str, hosts: Sequence[str], data: Sequence[str]) -> list[str]:
+    exe = Path(sys.executable).with_name("pyinfra")
+    base = [str(exe)] if exe.exists() else [shutil.which("pyinfra") or "pyinfra"]
+    argv = base + ["-y"]
+    for item in data:
+        argv += ["--data", item]
+    argv += [inventory, deploy]
+    for host in hosts:  # one --limit per host: pyinfra matches each as a pattern
+        argv += ["--limit", host]
+    return argv
+
+
+def connect_errors(output: str, hosts: Sequence[str]) -> dict[str, str]:
+    """pyinfra's connection errors per host (``[ws4] Could not connect (...)``)."""
+    found = {}
+    for line in _ANSI.sub("", output).splitlines():
+        m = re.match(r"\s*\[([^\]]+)\]\s+(.*)", line)
+        if m and m.group(1) in hosts and re.search(
+                r"could not (connect|resolve)|authentication error|ssh error|eof error", m.group(2), re.I):
+            found[m.group(1)] = m.group(2).strip()
+    return found
+
+
+@dataclass
+class BatchRun:
+    hosts: list[str]
+    returncode: int
+    rows: list[dict] = field(default_factory=list)
+
+
+def run_batch(index: int, hosts: list[str], inventory: str, deploy: str, data: Sequence[str],
+              out=sys.stdout) -> BatchRun:
+    """Converge one batch with the pyinfra CLI, streaming its output; one report row per host."""
+    argv = pyinfra_argv(inventory, deploy, hosts, data)
+    print(f"\n--> rollout batch {index + 1}: {', '.join(hosts)}", file=out, flush=True)
+    print("    " + " ".join(argv), file=out, flush=True)
+    fd, record_file = tempfile.mkstemp(prefix="freetoken-rollout-", suffix=".jsonl")
+    os.close(fd)
+    lines: list[str] = []
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                stdin=subprocess.DEVNULL, env={**os.environ, RECORD_ENV: record_file},
+                                errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            out.write(line)
+        out.flush()
+        returncode = proc.wait()
+        records = read_records(record_file)
+    finally:
+        os.unlink(record_file)
+    unreachable = connect_errors("".join(lines), hosts)
+    rows = [host_row(h, records.get(h, []), batch=index + 1, unreachable=unreachable.get(h),
+                     no_result=f"no result from the deploy (pyinfra exited {returncode})") for h in hosts]
+    if returncode != 0 and all(r["result"] == RESULT_OK for r in rows):
+        # pyinfra failed although no host reported a failure: trust the exit status.
+        for r in rows:
+            r["result"], r["reason"] = RESULT_FAILED, f"pyinfra exited {returncode} (see the log above)"
+    return BatchRun(hosts, returncode, rows)
+
+
+def rollout(inventory: str, batches: list[list[str]], max_fail_pct: float = 0.0,
+            data: Sequence[str] = (), deploy: str = DEFAULT_DEPLOY, out=sys.stdout) -> tuple[list[dict], Optional[str]]:
+    """Run the batches in order; (report rows for every host, why it stopped or None)."""
+    rows: list[dict] = []
+    stopped: Optional[str] = None
+    for index, hosts in enumerate(batches):
+        if stopped:
+            rows += [host_row(h, [], batch=index + 1, not_run=f"rollout stopped: {stopped}") for h in hosts]
+            continue
+        run = run_batch(index, hosts, inventory, deploy, data, out=out)
+        rows += run.rows
+        failed = sum(1 for r in run.rows if r["result"] != RESULT_OK)
+        if index < len(batches) - 1:  # after the last batch there is nothing left to stop
+            stopped = batch_stops(index, failed, len(hosts), max_fail_pct)
+        if stopped:
+            print(f"\n--> rollout stopped: {stopped}", file=out, flush=True)
+    return rows, stopped
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m freetoken_infra.rollout",
+        description="Converge a fleet canary first, then in batches, each gated on the health gate; "
+                    "print the fleet report.")
+    ap.add_argument("inventory", help="pyinfra inventory, e.g. inventories/fleet.py")
+    ap.add_argument("--batches", default=DEFAULT_BATCHES,
+                    help="batch sizes, counts or percentages of all hosts; the first batch is the canary, "
+                         f"the last size repeats (default {DEFAULT_BATCHES})")
+    ap.add_argument("--canary", default="", help="comma-separated hosts forming the canary batch")
+    ap.add_argument("--max-fail-pct", type=float, default=0.0,
+                    help="a batch after the canary stops the rollout when more than this percent of its "
+                         "hosts failed (default 0)")
+    ap.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a setting for every host, as pyinfra's --data")
+    ap.add_argument("--limit", default="", help="comma-separated hosts: roll out to these only")
+    ap.add_argument("--deploy", default=DEFAULT_DEPLOY, help=f"deploy file (default {DEFAULT_DEPLOY})")
+    ap.add_argument("--json", dest="json_file", help="also write the fleet report as JSON to this file")
+    args = ap.parse_args(argv)
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    try:
+        if not 0 <= args.max_fail_pct <= 100:
+            raise RolloutError(f"--max-fail-pct {args.max_fail_pct:g}: give a percentage from 0 to 100")
+        sizes = parse_batch_sizes(args.batches)
+        hosts = load_hosts(args.inventory, parse_data(args.data), split(args.limit))
+        batches = plan_batches(hosts, sizes, split(args.canary))
+    except RolloutError as exc:
+        print(f"rollout: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print("--> rollout plan: " + " | ".join(
+        f"{'canary' if i == 0 else f'batch {i + 1}'}: {', '.join(b)}" for i, b in enumerate(batches)), flush=True)
+
+    rows, stopped = rollout(args.inventory, batches, args.max_fail_pct, args.data, args.deploy)
+
+    print("\n" + format_fleet_report(rows), flush=True)
+    if stopped:
+        print(f"rollout stopped: {stopped}", flush=True)
+    if args.json_file:
+        doc = {"inventory": args.inventory, "batches": batches, "stopped": stopped, "hosts": rows}
+        Path(args.json_file).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    if stopped:
+        return EXIT_STOPPED
+    return EXIT_OK if all(r["result"] == RESULT_OK for r in rows) else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
