@@ -22,6 +22,7 @@ from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import python, systemd
 from pyinfra.operations.util import any_changed
 
+from facts import batch
 from facts.engine import EngineHealth
 from facts.windows_tasks import WslDistroName
 from freetoken_infra import report, rules
@@ -30,6 +31,8 @@ from operations import cuda, engine, guard, health, model, service, windows
 
 RESTART = "restart required: run `wsl.exe --shutdown` from Windows"
 
+# One round trip for every fact this host's last run read (facts/batch.py).
+batch.prefetch(state, host, [(Command, {"command": "id -u"})])
 # Operations need root; a workstation user runs the deploy through sudo.
 if host.get_fact(Command, command="id -u").strip() != "0":
     host.data._sudo = True

@@ -165,6 +165,9 @@ class GpuMemoryProbe(FactBase[GpuMemoryProbeResult]):
     and never while the engine is loading.
     """
 
+    # Never folded into a batch of facts (facts/batch.py): it runs only when asked for.
+    batchable = False
+
     def command(self) -> str:
         return (
             "if command -v python3 >/dev/null 2>&1; then "

@@ -11,8 +11,9 @@ from typing import Callable, Optional
 import click
 from pyinfra.api.exceptions import PyinfraError
 
+from facts import batch
 from facts.cuda import CudaToolchain
-from facts.engine import EngineInstall
+from facts.engine import EngineHealth, EngineInstall
 from facts.gpu import NvidiaGpus
 from facts.guard import GuardState
 from operations.guard import guard_state_file
@@ -47,9 +48,27 @@ def fleet_settings(state) -> dict[str, Settings]:
 
 
 def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Observations:
-    """Read the host (facts only; nothing is changed)."""
+    """Read the host (facts only; nothing is changed).
+
+    The facts travel in one batched command (facts/batch.py), each parsed by its own fact.
+    The GPU memory probe (the one expensive fact: a CUDA context and real allocations) is
+    skipped while the engine answers ``/health`` ok: a serving engine holds its GPU memory,
+    which proves the allocations pitfall 4B is about work, and a probe beside it would only
+    measure the engine's own use. A stopped, loading or failed engine is probed as before.
+    """
+    engine_health = (EngineHealth, {"host": str(settings.listen_host), "port": settings.listen_port})
+    batch.prefetch(host.state, host, [
+        (WslKernel, {}), (NvidiaGpus, {}), (WindowsUserProfile, {}), (WslVersion, {}), (InitSystem, {}),
+        (CudaToolchain, {"cuda_home": settings.cuda_home}), (HostResources, {"path": settings.model_dir}),
+        (WslConfFile, {}), (EngineInstall, {"base_dir": settings.engine_base_dir}),
+        (ModelDirectory, {"path": settings.model_dir}),
+        (GuardState, {"state_file": guard_state_file(settings)}), engine_health,
+    ])
     kernel = host.get_fact(WslKernel)
     gpus = host.get_fact(NvidiaGpus)
+    health = host.get_fact(engine_health[0], **engine_health[1])
+    if health.status == "ok":
+        probe_gpu_memory = False
     profile = host.get_fact(WindowsUserProfile) if kernel.kind == "wsl2" else None
     wslconfig = (
         host.get_fact(WslConfigFile, path=f"{profile.path}/.wslconfig")
@@ -71,6 +90,7 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         engine=host.get_fact(EngineInstall, base_dir=settings.engine_base_dir),
         model=host.get_fact(ModelDirectory, path=settings.model_dir),
         guard_state=host.get_fact(GuardState, state_file=guard_state_file(settings)),
+        health=health,
     )
 
 

@@ -211,6 +211,9 @@ def check_compute_capability(obs: Observations) -> Finding:
 
 def check_gpu_memory(obs: Observations) -> Finding:
     p = obs.gpu_memory
+    if p is None and obs.health is not None and obs.health.status == "ok":
+        return Finding("gpu_memory", "pass", "not probed: the engine serves on this GPU (/health ok), "
+                       "so allocations work; a probe beside it would measure only the engine's use")
     if p is None:
         return Finding("gpu_memory", "pass", "not probed (nothing it guards is about to change)")
     free = f"{p.free_bytes / GiB:.1f} GiB free of {p.total_bytes / GiB:.1f} GiB" if p.free_bytes is not None and p.total_bytes else "memory unknown"

@@ -1,0 +1,375 @@
+"""Batched facts: many fact commands in one remote round trip, each parsed by its own fact.
+
+pyinfra 3 runs one remote command per ``host.get_fact`` call and caches nothing, so a no-op
+converge paid ~75 SSH round trips per host (benchmark: ``bench/converge.py``). Two things
+here cut that to a handful, without changing what any fact or operation sees:
+
+1. **Batches.** ``run_batch`` joins the commands of several facts into one shell command
+   (each in its own subshell, its stdout between ``@@ftbatch:`` marker lines, its exit status
+   after it) and hands every fact exactly the stdout lines it would have got alone, to its own
+   ``process()``. A sub-command that exits non-zero, or a fact that cannot be batched
+   (preconditions, a custom shell, ``batchable = False`` such as the GPU memory probe), is left
+   out and fetched the normal way, so pyinfra's error handling is unchanged.
+
+2. **A memo, valid until the host runs something.** pyinfra 3 reads an operation's facts when
+   the operation executes. Reading a fact twice with nothing run on the host in between gives
+   the same answer, so the memo answers it (a deep copy) instead of asking the host again. Any
+   command an operation runs on the host (``Host.run_shell_command``, ``put_file``,
+   ``get_file``, callbacks included) clears the host's memo: after a change every fact is read
+   live again. In a no-op run nothing is run, so every fact comes from the first batch.
+   Which facts a host's run asked for is remembered on the controller
+   (``$XDG_CACHE_HOME/freetoken-infra/fact-requests/``: fact names and arguments, never
+   values); the next run's ``prefetch`` fetches all of them in one batch. Values are always
+   read from the host in the current run; only the list of questions is reused. A stale list
+   costs a few extra lines of output, a missing entry one normal round trip (and is learned
+   for next time).
+
+``FREETOKEN_FACT_BATCH=0`` turns both off (every fact is its own command, as in plain pyinfra).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS
+from pyinfra.api.command import StringCommand
+from pyinfra.api.facts import FactBase, ShortFactBase
+
+BATCH_MARKER = "@@ftbatch:"
+ENV_SWITCH = "FREETOKEN_FACT_BATCH"
+MAX_LEARNED = 300
+# pyinfra's own sentinel for "the fact's required command is missing" (pyinfra.api.facts).
+_MISSING = "__pyinfra_missing_command__"
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def batch_command(commands: list[str]) -> str:
+    """One shell command running each of ``commands`` in its own subshell.
+
+    Output: for each command ``i``, a line ``@@ftbatch:i``, the command's stdout, then
+    ``\\n@@ftbatch:rc i STATUS`` (the newline ends an unterminated last line; the parser drops
+    the blank line it adds to a terminated one).
+    """
+    parts = []
+    for index, command in enumerate(commands):
+        parts.append(
+            f"echo '{BATCH_MARKER}{index}'; ( {command}\n) </dev/null; "
+            f"printf '\\n{BATCH_MARKER}rc {index} %s\\n' \"$?\""
+        )
+    return "; ".join(parts) + "; true"
+
+
+def split_batch_output(lines: list[str]) -> dict[int, tuple[int | None, list[str]]]:
+    """``index -> (exit status, stdout lines as pyinfra would give them for the command alone)``.
+
+    A command whose status line never came (the batch was cut short) is absent.
+    """
+    out: dict[int, tuple[int | None, list[str]]] = {}
+    current: Optional[int] = None
+    body: list[str] = []
+    for line in lines:
+        if line.startswith(BATCH_MARKER + "rc "):
+            parts = line[len(BATCH_MARKER) + 3:].split()
+            if current is not None and len(parts) == 2 and parts[0] == str(current):
+                if body and body[-1] == "":
+                    body = body[:-1]  # the newline batch_command printed before the status
+                try:
+                    status: int | None = int(parts[1])
+                except ValueError:
+                    status = None
+                out[current] = (status, body)
+            current, body = None, []
+        elif line.startswith(BATCH_MARKER) and line[len(BATCH_MARKER):].isdigit():
+            current, body = int(line[len(BATCH_MARKER):]), []
+        elif current is not None:
+            body.append(line)
+    return out
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class FactRequest:
+    """One fact read: the class, its arguments as pyinfra normalises them, and the connector
+    arguments (sudo and the like) it runs with."""
+
+    cls: type
+    fact_kwargs: tuple  # sorted (name, value) pairs
+    executor: tuple  # sorted (name, value) pairs, connector arguments only
+
+    @property
+    def key(self) -> str:
+        return json.dumps([_class_path(self.cls), list(self.fact_kwargs), list(self.executor)],
+                          sort_keys=True, default=repr)
+
+    def to_json(self) -> Optional[dict]:
+        doc = {"fact": _class_path(self.cls), "kwargs": dict(self.fact_kwargs),
+               "executor": dict(self.executor)}
+        try:
+            if json.loads(json.dumps(doc)) != doc:
+                return None
+        except (TypeError, ValueError):
+            return None
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Optional["FactRequest"]:
+        try:
+            module, _, name = str(doc["fact"]).partition(":")
+            fact_cls = getattr(importlib.import_module(module), name)
+        except (KeyError, ImportError, AttributeError, ValueError):
+            return None
+        if not batchable(fact_cls):
+            return None
+        kwargs = doc.get("kwargs") or {}
+        executor = doc.get("executor") or {}
+        if not isinstance(kwargs, dict) or not isinstance(executor, dict):
+            return None
+        return cls(fact_cls, tuple(sorted(kwargs.items())), tuple(sorted(executor.items())))
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def batchable(cls: Any) -> bool:
+    return (
+        isinstance(cls, type) and issubclass(cls, FactBase) and not issubclass(cls, ShortFactBase)
+        and getattr(cls, "batchable", True) and not getattr(cls, "shell_executable", None)
+    )
+
+
+def make_request(state, host, cls: type, args, kwargs) -> FactRequest:
+    """Normalise a ``get_fact`` call the way pyinfra does (pyinfra.api.facts._get_fact)."""
+    from pyinfra.api.facts import _handle_fact_kwargs
+
+    fact_kwargs, global_kwargs = _handle_fact_kwargs(state, host, cls, list(args or ()), dict(kwargs or {}))
+    fact_kwargs = {k: v for k, v in fact_kwargs.items() if k != "self"}
+    executor = {k: v for k, v in global_kwargs.items() if k in CONNECTOR_ARGUMENT_KEYS}
+    return FactRequest(cls, tuple(sorted(fact_kwargs.items())), tuple(sorted(executor.items(), key=lambda kv: kv[0])))
+
+
+def _sub_command(fact: FactBase, request: FactRequest, state, host) -> Optional[str]:
+    """The shell text of one fact's command, as pyinfra would run it; None: not batchable."""
+    if fact.check_preconditions(state, host):
+        return None
+    kwargs = dict(request.fact_kwargs)
+    command = fact.command(**kwargs) if callable(fact.command) else fact.command
+    requires = fact.requires_command(**kwargs) if callable(fact.requires_command) else fact.requires_command
+    text = command.get_raw_value() if isinstance(command, StringCommand) else command
+    if not isinstance(text, str):
+        return None
+    if requires:
+        req = requires.get_raw_value() if isinstance(requires, StringCommand) else str(requires)
+        text = f"if command -v {req} >/dev/null 2>&1; then ( {text}\n); else echo '{_MISSING}'; fi"
+    return text
+
+
+def run_batch(state, host, requests: list[FactRequest]) -> dict[str, Any]:
+    """Run the facts of ``requests`` (all with the same connector arguments) in one command.
+
+    Returns ``request.key -> value`` for each fact whose command succeeded.
+    """
+    facts: list[tuple[FactRequest, FactBase, str]] = []
+    for request in requests:
+        fact = request.cls()
+        try:
+            text = _sub_command(fact, request, state, host)
+        except Exception:  # a fact that cannot build its command here: fetched alone later
+            text = None
+        if text is not None:
+            facts.append((request, fact, text))
+    if not facts:
+        return {}
+    if not host.connected:
+        host.connect(reason="to load facts (batched)", raise_exceptions=True)
+    executor = dict(requests[0].executor)
+    status, output = host.run_shell_command(
+        StringCommand(batch_command([text for _, _, text in facts])),
+        print_output=False, print_input=False, **executor,
+    )
+    if not status:
+        return {}
+    results = split_batch_output(output.stdout_lines)
+    values: dict[str, Any] = {}
+    for index, (request, fact, _) in enumerate(facts):
+        rc, lines = results.get(index, (None, None))
+        if rc != 0 or lines is None:
+            continue
+        if lines == [_MISSING]:
+            values[request.key] = fact.default()
+            continue
+        try:
+            values[request.key] = fact.process(lines) if lines else fact.default()
+        except Exception:  # the normal path reports a processing error properly
+            continue
+    return values
+
+
+# --------------------------------------------------------------------------- memo
+
+
+@dataclass
+class _Memo:
+    values: dict[str, Any] = field(default_factory=dict)
+    learned: list[dict] = field(default_factory=list)
+    primed: bool = False
+    path: Optional[Path] = None
+    reading: int = 0  # > 0 while a fact is being read
+
+
+_memos: dict[tuple[int, str], _Memo] = {}
+_original_get_fact = None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def learned_path(host) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    where = str(host.data.get("ssh_hostname") or "")
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{host.name}@{where}")
+    return base / "freetoken-infra" / "fact-requests" / f"{name}.json"
+
+
+def _load_learned(path: Path) -> list[dict]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [d for d in doc if isinstance(d, dict)] if isinstance(doc, list) else []
+
+
+def _save_learned(memo: _Memo) -> None:
+    if memo.path is None:
+        return
+    try:
+        memo.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=memo.path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo.learned[-MAX_LEARNED:], f, indent=0)
+        os.replace(tmp, memo.path)
+    except OSError:
+        pass  # a read-only home only costs the next run its batch
+
+
+def _memo_for(state, host) -> _Memo:
+    key = (id(state), host.name)
+    memo = _memos.get(key)
+    if memo is None:
+        path = learned_path(host)
+        memo = _Memo(path=path, learned=_load_learned(path))
+        _memos[key] = memo
+    return memo
+
+
+def _unwrap(obj):
+    """The object behind pyinfra's context proxies (``from pyinfra import host``)."""
+    getter = getattr(obj, "_get_module", None)
+    return getter() if callable(getter) and getter() is not None else obj
+
+
+def prefetch(state, host, wanted: Iterable[tuple[type, dict]] = ()) -> None:
+    """Read ``wanted`` facts (``(FactClass, kwargs)``) and everything this host's last run
+    asked for, in as few commands as there are distinct connector-argument sets (usually one).
+    Later ``host.get_fact`` calls for them are answered from the memo until the host runs a
+    command that is not a fact read. The first call for a host turns the memo on for it."""
+    if not enabled():
+        return
+    install()
+    host = _unwrap(host)
+    state = host.state
+    memo = _memo_for(state, host)
+    requests: dict[str, FactRequest] = {}
+    for cls, kwargs in wanted:
+        if batchable(cls):
+            request = make_request(state, host, cls, (), kwargs)
+            requests[request.key] = request
+    if not memo.primed:
+        memo.primed = True
+        for doc in memo.learned:
+            request = FactRequest.from_json(doc)
+            if request is not None:
+                requests.setdefault(request.key, request)
+    groups: dict[str, list[FactRequest]] = {}
+    for key, request in requests.items():
+        if key not in memo.values:
+            group = json.dumps(list(request.executor), sort_keys=True, default=repr)
+            groups.setdefault(group, []).append(request)
+    for group in groups.values():
+        with _reading(memo):
+            values = run_batch(state, host, group)
+        memo.values.update(values)
+
+
+def _get_fact(self, name_or_cls, *args, **kwargs):
+    state = self.state
+    memo = _memos.get((id(state), self.name)) if state is not None else None
+    if memo is None or not enabled():  # prefetch() was never called for this host: plain pyinfra
+        return _original_get_fact(self, name_or_cls, *args, **kwargs)
+    if not batchable(name_or_cls):
+        with _reading(memo):
+            return _original_get_fact(self, name_or_cls, *args, **kwargs)
+    request = make_request(state, self, name_or_cls, args, kwargs)
+    doc = request.to_json()
+    if doc is not None and doc not in memo.learned:
+        memo.learned.append(doc)
+        _save_learned(memo)
+    if request.key in memo.values:
+        return copy.deepcopy(memo.values[request.key])
+    with _reading(memo):
+        value = _original_get_fact(self, name_or_cls, *args, **kwargs)
+    memo.values[request.key] = value
+    return copy.deepcopy(value)
+
+
+class _reading:
+    """Marks the host's remote commands as fact reads (they do not invalidate the memo)."""
+
+    def __init__(self, memo: _Memo):
+        self.memo = memo
+
+    def __enter__(self):
+        self.memo.reading += 1
+
+    def __exit__(self, *exc):
+        self.memo.reading -= 1
+
+
+def _changing(original):
+    """Wrap a Host method that runs something on the host: unless a fact is being read, the
+    host may change, so everything the memo holds for it is forgotten."""
+
+    def wrapper(self, *args, **kwargs):
+        state = getattr(self, "state", None)
+        memo = _memos.get((id(state), self.name)) if state is not None else None
+        if memo is not None and not memo.reading:
+            memo.values.clear()
+        return original(self, *args, **kwargs)
+
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
+def install() -> None:
+    """Route ``Host.get_fact`` through the memo, and make ``Host.run_shell_command``,
+    ``put_file`` and ``get_file`` (anything an operation runs) clear it (idempotent). Hosts
+    that ``prefetch`` was never called for see plain pyinfra."""
+    global _original_get_fact
+    from pyinfra.api.host import Host
+
+    if _original_get_fact is None:
+        _original_get_fact = Host.get_fact
+        Host.get_fact = _get_fact
+        for name in ("run_shell_command", "put_file", "get_file"):
+            setattr(Host, name, _changing(getattr(Host, name)))

@@ -1,0 +1,182 @@
+"""facts/batch.py: a batch hands every fact exactly the stdout lines it would have got alone
+(real sh, real pyinfra local connector), leaves failures to the normal path, and answers
+repeated reads in the prepare stage from one round trip."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from facts import batch
+from facts.batch import batch_command, split_batch_output
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+
+
+def pyinfra_lines(command: str) -> tuple[int, list[str]]:
+    """Run as pyinfra's connectors do: ``sh -c``, stdout split into lines, ``\\n`` stripped."""
+    proc = subprocess.run(["sh", "-c", command], capture_output=True)
+    text = proc.stdout.decode("utf-8")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return proc.returncode, lines
+
+
+COMMANDS = [
+    "echo one; echo two",
+    "printf 'no final newline'",
+    "true",
+    "printf 'a\\n\\n\\n'",
+    "printf 'crlf line\\r\\nsecond\\r\\n'",
+    "echo before; exit 0; echo never",   # facts that end early (WslVersion does)
+    "echo partial; exit 3",
+    "echo to stderr >&2; echo out",
+    f"base64 < {FIXTURES / 'wsl-version-zh.utf16le'}",
+    f"cat {FIXTURES / 'nvidia-smi-5060ti.txt'}",
+]
+
+
+def test_every_command_gets_the_lines_and_status_it_gets_alone():
+    _, lines = pyinfra_lines(batch_command(COMMANDS))
+    split = split_batch_output(lines)
+    assert sorted(split) == list(range(len(COMMANDS)))
+    for index, command in enumerate(COMMANDS):
+        assert split[index] == pyinfra_lines(command), command
+
+
+def test_a_batch_cut_short_leaves_the_unfinished_commands_out():
+    _, lines = pyinfra_lines(batch_command(["echo a", "echo b"]))
+    cut = lines[: lines.index("@@ftbatch:1") + 2]  # the second command's status never came
+    assert split_batch_output(cut) == {0: (0, ["a"])}
+
+
+@pytest.fixture()
+def local_prepare(tmp_path, monkeypatch):
+    """A real pyinfra State on @local in its prepare stage, counting remote commands."""
+    from pyinfra.api import Config, Inventory, State
+    from pyinfra.api.connect import connect_all
+    from pyinfra.api.state import StateStage
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(batch.ENV_SWITCH, "1")
+    inventory = Inventory((["@local"], {}))
+    state = State(inventory, Config())
+    connect_all(state)
+    state.set_stage(StateStage.Prepare)
+    host = inventory.get_host("@local")
+    calls = []
+    original = host.connector.run_shell_command
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(host.connector, "run_shell_command", counting)
+    yield state, host, calls
+    batch._memos.pop((id(state), host.name), None)
+
+
+def test_prefetched_facts_equal_unbatched_ones_in_one_command(local_prepare, tmp_path):
+    from pyinfra.facts.files import Directory, File
+    from pyinfra.facts.server import Command
+
+    from facts.engine import EngineInstall
+    from facts.gpu import NvidiaGpus
+    from facts.init import InitSystem
+    from facts.wsl import WslKernel, WslVersion
+
+    state, host, calls = local_prepare
+    (tmp_path / "ft" / "0.2.1").mkdir(parents=True)
+    wanted = [(WslKernel, {}), (WslVersion, {}), (NvidiaGpus, {}), (InitSystem, {}),
+              (EngineInstall, {"base_dir": str(tmp_path / "ft")}), (Command, {"command": "id -u"}),
+              (File, {"path": "/etc/hostname"}), (Directory, {"path": str(tmp_path)}),
+              (File, {"path": str(tmp_path / "absent")})]
+    plain = [host.get_fact(cls, **kwargs) for cls, kwargs in wanted]
+    assert len(calls) == len(wanted)
+    calls.clear()
+    batch.prefetch(state, host, wanted)
+    batched = [host.get_fact(cls, **kwargs) for cls, kwargs in wanted]
+    assert len(calls) == 1
+    assert batched == plain
+    # Read twice in the prepare stage: still one command, and a copy the caller may change.
+    again = host.get_fact(Directory, path=str(tmp_path))
+    again["mode"] = "changed"
+    assert host.get_fact(Directory, path=str(tmp_path)) == plain[7]
+    assert len(calls) == 1
+
+
+def test_next_run_asks_for_what_this_run_asked_in_its_first_command(local_prepare, tmp_path):
+    from pyinfra.facts.files import File
+
+    from facts.resources import HostResources
+
+    state, host, calls = local_prepare
+    batch.prefetch(state, host, [])
+    host.get_fact(File, path="/etc/hostname")  # not prefetched: its own command, then learned
+    host.get_fact(HostResources, path=str(tmp_path))
+    assert len(calls) == 2
+    learned = batch._load_learned(batch.learned_path(host))
+    assert {d["fact"] for d in learned} == {"pyinfra.facts.files:File", "facts.resources:HostResources"}
+
+    batch._memos.pop((id(state), host.name))  # a new run
+    calls.clear()
+    batch.prefetch(state, host, [])
+    host.get_fact(File, path="/etc/hostname")
+    host.get_fact(HostResources, path=str(tmp_path))
+    assert len(calls) == 1
+
+
+def test_failed_and_unbatchable_facts_take_the_normal_path(local_prepare):
+    from pyinfra.facts.server import Command
+
+    from facts.gpu_memory import GpuMemoryProbe
+
+    state, host, calls = local_prepare
+    assert not batch.batchable(GpuMemoryProbe)
+    batch.prefetch(state, host, [(GpuMemoryProbe, {}), (Command, {"command": "exit 4"})])
+    assert len(calls) == 1 and "python3" not in str(calls[0])  # the probe was not in the batch
+    key = batch.make_request(state, host, Command, (), {"command": "exit 4"}).key
+    assert key not in batch._memos[(id(state), host.name)].values
+
+
+def test_a_command_run_on_the_host_makes_the_next_reads_live(local_prepare):
+    from pyinfra.api.state import StateStage
+    from pyinfra.facts.server import Command
+
+    state, host, calls = local_prepare
+    batch.prefetch(state, host, [(Command, {"command": "date +%N"})])
+    state.set_stage(StateStage.Execute)
+    calls.clear()
+    first = host.get_fact(Command, command="date +%N")
+    assert calls == []  # nothing ran since the batch: the batch's answer
+    host.run_shell_command("true")  # what an operation does
+    second = host.get_fact(Command, command="date +%N")
+    third = host.get_fact(Command, command="date +%N")
+    assert len(calls) == 2 and second != first and third == second
+
+
+def test_switched_off_it_is_plain_pyinfra(local_prepare, monkeypatch):
+    from pyinfra.facts.server import Command
+
+    state, host, calls = local_prepare
+    monkeypatch.setenv(batch.ENV_SWITCH, "0")
+    batch.prefetch(state, host, [(Command, {"command": "id -u"})])
+    assert calls == []
+    host.get_fact(Command, command="id -u")
+    host.get_fact(Command, command="id -u")
+    assert len(calls) == 2
+
+
+def test_an_unbatchable_read_does_not_end_the_memo(local_prepare):
+    from pyinfra.facts.server import Command
+
+    from facts.gpu_memory import GpuMemoryProbe
+
+    state, host, calls = local_prepare
+    batch.prefetch(state, host, [(Command, {"command": "id -u"})])
+    host.get_fact(GpuMemoryProbe)
+    host.get_fact(Command, command="id -u")
+    assert len(calls) == 2  # the batch and the probe
