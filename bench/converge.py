@@ -85,6 +85,24 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
 
     api_ops._run_host_op = _run_host_op
 
+    try:  # the project's batched fact reads (facts/batch.py): one command for many facts
+        from facts import batch as fact_batch
+    except ImportError:
+        fact_batch = None
+    if fact_batch is not None:
+        orig_run_batch = fact_batch.run_batch
+
+        def run_batch(state, host, requests):
+            names = sorted({r.cls.__name__ for r in requests})
+            stack[host.name].append(("fact", f"batch of {len(requests)} facts",
+                                     ", ".join(names)))
+            try:
+                return orig_run_batch(state, host, requests)
+            finally:
+                stack[host.name].pop()
+
+        fact_batch.run_batch = run_batch
+
     def counted(method_name: str):
         orig = getattr(SSHConnector, method_name)
 
