@@ -45,6 +45,8 @@ from pyinfra.api.facts import FactBase, ShortFactBase
 BATCH_MARKER = "@@ftbatch:"
 ENV_SWITCH = "FREETOKEN_FACT_BATCH"
 MAX_LEARNED = 300
+# Connector arguments that make a request unfit to remember (secrets, environments).
+_NEVER_WRITTEN = ("_sudo_password", "_su_password", "_env")
 # pyinfra's own sentinel for "the fact's required command is missing" (pyinfra.api.facts).
 _MISSING = "__pyinfra_missing_command__"
 
@@ -112,6 +114,11 @@ class FactRequest:
                           sort_keys=True, default=repr)
 
     def to_json(self) -> Optional[dict]:
+        """The request as remembered on the controller; None for one that is not plain data or
+        carries what must never be written down (a password, an environment)."""
+        executor = dict(self.executor)
+        if any(executor.get(k) for k in _NEVER_WRITTEN):
+            return None
         doc = {"fact": _class_path(self.cls), "kwargs": dict(self.fact_kwargs),
                "executor": dict(self.executor)}
         try:

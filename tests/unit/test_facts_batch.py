@@ -180,3 +180,14 @@ def test_an_unbatchable_read_does_not_end_the_memo(local_prepare):
     host.get_fact(GpuMemoryProbe)
     host.get_fact(Command, command="id -u")
     assert len(calls) == 2  # the batch and the probe
+
+
+def test_a_request_with_a_password_is_never_written_down(local_prepare):
+    from pyinfra.facts.server import Command
+
+    state, host, _ = local_prepare
+    plain = batch.make_request(state, host, Command, (), {"command": "id -u"})
+    assert plain.to_json() is not None
+    secret = batch.FactRequest(plain.cls, plain.fact_kwargs,
+                               tuple(sorted({**dict(plain.executor), "_sudo_password": "hunter2"}.items())))
+    assert secret.to_json() is None
