@@ -1,0 +1,1 @@
+"""The testinfra verify suite: pytest tests/verify --inventory INVENTORY (see conftest.py)."""
