@@ -68,9 +68,9 @@ def parse_model_dir_output(path: str, lines: list[str]) -> ModelDirInfo:
     if not exists:
         return ModelDirInfo(path, False, {}, None, None)
     quant = None
-    if "config.json" not in files:
-        errors.append("config.json missing")
-    elif config is not None and not errors:
+    # No config.json yet (a download that stopped early) is not an error: the downloader
+    # fetches the config files first and checks the quantisation before any weight.
+    if "config.json" in files and config is not None and not errors:
         quant = summarize_quant(config, hf_quant)
     return ModelDirInfo(path, True, files, quant, "; ".join(errors) or None, config)
 

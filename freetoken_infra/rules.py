@@ -322,8 +322,10 @@ def check_model(settings: Settings, obs: Observations) -> Finding:
     if m is None or not m.exists:
         return check_model_quantisation(None, settings.model_dir)
     if m.error:
-        return Finding("model_quant", "block", f"{settings.model_dir}: {m.error}",
-                       "remove the broken file; the deploy downloads and verifies it again")
+        # Not a blocker: every file in model_dir is the downloader's, checked against the hub's
+        # hash, so a broken config.json is replaced (and the quantisation checked) by the deploy.
+        return Finding("model_quant", "warn", f"{settings.model_dir}: {m.error}",
+                       "nothing to do: the deploy fetches it again, verified, before any weight")
     return check_model_quantisation(m.quant, settings.model_dir)
 
 
