@@ -63,8 +63,11 @@ def stop_for_restart(obs) -> None:
     python.call(name="Wait for the WSL restart", function=stop)
 
 
-settings, obs, findings, ok = run_preflight(state, host, on_fixable=stop_for_restart)
-report.record_host(state, host, settings, obs, findings)  # only under a rollout (FREETOKEN_RUN_RECORD)
+settings, obs, findings, ok = run_preflight(
+    state, host, on_fixable=stop_for_restart,
+    # for a rollout's fleet report (only under FREETOKEN_RUN_RECORD), before a refused host stops
+    on_findings=lambda s, o, f: report.record_host(state, host, s, o, f),
+)
 
 if ok:
     changing = windows_side(settings, obs)

@@ -114,15 +114,20 @@ def run_preflight(
     state,
     host,
     on_fixable: Optional[Callable[[rules.Observations], None]] = None,
+    on_findings: Optional[Callable[[Settings, rules.Observations, list[rules.Finding]], None]] = None,
 ) -> tuple[Settings, rules.Observations, list[rules.Finding], bool]:
     """Gather, evaluate, print. Returns (settings, observations, findings, ok).
 
     When a host's only blockers are ones the deploy's Windows-side step fixes,
     `on_fixable(observations)` is called to queue that step before the host stops.
+    `on_findings(settings, observations, findings)` is called before a blocked host is
+    stopped (stopping the last host ends the run: nothing after this call would see it).
     """
     settings = fleet_settings(state)[host.name]
     obs = observe(host, settings)
     findings = rules.evaluate(settings, obs)
+    if on_findings is not None:
+        on_findings(settings, obs, findings)
     _results[host.name] = findings
     click.echo("\n" + findings_table(host.name, findings), err=True)
     blocked = rules.blockers(findings)

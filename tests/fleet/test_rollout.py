@@ -106,13 +106,17 @@ def test_rollout_reports_every_host_and_fails_the_unreachable_one(sim_fleet, fir
 def test_rerunning_a_finished_rollout_changes_nothing(sim_fleet, first, workdir):
     before = {h: snapshot(sim_fleet, h) for h in ("ws1", "ws2", "ws3")}
     pids = {h: engine_pid(sim_fleet, h) for h in ("ws1", "ws2")}
-    run, doc = rollout(workdir, "--batches", "1,100%")
+    # The default batches, as the README's "try it" command runs them: ws1, then ws2, then ws3
+    # alone (a batch whose only host is refused at preflight still gets its report row).
+    run, doc = rollout(workdir)
+    assert doc["batches"] == [["ws1"], ["ws2"], ["ws3"]]
     r = rows(doc)
     for host in ("ws1", "ws2"):
         assert (r[host]["result"], r[host]["reason"], r[host]["changes"]) == ("ok", "no change", 0), r[host]
         assert r[host]["health"] == "ok" and r[host]["tokens_per_s"] > 0
         assert engine_pid(sim_fleet, host) == pids[host]
     assert r["ws3"]["result"] == "failed"
+    assert r["ws3"]["reason"].startswith("refused at preflight:") and "gpu_memory" in r["ws3"]["reason"], r["ws3"]
     for host, snap in before.items():
         assert harness.snapshot_diff(snap, snapshot(sim_fleet, host)) == [], host
 
