@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.fleet.standins import hub, hub_repos  # noqa: E402
+from tests.loopback import free_port, wait_listening  # noqa: E402
 
 REPO = hub_repos.SUPPORTED_REPO
 SCRIPT = ROOT / "operations" / "scripts" / "fetch_model.py"
@@ -98,24 +98,12 @@ class Cache:
     """The product's LAN cache (operations/scripts/model_cache.py) serving a host's model dir."""
 
     def __init__(self, model_dir: Path):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        sock.close()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([sys.executable, str(CACHE_SCRIPT), "--dir", str(model_dir),
                                       "--bind", "127.0.0.1", "--port", str(port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise SystemExit("model_cache.py did not start")
-                time.sleep(0.05)
+        wait_listening(port, self.proc, "model_cache.py")
 
     def close(self):
         self.proc.terminate()

@@ -14,11 +14,28 @@ when its hash was verified.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Mapping, Optional, Tuple
 
 MANIFEST_NAME = ".freetoken-manifest.json"
 PARTIAL_DIR = ".partial"
+
+
+def load(model_dir: str) -> Tuple[Optional[dict], Optional[str]]:
+    """``(manifest, None)``; ``(None, None)`` when there is none; ``(None, why)`` when it is
+    unreadable or not a download manifest."""
+    path = os.path.join(model_dir, MANIFEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as exc:
+        return None, f"{path} is unreadable: {exc}"
+    if not (isinstance(doc, dict) and isinstance(doc.get("files"), dict)):
+        return None, f"{path} is not a download manifest"
+    return doc, None
 
 
 def files_on_disk(model_dir: str) -> dict[str, Tuple[int, int]]:

@@ -366,14 +366,7 @@ class Fetcher:
 
     # ---------------------------------------------------------------- manifest
     def load_manifest(self) -> dict:
-        try:
-            with open(self.manifest_path, "rb") as f:
-                doc = json.loads(f.read().decode("utf-8"))
-            if isinstance(doc, dict) and isinstance(doc.get("files"), dict):
-                return doc
-        except (OSError, ValueError):
-            pass
-        return {}
+        return manifest_rules.load(self.dest)[0] or {}
 
     def save_manifest(self) -> None:
         write_atomic(self.manifest_path, json.dumps(self.manifest, indent=1, sort_keys=True).encode() + b"\n")
@@ -728,16 +721,7 @@ def parse_args(argv=None):
 def check(args) -> int:
     """``--check``: the manifest's verdict on DEST, without hashing or network."""
     dest = os.path.abspath(args.dest)
-    doc, error = None, None
-    try:
-        with open(os.path.join(dest, MANIFEST), "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError) as exc:
-        error = f"{dest}/{MANIFEST} is unreadable: {exc}"
-    if doc is not None and not (isinstance(doc, dict) and isinstance(doc.get("files"), dict)):
-        doc, error = None, f"{dest}/{MANIFEST} is not a download manifest"
+    doc, error = manifest_rules.load(dest)
     ok, why = manifest_rules.covers(doc, manifest_rules.files_on_disk(dest), args.repo, args.revision, dest, error)
     if ok:
         log(f"{args.repo}@{args.revision} in {dest}: verified")

@@ -35,15 +35,6 @@ except ImportError:  # run from a checkout of the project
     from freetoken_infra import manifest as manifest_rules  # type: ignore[no-redef]
 
 
-def load_manifest(model_dir: str) -> dict | None:
-    try:
-        with open(os.path.join(model_dir, manifest_rules.MANIFEST_NAME), "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("files"), dict) else None
-
-
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:
     """``(first, last)`` of a single byte range; None for no/ignored Range; "unsatisfiable"."""
     if not header or not header.startswith("bytes=") or "," in header:
@@ -87,7 +78,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
-        m = load_manifest(self.model_dir)
+        m = manifest_rules.load(self.model_dir)[0]
         if path == "/health":
             return self._send_json(200, {
                 "repo": (m or {}).get("repo"), "commit": (m or {}).get("commit"),

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.fleet.standins import hub_repos
-from tests.loopback import free_port
+from tests.loopback import free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORTED = hub_repos.SUPPORTED_REPO
@@ -47,16 +47,11 @@ class Hub:
             cmd += ["--require-token-file", str(token_file)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_clean_env(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                self.stats()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
-                    raise RuntimeError("hub stand-in did not start")
-                time.sleep(0.05)
+        try:
+            wait_listening(self.port, self.proc, "hub stand-in")
+        except RuntimeError:
+            self.close()
+            raise
 
     def _call(self, path: str, body: dict | None = None):
         data = json.dumps(body).encode() if body is not None else None
@@ -543,16 +538,11 @@ class Cache:
             [sys.executable, "-I", str(script_dir / "model_cache.py"), "--dir", str(model_dir),
              "--bind", "127.0.0.1", "--port", str(self.port)],
             cwd="/", env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                self.get("/health")
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
-                    raise RuntimeError("model_cache.py did not start")
-                time.sleep(0.05)
+        try:
+            wait_listening(self.port, self.proc, "model_cache.py")
+        except RuntimeError:
+            self.close()
+            raise
 
     def get(self, path: str, headers: dict | None = None, method: str = "GET"):
         """(status, headers, body); HTTP errors are answers too."""

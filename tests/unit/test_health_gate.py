@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,8 +20,7 @@ from pyinfra.connectors.util import CommandOutput, OutputLine
 from freetoken_infra.settings import Settings
 from operations import health
 from operations.health import GATE_RESULTS, format_gate_report, gate_command, gate_url, run_gate
-from tests.fleet.standins import hub_repos
-from tests.loopback import free_port
+from tests.loopback import free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SRC = ROOT / "tests" / "fleet" / "standins" / "engine"
@@ -31,13 +28,6 @@ SCRIPT = ROOT / "operations" / "scripts" / "health_gate.py"
 MODEL_NAME = "Qwen3.6-35B-A3B-NVFP4-nvidia"
 KEY = "ft-test-key-5d1c0a9e7b"
 PACE = 30.0  # tokens/s of the stand-in
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, standin_repos) -> Path:
-    dst = tmp_path_factory.mktemp("models") / MODEL_NAME
-    shutil.copytree(standin_repos / hub_repos.SUPPORTED_REPO, dst)
-    return dst
 
 
 class StandinEngine:
@@ -57,15 +47,7 @@ class StandinEngine:
             env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
 
     def wait_bound(self) -> None:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("engine stand-in never bound")
+        wait_listening(self.port, self.proc, "engine stand-in", self.log)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +24,7 @@ from freetoken_infra.rollout import (
 from freetoken_infra.settings import Settings
 from operations import engine
 from operations.health import GATE_RESULTS, rollback_command, run_gate
-from tests.fleet.standins import hub_repos
-from tests.loopback import free_port
+from tests.loopback import free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SRC = ROOT / "tests" / "fleet" / "standins" / "engine"
@@ -266,13 +263,6 @@ def test_previous_version_only_for_an_installed_other_version():
     assert engine.previous_version(info("0.2.1", {"0.2.1": None}), s) is None            # broken venv
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, standin_repos) -> Path:
-    dst = tmp_path_factory.mktemp("models") / MODEL_NAME
-    shutil.copytree(standin_repos / hub_repos.SUPPORTED_REPO, dst)
-    return dst
-
-
 class Engine:
     """The engine stand-in on a fixed port; `broken` builds it like the 0.2.3 wheel."""
 
@@ -287,14 +277,7 @@ class Engine:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "freetoken", "--model-path", str(model), "--host", "127.0.0.1",
              "--port", str(port)], env=env, stdout=(workdir / "engine.log").open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("engine stand-in never bound")
+        wait_listening(port, self.proc, "engine stand-in", workdir / "engine.log")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
