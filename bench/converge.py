@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -139,14 +138,10 @@ class Run:
     def __init__(self, limit: tuple[str, ...], wall: float, rc: int, output: str, calls: list[dict]):
         self.limit, self.wall, self.rc, self.output, self.calls = limit, wall, rc, output, calls
 
-    def grand_total(self) -> tuple[str, str, str, str] | None:
-        """pyinfra's results table, last line: (host-operations, changed, errors, unchanged)."""
-        out = self.output
-        match = re.search(r"Grand total\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)", out[out.rfind("--> Results:"):])
-        return match.groups() if match else None
-
     def changed(self) -> str:
-        total = self.grand_total()
+        from tests.fleet.client import parse_grand_total
+
+        total = parse_grand_total(self.output)
         return "?" if total is None else total[1]
 
 
@@ -261,8 +256,8 @@ def print_commands(runs: list[Run]) -> None:
 
 
 def print_slowest_facts(runs: list[Run], top: int) -> None:
-    print(f"\n== slowest facts of a no-op re-run (whole-fleet runs; median over runs of the per-run "
-          f"time, per host and fact) ==")
+    print("\n== slowest facts of a no-op re-run (whole-fleet runs; median over runs of the per-run "
+          "time, per host and fact) ==")
     per: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for run in runs:
         one: dict[tuple[str, str, str], float] = defaultdict(float)

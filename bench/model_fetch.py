@@ -145,8 +145,8 @@ def fleet_rollout() -> int:
     preflight), with ws1 as model_cache_host, then again with no cache. Figure: upstream bytes
     (the hub stand-in's counters) / model size."""
     from tests.fleet import harness
-    from tests.fleet.client import deploy
-    from tests.fleet.test_model import MODEL_DIR, hub
+    from freetoken_infra.settings import Settings
+    from tests.fleet.client import deploy, hub
 
     size = sum(len(b) for b in hub_repos.repo_files(REPO).values())
     figures = {}
@@ -156,7 +156,7 @@ def fleet_rollout() -> int:
             for label, extra in (("through the LAN cache (model_cache_host=ws1)", ("--data", "model_cache_host=ws1")),
                                  ("without a cache", ())):
                 for h in ("ws1", "ws2", "ws4"):
-                    fleet_.run(h, f"systemctl stop freetoken.service 2>/dev/null; rm -rf {MODEL_DIR}")
+                    fleet_.run(h, f"systemctl stop freetoken.service 2>/dev/null; rm -rf {Settings().model_dir}")
                 hub(fleet_, "/_standin/reset", {})
                 t0 = time.monotonic()
                 run = deploy(*extra)

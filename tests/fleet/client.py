@@ -72,9 +72,25 @@ def engine_pid(fleet, host) -> int:
     return int(fleet.run(host, "systemctl show -p MainPID --value freetoken.service", check=True).stdout)
 
 
-def grand_total(run: subprocess.CompletedProcess) -> tuple[str, str, str, str]:
+def parse_grand_total(output: str) -> tuple[str, str, str, str] | None:
     """pyinfra's results table, last line: (host-operations, changed, errors, unchanged); '-' = 0."""
-    out = run.stdout + run.stderr
-    total = re.search(r"Grand total\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)", out[out.rfind("--> Results:"):])
-    assert total, out[-5000:]
-    return total.groups()
+    total = re.search(r"Grand total\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)", output[output.rfind("--> Results:"):])
+    return total.groups() if total else None
+
+
+def grand_total(run: subprocess.CompletedProcess) -> tuple[str, str, str, str]:
+    total = parse_grand_total(run.stdout + run.stderr)
+    assert total, (run.stdout + run.stderr)[-5000:]
+    return total
+
+
+def hub(fleet, path: str, body: dict | None = None) -> dict:
+    """Call the hub stand-in's switches and counters (``/_standin/stats``, ``reset``, ``cut``,
+    ``throttle``; tests/fleet/standins/hub.py) from the controller."""
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(fleet.url("hub") + path, data=data, method="POST" if data else "GET")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=10) as r:
+        return json.loads(r.read())

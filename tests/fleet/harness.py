@@ -66,7 +66,7 @@ def state_file() -> Path:
 
 
 @contextlib.contextmanager
-def exclusive(timeout_s: float = 3 * 3600):
+def exclusive():
     """Hold the machine's one fleet: the bridge, addresses and container names are fixed, so two
     test sessions or benchmarks wait for each other here instead of tearing each other's hosts down."""
     path = cache_dir() / "fleet.lock"
@@ -76,19 +76,8 @@ def exclusive(timeout_s: float = 3 * 3600):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             _log(f"another session holds the simulated fleet ({path}); waiting")
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise FleetError(f"waited {timeout_s:.0f} s for {path}") from None
-                    time.sleep(1)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def _log(msg: str) -> None:

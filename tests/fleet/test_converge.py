@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.fleet import harness
-from tests.fleet.client import SERVING, api_key, chat, deploy, engine_pid, wait_healthy
+from tests.fleet.client import SERVING, api_key, chat, deploy, engine_pid, grand_total, wait_healthy
 
 pytestmark = pytest.mark.fleet
 
@@ -52,10 +52,7 @@ def test_second_converge_changes_nothing(sim_fleet, converged):
     again = deploy()
     out = again.stdout + again.stderr
     results = out[out.index("--> Results:"):]
-    # pyinfra's results table: Operation, Hosts, Success (changed), Error, No Change.
-    total = re.search(r"Grand total\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)", results)
-    assert total, results
-    hosts_ops, changed, errors, unchanged = total.groups()
+    hosts_ops, changed, errors, unchanged = grand_total(again)
     assert (changed, errors) == ("-", "-"), results
     assert unchanged == hosts_ops
     assert "Health gate" in results  # the gate is there, and found nothing to prove again
@@ -159,5 +156,4 @@ def test_opt_in_windows_autostart_creates_the_scheduled_task_once(sim_fleet, con
     tasks = sim_fleet.run("ws1", "cat /mnt/c/.sim/schtasks.json", check=True).stdout
     assert "FreeToken-WSL" in tasks and "wsl.exe" in tasks
     again = deploy("--limit", "ws1", "--data", "windows_autostart=true")
-    total = re.search(r"Grand total\s+(\d+)\s+(\S+)", again.stdout + again.stderr)
-    assert total and total.group(2) == "-", again.stdout
+    assert grand_total(again)[1] == "-", again.stdout

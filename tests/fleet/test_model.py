@@ -13,30 +13,22 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 
 import pytest
 
 from tests.fleet import harness
-from tests.fleet.client import PYINFRA, ROOT, chat, api_key, deploy, health, wait_healthy
+from freetoken_infra.settings import Settings
+from tests.fleet.client import PYINFRA, ROOT, api_key, chat, deploy, health, hub, wait_healthy
 from tests.fleet.standins import hub_repos
 
 pytestmark = pytest.mark.fleet
 
 REPO = hub_repos.SUPPORTED_REPO
-MODEL_DIR = "/var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia"
+MODEL_DIR = Settings().model_dir
 STATUS = "/var/lib/freetoken/model-fetch/status.json"
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 CACHE = ("--data", "model_cache_host=ws1")
 CHUNK = 1024 * 1024  # fetch_model.py's read size
-
-
-def hub(fleet, path: str, body: dict | None = None) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(fleet.url("hub") + path, data=data, method="POST" if data else "GET")
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(req, timeout=10) as r:
-        return json.loads(r.read())
 
 
 def weight_bytes(stats: dict, repo: str = REPO) -> int:
