@@ -61,8 +61,9 @@ def test_a_fleet_rollout_through_the_lan_cache_reads_the_hub_once(sim_fleet, cac
     # Two hosts got the model, the hub sent it once: every weight byte ws2 has came from ws1.
     assert weight_bytes(stats) == sum(len(b) for n, b in hub_repos.repo_files(REPO).items() if n in SHARDS)
     fetch_log = sim_fleet.run("ws2", "journalctl -u freetoken-model-fetch --no-pager -o cat", check=True).stdout
+    cache_url = f"http://{sim_fleet.hosts['ws1'].address}:{Settings().model_cache_port}"
     for shard in SHARDS:
-        assert f"{shard}: " in fetch_log and "verified, from cache http://10.213.0.11:8090" in fetch_log, fetch_log
+        assert f"{shard}: " in fetch_log and f"verified, from cache {cache_url}" in fetch_log, fetch_log
     assert sim_fleet.run("ws1", "systemctl is-active freetoken-model-cache.service").stdout.strip() == "active"
     assert sim_fleet.run("ws2", "systemctl is-active freetoken-model-cache.service").stdout.strip() != "active"
 
