@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -63,7 +64,8 @@ def test_a_fleet_rollout_through_the_lan_cache_reads_the_hub_once(sim_fleet, cac
     fetch_log = sim_fleet.run("ws2", "journalctl -u freetoken-model-fetch --no-pager -o cat", check=True).stdout
     cache_url = f"http://{sim_fleet.hosts['ws1'].address}:{Settings().model_cache_port}"
     for shard in SHARDS:
-        assert f"{shard}: " in fetch_log and f"verified, from cache {cache_url}" in fetch_log, fetch_log
+        assert re.search(rf"^fetch_model: {re.escape(shard)}: .* verified, from cache {re.escape(cache_url)} ",
+                         fetch_log, re.M), fetch_log
     assert sim_fleet.run("ws1", "systemctl is-active freetoken-model-cache.service").stdout.strip() == "active"
     assert sim_fleet.run("ws2", "systemctl is-active freetoken-model-cache.service").stdout.strip() != "active"
 
