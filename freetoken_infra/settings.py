@@ -48,9 +48,15 @@ _ABS_PATH_RE = re.compile(r"^/[^\0\n]*$")
 # wsl2-gpu.md: inside WSL the Windows driver is the driver; these packages would
 # install a Linux one (`cuda` and `cuda-X-Y` depend on cuda-drivers). The same globs
 # become the deploy's apt pin (priority -1) and the settings check below.
+# Named one by one rather than `nvidia-*`, which would also block tools a WSL user may
+# want (nvidia-container-toolkit); cuda-compat-* is the driver's user-mode part.
 DRIVER_PACKAGE_GLOBS = (
-    "cuda", "cuda-[0-9]*-[0-9]*", "cuda-drivers*", "nvidia-driver-*", "nvidia-dkms-*",
-    "nvidia-kernel-*", "libnvidia-*",
+    "cuda", "cuda-[0-9]*-[0-9]*", "cuda-drivers*", "cuda-compat*", "nvidia-driver*",
+    "nvidia-open*", "nvidia-dkms-*", "nvidia-kernel-*", "nvidia-utils-*",
+    "nvidia-compute-utils-*", "nvidia-headless-*", "nvidia-firmware-*", "nvidia-modprobe",
+    "nvidia-persistenced", "nvidia-settings", "nvidia-fabricmanager*", "nvidia-imex*",
+    "nvidia-fs*", "nvidia-gds*", "libnvidia-*", "xserver-xorg-video-nvidia-*",
+    "linux-modules-nvidia-*", "linux-objects-nvidia-*", "linux-signatures-nvidia-*",
 )
 DRIVER_PACKAGE_RE = re.compile("|".join(fnmatch.translate(g) for g in DRIVER_PACKAGE_GLOBS))
 
