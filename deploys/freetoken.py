@@ -31,6 +31,11 @@ from operations import cuda, engine, guard, health, model, service, windows
 
 RESTART = "restart required: run `wsl.exe --shutdown` from Windows"
 
+# Every host's settings, validated before this deploy reads anything from any host. The repo's
+# config.py already did this before pyinfra connected; this covers runs that skip config.py
+# (another working directory, `--config`, the Python API).
+fleet_settings(state)
+
 # One round trip for every fact this host's last run read (facts/batch.py).
 batch.prefetch(state, host, [(Command, {"command": "id -u"})])
 # Operations need root; a workstation user runs the deploy through sudo.
