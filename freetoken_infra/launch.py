@@ -4,14 +4,17 @@ that turns a plan into FreeToken's command line.
 The rule (documented in the README's "Launch plan" section):
 - a 16 GB Blackwell card gets the field report's command exactly;
 - other cards scale with nominal VRAM in GB (`g`): `--moe-cache-size 16*g`,
-  `--num-tokens 256*g`, `--max-running-requests max(1, g // 16)`;
+  `--num-tokens 256*g`, `--kv-reserve-tokens max(8192, 256*g)` (the reserve always
+  covers the KV capacity, which rules.check_launch_plan requires),
+  `--max-running-requests max(1, g // 16)`;
 - always `--moe-strategy offload` (experts live in system RAM), `--moe-cpu-layers
-  auto` (stays inside the WSL pin budget), `--kv-reserve-tokens 8192`,
-  `--max-prefill-length 8192`, and `--attention-backend triton` on 12.x GPUs
-  (`fa` is refused there) or `auto` elsewhere;
+  auto` (stays inside the WSL pin budget), `--max-prefill-length 8192`, and
+  `--attention-backend triton` on 12.x GPUs (`fa` is refused there) or `auto` elsewhere;
 - any value can be overridden with a `launch_*` setting; overrides are validated
-  by the fit check below, which is also what refuses `--moe-cache-size auto` on a
-  16 GB card (pitfall 1: it ran out of GPU memory).
+  by rules.check_launch_plan: the plan must fit the card (which is also what refuses
+  `--moe-cache-size auto` on a 16 GB card, pitfall 1: it ran out of GPU memory) and
+  `num_tokens` must not exceed `kv_reserve_tokens` (so raising launch_num_tokens past
+  the card's reserve needs launch_kv_reserve_tokens too: every derived plan passes).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ VRAM_PER_TOKEN_GB = 0.1 / 1024
 # WDDM keeps the Windows desktop's share of the card (idle ~1 GB in the report).
 VRAM_DESKTOP_RESERVE_GB = 1.0
 DEFAULT_MEMORY_RATIO = 0.9
-MIN_VRAM_GB = 12
+# The field report's KV reserve (16 GB card); larger cards reserve their whole KV capacity.
+KV_RESERVE_TOKENS_MIN = 8192
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def derive_plan(settings: Settings, vram_total_mib: int, compute_cap: tuple[int,
         moe_strategy="offload",
         moe_cache_size=16 * g,
         num_tokens=256 * g,
-        kv_reserve_tokens=8192,
+        kv_reserve_tokens=max(KV_RESERVE_TOKENS_MIN, 256 * g),
         max_prefill_length=8192,
         max_running_requests=max(1, g // 16),
         moe_cpu_layers="auto",

@@ -225,6 +225,49 @@ def test_launch_plan_scales_with_vram_by_one_rule():
     assert (ada.moe_cache_size, ada.num_tokens, ada.attention_backend) == (384, 6144, "auto")
 
 
+# (nvidia-smi's memory.total in MiB, compute capability) -> the derived plan, by the README's rule:
+# cache 16*g, num_tokens 256*g, kv_reserve max(8192, 256*g), max_running max(1, g // 16).
+CARDS = [
+    (16311, (12, 0), (16, 256, 4096, 8192, 1, "triton")),   # RTX 5060 Ti: the field report
+    (24564, (8, 9), (24, 384, 6144, 8192, 1, "auto")),      # RTX 4090
+    (32607, (12, 0), (32, 512, 8192, 8192, 2, "triton")),   # RTX 5090
+    (49140, (8, 9), (48, 768, 12288, 12288, 3, "auto")),    # RTX 6000 Ada
+    (97887, (12, 0), (96, 1536, 24576, 24576, 6, "triton")),  # RTX PRO 6000 Blackwell
+]
+
+
+@pytest.mark.parametrize("mib,cc,want", CARDS, ids=[f"{c[2][0]}gb" for c in CARDS])
+def test_every_derived_plan_passes_its_own_launch_plan_rule(mib, cc, want):
+    from freetoken_infra.hardware import nominal_vram_gb
+
+    g, cache, tokens, reserve, running, backend = want
+    assert nominal_vram_gb(mib) == g
+    plan = derive_plan(Settings(), mib, cc)
+    assert (plan.moe_cache_size, plan.num_tokens, plan.kv_reserve_tokens, plan.max_running_requests,
+            plan.attention_backend) == (cache, tokens, reserve, running, backend)
+    assert plan.num_tokens <= plan.kv_reserve_tokens
+    gpu = GpuInfo(0, "a card", cc, mib, 1000, mib - 1000, "581.80")
+    obs = healthy(gpus=GpuReport((gpu,), "13.0", "/usr/lib/wsl/lib/nvidia-smi", None))
+    f = finding("launch_plan", obs)
+    assert f.status == "pass", f
+
+
+@pytest.mark.parametrize(
+    "overrides,status",
+    [
+        ({}, "pass"),
+        ({"launch_num_tokens": 32768}, "block"),  # past the derived reserve (24576)
+        ({"launch_num_tokens": 32768, "launch_kv_reserve_tokens": 32768}, "pass"),
+        ({"launch_kv_reserve_tokens": 8192}, "block"),  # a reserve below the derived capacity
+        ({"launch_moe_cache_size": 16384}, "block"),  # ~88 GB of cache does not fit 96 GB
+    ],
+)
+def test_overrides_on_a_96gb_card_are_still_validated(overrides, status):
+    gpu = GpuInfo(0, "NVIDIA RTX PRO 6000 Blackwell", (12, 0), 97887, 1000, 96887, "581.80")
+    obs = healthy(gpus=GpuReport((gpu,), "13.0", "/usr/lib/wsl/lib/nvidia-smi", None))
+    assert finding("launch_plan", obs, Settings(**overrides)).status == status
+
+
 @pytest.mark.parametrize(
     "overrides,status",
     [
