@@ -13,7 +13,7 @@ from pyinfra.api import operation
 from pyinfra.operations import files, systemd
 
 from freetoken_infra.settings import Settings
-from operations.model import unit_word
+from operations.model import unit_command, unit_word
 
 ENGINE_UNIT = "freetoken.service"
 GUARD_SERVICE = "freetoken-guard.service"
@@ -50,7 +50,7 @@ def guard_service_unit(settings: Settings) -> str:
         "[Service]",
         "Type=oneshot",
         # Root, not the engine's user: it must be able to stop the engine.
-        "ExecStart=" + " ".join(unit_word(a) for a in args),
+        "ExecStart=" + unit_command(args),
         "SyslogIdentifier=freetoken-guard",
         # `systemctl stop` waits for the engine to exit; a hung nvidia-smi must not pile up runs.
         "TimeoutStartSec=600",
@@ -59,7 +59,7 @@ def guard_service_unit(settings: Settings) -> str:
         "ProtectSystem=strict",
         "ProtectHome=read-only",
         # '-': no failure when the folder is not there yet.
-        f"ReadWritePaths=-{unit_word(settings.state_dir)}",
+        f"ReadWritePaths=-{unit_word(settings.state_dir, variables=False)}",
         "",
     ])
 

@@ -69,12 +69,29 @@ def reverify_request_file(settings: Settings) -> str:
     return f"{fetch_status_dir(settings)}/reverify-requested"
 
 
-def unit_word(value: str) -> str:
-    """One word of a unit file line: systemd expands ``%`` and ``$`` and splits on whitespace."""
-    value = value.replace("%", "%%").replace("$", "$$")
+def unit_word(value: str, variables: bool = True) -> str:
+    """One word of a unit file line, as systemd reads it back.
+
+    systemd expands ``%`` specifiers in every setting, splits list and command lines on
+    whitespace (quotes and backslashes are its escapes) and expands ``$VAR`` in the arguments of
+    ``Exec*=`` lines only: ``variables=False`` for an executable path or a path list
+    (``ReadWritePaths=``), where a doubled ``$$`` would stay doubled. A lone ``;`` would end the
+    command.
+    """
+    value = value.replace("%", "%%")
+    if variables:
+        value = value.replace("$", "$$")
+    if value == ";":
+        return "\\;"
     if any(c in value for c in ' \t"\'\\'):
         value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return value
+
+
+def unit_command(argv: Sequence[str]) -> str:
+    """An ``Exec*=`` line's value: the executable path (no ``$`` expansion there), then its
+    arguments, each escaped for systemd."""
+    return " ".join([unit_word(argv[0], variables=False), *(unit_word(a) for a in argv[1:])])
 
 
 def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: Optional[str] = None) -> list[str]:
@@ -130,7 +147,7 @@ def cache_unit(settings: Settings) -> str:
         "[Service]",
         f"User={settings.service_user}",
         f"Group={settings.service_user}",
-        "ExecStart=" + " ".join(unit_word(a) for a in argv),
+        "ExecStart=" + unit_command(argv),
         "Restart=on-failure",
         "RestartSec=5",
         "SyslogIdentifier=freetoken-model-cache",
@@ -147,7 +164,7 @@ def cache_unit(settings: Settings) -> str:
 
 def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
     """Text of ``freetoken-model-fetch.service``."""
-    exec_words = [unit_word(a) for a in fetch_argv(settings, sources)]
+    exec_words = [unit_command(fetch_argv(settings, sources))]
     lines = [
         "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
         "[Unit]",
@@ -165,7 +182,7 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
         # systemd hands the service a private copy of the root-only token file (%d is the
         # credentials folder): the service user never needs read access to the original, and
         # the token never appears on a command line.
-        lines.append(f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file)}")
+        lines.append(f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}")
         exec_words += ["--token-file", f"%d/{TOKEN_CREDENTIAL}"]
     lines.append("ExecStart=" + " ".join(exec_words))
     if settings.hub_disable_xet:
@@ -184,7 +201,8 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
         "PrivateTmp=yes",
         "ProtectSystem=strict",
         "ProtectHome=read-only",
-        f"ReadWritePaths={unit_word(settings.model_dir)} {unit_word(fetch_status_dir(settings))}",
+        f"ReadWritePaths={unit_word(settings.model_dir, variables=False)} "
+        f"{unit_word(fetch_status_dir(settings), variables=False)}",
         "",
     ]
     return "\n".join(lines)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import os
-import shlex
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -18,7 +17,7 @@ from pyinfra.operations import files
 from facts.files import FileText
 from freetoken_infra.launch import LaunchPlan, engine_command
 from freetoken_infra.settings import Settings
-from operations.model import unit_word, check_argv
+from operations.model import check_argv, unit_command, unit_word
 
 UNIT_PATH = "/etc/systemd/system/freetoken.service"
 KEY_VAR = "FREETOKEN_API_KEY"
@@ -53,7 +52,6 @@ def engine_environment(settings: Settings) -> str:
 
 def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
     """The unit file, from settings and the launch plan."""
-    command = " ".join(shlex.quote(a) for a in engine_command(settings, plan))
     model_home = settings.model_dir.startswith("/home/")
     return f"""# Managed by freetoken-infra; local edits are overwritten on the next deploy.
 [Unit]
@@ -70,8 +68,8 @@ EnvironmentFile={env_path(settings)}
 EnvironmentFile=-{key_path(settings)}
 # The engine never starts on a model whose download did not verify (complete, and every
 # file as it was when its hash was checked).
-ExecStartPre={" ".join(unit_word(a) for a in check_argv(settings))}
-ExecStart={command}
+ExecStartPre={unit_command(check_argv(settings))}
+ExecStart={unit_command(engine_command(settings, plan))}
 Restart=on-failure
 # FreeToken 0.2.1 ends itself with SIGTERM when a backend worker dies, which
 # on-failure alone would take for a clean stop.
@@ -85,7 +83,7 @@ TimeoutStopSec=30
 NoNewPrivileges=yes
 ProtectSystem=strict
 ProtectHome={"read-only" if model_home else "yes"}
-ReadWritePaths={settings.state_dir} {settings.cache_dir}
+ReadWritePaths={unit_word(settings.state_dir, variables=False)} {unit_word(settings.cache_dir, variables=False)}
 PrivateTmp=yes
 DevicePolicy=closed
 DeviceAllow=/dev/dxg rw

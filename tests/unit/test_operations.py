@@ -106,3 +106,43 @@ def test_environment_has_persistent_kernel_caches_and_hub_settings():
     assert env["TRITON_CACHE_DIR"].startswith("/var/cache/freetoken/")
     assert env["HF_HUB_DISABLE_XET"] == "1" and env["LOG_LEVEL"] == "INFO"
     assert not any("KEY" in k for k in env)
+
+
+def _odd_path_settings(tmp_path):
+    """Paths with what systemd would expand (``%i``, ``$HOME``) and a space in them."""
+    base = tmp_path / "engines 100%i $HOME"
+    python = base / "active" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    return Settings(engine_base_dir=str(base), model_dir=str(tmp_path / "models %n $USER" / "Qwen"))
+
+
+def test_unit_escapes_every_exec_word_for_systemd(tmp_path):
+    import shlex
+
+    s = _odd_path_settings(tmp_path)
+    plan = derive_plan(s, 16311, (12, 0))
+    unit = engine_unit(s, plan)
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    words = shlex.split(exec_start[len("ExecStart="):])  # systemd's quoting, as a shell reads it
+    # systemd's own rules: %% is a literal %, $$ a literal $ in an argument; the executable
+    # path has specifiers but no variables.
+    argv = [words[0].replace("%%", "%")] + [w.replace("%%", "%").replace("$$", "$") for w in words[1:]]
+    from freetoken_infra.launch import engine_command
+
+    assert argv == engine_command(s, plan)
+    assert "$$HOME" not in words[0] and "%%i" in words[0]
+    assert "--model-path" in words and "%%n $$USER" in words[words.index("--model-path") + 1]
+
+
+def test_unit_with_odd_paths_is_what_systemd_analyze_runs(tmp_path):
+    analyze = subprocess.run(["which", "systemd-analyze"], capture_output=True, text=True).stdout.strip()
+    if not analyze:
+        pytest.skip("systemd-analyze not installed (systemd package); the escaping rules are checked above")
+    s = _odd_path_settings(tmp_path)
+    path = tmp_path / "freetoken.service"
+    path.write_text(engine_unit(s, derive_plan(s, 16311, (12, 0))))
+    out = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True)
+    # systemd resolves the executable as it would start it: a wrong escape names another path.
+    assert "is not executable" not in out.stderr and "specifier" not in out.stderr, out.stderr
