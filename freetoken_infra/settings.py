@@ -21,8 +21,8 @@ from pydantic import (
     Field,
     IPvAnyAddress,
     ValidationError,
+    ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from freetoken_infra.hardware import HARDWARE_PROFILES
@@ -275,11 +275,15 @@ class Settings(BaseModel):
             raise ValueError("must be a non-root system user name such as 'freetoken'")
         return v
 
-    @model_validator(mode="after")
-    def _coherent(self) -> "Settings":
-        if self.model_expert_ram_gb > self.model_size_gb:
-            raise ValueError("model_expert_ram_gb cannot exceed model_size_gb")
-        return self
+    @field_validator("model_expert_ram_gb")
+    @classmethod
+    def _experts_within_model(cls, v: float, info: ValidationInfo) -> float:
+        # A check across two fields, made on the second so the error names a field and its value
+        # (model_size_gb is declared first; absent here when it failed its own check).
+        size = info.data.get("model_size_gb")
+        if size is not None and v > size:
+            raise ValueError(f"cannot exceed model_size_gb ({size:g}): the experts are part of the model")
+        return v
 
     # --- derived values ---------------------------------------------------------
     @property
@@ -366,8 +370,13 @@ def build_settings(host_name: str, data: dict[str, Any]) -> Settings:
         # alternative separately, so their messages are joined.
         by_field: dict[str, tuple[Any, list[str]]] = {}
         for err in exc.errors():
-            field = str(err["loc"][0]) if err["loc"] else "(settings)"
             msg = err["msg"].removeprefix("Value error, ")
+            if not err["loc"]:
+                # Every check is made on a field (so its error names it); this only guards a
+                # future whole-model check from printing every setting as its "value".
+                problems.append(f"host {host_name}: settings are invalid: {msg}")
+                continue
+            field = str(err["loc"][0])
             bad, msgs = by_field.setdefault(field, (err.get("input"), []))
             if msg not in msgs:
                 msgs.append(msg)

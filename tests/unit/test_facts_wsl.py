@@ -38,6 +38,23 @@ def test_wsl1_kernel():
     assert (info.kind, info.release) == ("wsl1", "4.4.0-19041-Microsoft")
 
 
+@pytest.mark.parametrize("text,kind,release", [
+    # WSL2 kernels before 5.10 had no "-WSL2" suffix (the 2020 kernel of Windows 10 2004).
+    ("Linux version 4.19.128-microsoft-standard (oe-user@oe-host) (gcc version 8.2.0 (GCC)) "
+     "#1 SMP Tue Jun 23 12:58:10 UTC 2020", "wsl2", "4.19.128-microsoft-standard"),
+    ("Linux version 5.4.72-microsoft-standard-WSL2 (oe-user@oe-host) (x86_64-msft-linux-gcc (GCC) 9.3.0) "
+     "#1 SMP Wed Oct 28 23:40:43 UTC 2020", "wsl2", "5.4.72-microsoft-standard-WSL2"),
+    # WSL1's fake kernel says Microsoft with a capital M, release and build alike.
+    ("Linux version 4.4.0-17763-Microsoft (Microsoft@Microsoft.com) (gcc version 5.4.0 (GCC) ) "
+     "#2268-Microsoft Thu Oct 07 16:36:00 PST 2021", "wsl1", "4.4.0-17763-Microsoft"),
+    ("Linux version 6.1.0-28-amd64 (debian-kernel@lists.debian.org) (gcc-12 (Debian 12.2.0-14) 12.2.0) "
+     "#1 SMP PREEMPT_DYNAMIC Debian 6.1.119-1 (2024-11-22)", "none", "6.1.0-28-amd64"),
+])
+def test_kernel_kinds_old_and_new(text, kind, release):
+    info = parse_proc_version(text)
+    assert (info.kind, info.release) == (kind, release)
+
+
 def test_plain_linux_kernel():
     assert parse_proc_version((FIX / "proc-version-debian.txt").read_text()).kind == "none"
 

@@ -58,6 +58,9 @@ MALFORMED = [
     ({"launch_attention_backend": "attn"}, "launch_attention_backend", "triton"),
     ({"api_key_source": "sk-123"}, "api_key_source", "generate"),
     ({"wslconfig_processors": 2.5}, "wslconfig_processors", "integer"),
+    # Across two fields: the error names the field and its value, not every setting.
+    ({"model_expert_ram_gb": 30}, "model_expert_ram_gb", "cannot exceed model_size_gb (22)"),
+    ({"model_size_gb": 10}, "model_expert_ram_gb", "= 16.9 is invalid: cannot exceed model_size_gb (10)"),
 ]
 
 
@@ -71,7 +74,12 @@ def test_malformed_setting_gives_one_clear_error_naming_host_and_field(data, fie
     assert line.startswith("host ws7: ")
     assert f"'{field}'" in line
     assert allowed in line
+    assert "(settings)" not in line and "{" not in line, "one field and its value, not the whole dict"
     assert "nothing was changed" in str(exc.value)
+
+
+def test_malformed_table_has_at_least_eight_cases():
+    assert len(MALFORMED) >= 8
 
 
 def test_secret_values_are_not_echoed_for_api_key_source_files():
