@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleet import harness
+from tests.fleet.profiles import PROFILES
 from tests.fleet.standins import hub_repos
-from tests.loopback import free_port
+from tests.loopback import free_port, wait_listening
 
 ENGINE_SRC = Path(__file__).resolve().parents[1] / "fleet" / "standins" / "engine"
 sys.path.insert(0, str(ENGINE_SRC))
@@ -241,6 +243,7 @@ def test_fault_switches_oom_then_crash(engines, tmp_path, model):
     time.sleep(0.2)
     assert e.health()["status"] == "ok"
     assert "this process has 17179869184.00 GiB memory in use" in e.logs()[1]
+    assert "GPU 0 has a total capacity of 15.93 GiB of which 11.60 GiB is free" in e.logs()[1]
     assert e.call("/_standin/fault", {"kind": "crash"})[0] == 200
     assert e.proc.wait(10) == 1
     assert e.logs()[1].rstrip().splitlines()[-1].startswith("RuntimeError: CUDA error")
@@ -262,3 +265,95 @@ def test_broken_build_reports_error_after_load(engines, tmp_path, model):
     h, _ = e.wait_status("error")
     assert "broken" in h["message"]
     assert e.proc.wait(10) == 1
+
+
+def test_oom_line_names_the_hosts_gpu(engines, tmp_path, model):
+    # ws2's RTX 5090: 32607 MiB; the config the harness writes for the host says so
+    e = start(engines, tmp_path, model, config={"load_seconds": 0.2, "gpu_total_mib": 32607, "gpu_free_mib": 31484})
+    e.wait_bound()
+    e.wait_status("ok")
+    assert e.call("/_standin/fault", {"kind": "oom"})[0] == 200
+    e.wait_status("ok")
+    assert "GPU 0 has a total capacity of 31.84 GiB of which 30.75 GiB is free" in e.logs()[1]
+
+
+@pytest.fixture()
+def vm_memory(tmp_path):
+    """The fleet's VM memory stand-in on loopback, for one simulated host at 127.0.0.1 whose
+    /proc/meminfo source is tmp_path/host/.sim/meminfo (ws1's profile, no swap in use)."""
+    profile = PROFILES["ws1"]
+    root = tmp_path / "host"
+    (root / ".sim").mkdir(parents=True)
+    meminfo = root / ".sim" / "meminfo"
+    meminfo.write_text(harness.meminfo_text(profile))
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"hosts": {"ws1": {"name": "ws1", "address": "127.0.0.1", "root": str(root),
+                                                   "profile": profile.to_dict()}}}))
+    port = free_port()
+    log = tmp_path / "vm_memory.log"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fleet.standins.vm_memory", "--bind", "127.0.0.1",
+                             "--port", str(port), "--state", str(state)],
+                            cwd=harness.REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_listening(port, proc, "vm_memory stand-in", log)
+        yield f"http://127.0.0.1:{port}/swap/grow", meminfo, profile
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def swap_used(meminfo: Path) -> int:
+    """SwapTotal - SwapFree, read the way `free` and the guard read /proc/meminfo."""
+    kb = {line.split(":")[0]: int(line.split()[1]) for line in meminfo.read_text().splitlines()}
+    return (kb["SwapTotal"] - kb["SwapFree"]) * 1024
+
+
+def wait_for(what, predicate, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+def test_fault_swap_grows_the_hosts_swap_until_the_engine_ends(engines, tmp_path, model, vm_memory):
+    url, meminfo, profile = vm_memory
+    e = start(engines, tmp_path, model, config={"load_seconds": 0.2, "swap_url": url})
+    e.wait_bound()
+    e.wait_status("ok")
+    assert swap_used(meminfo) == 0
+    assert e.call("/_standin/fault", {"kind": "swap", "mib_per_s": 1024})[0] == 200
+    # grows step by step (not all at once) ...
+    first = wait_for("swap in use", lambda: swap_used(meminfo))
+    assert first < profile.swap_total_bytes
+    wait_for("swap growing", lambda: swap_used(meminfo) > first)
+    # ... up to the host's SwapTotal and no further, while the engine keeps serving
+    wait_for("swap full", lambda: swap_used(meminfo) == profile.swap_total_bytes)
+    assert e.health()["status"] == "ok"
+    # the engine ends: its swapped-out memory is freed
+    e.proc.kill()
+    e.proc.wait(10)
+    wait_for("swap freed", lambda: swap_used(meminfo) == 0)
+
+
+def test_fault_swap_needs_a_swap_source(engines, tmp_path, model, vm_memory):
+    e = start(engines, tmp_path, model, config={"load_seconds": 0.2})
+    e.wait_bound()
+    e.wait_status("ok")
+    status, body = e.call("/_standin/fault", {"kind": "swap"})
+    assert status == 400 and "swap_url" in json.loads(body)["error"]
+    assert e.call("/_standin/fault", {"kind": "grow"})[0] == 400
+
+
+def test_vm_memory_refuses_an_address_that_is_no_host(tmp_path, vm_memory):
+    url, meminfo, _ = vm_memory
+    state = json.loads((meminfo.parents[2] / "state.json").read_text())
+    state["hosts"]["ws1"]["address"] = "10.213.0.11"
+    (meminfo.parents[2] / "state.json").write_text(json.dumps(state))
+    req = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10)
+    assert err.value.code == 403
+    assert swap_used(meminfo) == 0

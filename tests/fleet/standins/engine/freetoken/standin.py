@@ -34,11 +34,17 @@ named by env FREETOKEN_STANDIN_CONFIG: ``{"tokens_per_s": 24.0, "load_seconds": 
 "error_exit_delay_s": 10, "broken": false, "fatal_exit": "sigterm", "default_max_tokens": 32}``.
 ``broken: true`` (or a wheel built broken, version.BROKEN) fails after loading.
 
-Fault switches: ``POST /_standin/fault`` ``{"kind": "crash"|"exit"|"oom"}`` (loopback clients
-only; API key required when one is set): crash = the process dies at once with a worker
+Fault switches: ``POST /_standin/fault`` ``{"kind": "crash"|"exit"|"oom"|"swap"}`` (loopback
+clients only; API key required when one is set): crash = the process dies at once with a worker
 traceback and exit code 1 (no health error); exit = backend death: health error, then exit
-after the delay; oom = the CUDA OOM lines of the field report are logged to stderr and the
-server keeps running.
+after the delay; oom = the CUDA OOM lines of the field report are logged to stderr, naming the
+host's GPU (config ``gpu_total_mib``, ``gpu_free_mib``), and the server keeps running; swap
+(``"mib_per_s"`` optional, default config ``swap_mib_per_s``) = the host's swap use grows at that
+pace up to SwapTotal for as long as this process lives and falls back when it ends, as a real
+process's swapped-out memory does: it holds a connection to the simulated fleet's VM memory
+stand-in (config ``swap_url``, tests/fleet/standins/vm_memory.py), which rewrites the host's
+/proc/meminfo source; 400 when no ``swap_url`` is configured, 502 when it cannot be reached.
+The answer (200) comes once the growth has begun.
 """
 
 from __future__ import annotations
@@ -65,12 +71,18 @@ DEFAULT_CONFIG = {
     "broken": False,
     "fatal_exit": "sigterm",
     "default_max_tokens": 32,
+    "gpu_total_mib": 16311,
+    "gpu_free_mib": 11878,
+    "swap_url": None,
+    "swap_mib_per_s": 256,
 }
 SYSTEM_CONFIG = "/etc/freetoken-standin.json"
 WORDS = "Hello from the FreeToken stand-in , a tiny model that speaks in paced tokens .".split()
+# The field report's line (an RTX 5060 Ti: 16311 MiB total, 11.6 GiB "free" under the WDDM lock);
+# total and free come from the host's GPU (stand-in config gpu_total_mib / gpu_free_mib).
 OOM_LINE = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB. GPU 0 has a total capacity of "
-    "15.93 GiB of which 11.60 GiB is free. Including non-PyTorch memory, this process has 17179869184.00 GiB "
+    "{total_gib:.2f} GiB of which {free_gib:.2f} GiB is free. Including non-PyTorch memory, this process has 17179869184.00 GiB "
     "memory in use. Of the allocated memory 4.21 GiB is allocated by PyTorch, and 103.52 MiB is reserved by "
     "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
@@ -350,8 +362,25 @@ class Engine:
             "Traceback (most recent call last):\n"
             '  File "freetoken/moe/offload.py", line 412, in _alloc_slot\n'
             "    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)\n"
-            + OOM_LINE + "\n")
+            + OOM_LINE.format(total_gib=self.cfg["gpu_total_mib"] / 1024,
+                              free_gib=self.cfg["gpu_free_mib"] / 1024) + "\n")
         sys.stderr.flush()
+
+    def grow_swap(self, mib_per_s: float) -> None:
+        """Become a process whose memory spills into swap: the VM's swap use (the fleet's VM
+        memory stand-in, ``swap_url``) grows for as long as this process lives."""
+        import urllib.request
+
+        req = urllib.request.Request(self.cfg["swap_url"], data=json.dumps({"mib_per_s": mib_per_s}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        held = urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10)
+
+        def hold():
+            with held:
+                while held.readline():
+                    pass
+
+        threading.Thread(target=hold, name="freetoken-standin-swap", daemon=True).start()
 
 
 # ------------------------------------------------------------------ HTTP
@@ -450,8 +479,16 @@ class Handler(BaseHTTPRequestHandler):
         if not (self.client_address[0].startswith("127.") or self.client_address[0] == "::1"):
             return self._json(403, {"error": "fault switches are loopback-only"})
         kind = body.get("kind")
-        if kind not in ("crash", "exit", "oom"):
-            return self._json(400, {"error": "kind must be crash, exit or oom"})
+        if kind not in ("crash", "exit", "oom", "swap"):
+            return self._json(400, {"error": "kind must be crash, exit, oom or swap"})
+        if kind == "swap":
+            if not self.engine.cfg.get("swap_url"):
+                return self._json(400, {"error": "no swap source: swap_url is not in the stand-in config"})
+            try:
+                rate = float(body.get("mib_per_s", self.engine.cfg["swap_mib_per_s"]))
+                self.engine.grow_swap(rate)
+            except (OSError, ValueError, TypeError) as exc:
+                return self._json(502, {"error": f"swap source {self.engine.cfg['swap_url']}: {exc}"})
         # the state changes before the answer, so a client that got 200 already sees the fault
         if kind == "exit":
             self.engine.backend_died("backend worker freetoken-TP0-scheduler (pid %d) exited unexpectedly with code -9"
