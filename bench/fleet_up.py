@@ -1,6 +1,6 @@
 """Time to bring up the simulated fleet (tests/fleet) with the root fs cache cold and warm.
 
-    sudo .venv/bin/python bench/fleet_up.py [--hosts 3] [--warm-runs 3] [--skip-cold]
+    sudo .venv/bin/python bench/fleet_up.py [--hosts N] [--warm-runs 3] [--skip-cold]
 
 Cold: a fresh, empty cache dir (debootstrap + .deb cache from scratch), removed afterwards.
 Warm: the normal cache (FREETOKEN_SIM_CACHE or /var/cache/freetoken-sim), already built.
@@ -39,10 +39,12 @@ def timed_up(n: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hosts", type=int, default=3)
+    ap.add_argument("--hosts", type=int, default=None,
+                    help="default: FREETOKEN_SIM_HOSTS, else one host per profile")
     ap.add_argument("--warm-runs", type=int, default=3)
     ap.add_argument("--skip-cold", action="store_true")
     a = ap.parse_args()
+    a.hosts = harness.host_count() if a.hosts is None else a.hosts
     with harness.exclusive():
         return _bench(a)
 

@@ -94,3 +94,81 @@ def hub(fleet, path: str, body: dict | None = None) -> dict:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=10) as r:
         return json.loads(r.read())
+
+
+def fault(fleet, host, kind: str, **options) -> dict:
+    """Throw one of the engine stand-in's fault switches on `host` (``crash``, ``exit``, ``oom``,
+    ``swap``; tests/fleet/standins/engine/freetoken/standin.py) through its loopback-only
+    ``POST /_standin/fault``, the API key on stdin. ``swap`` takes ``mib_per_s``."""
+    key = api_key(fleet, host)
+    script = (
+        "import json,sys,urllib.request;k=sys.stdin.readline().strip();body=sys.stdin.readline();"
+        "r=urllib.request.urlopen(urllib.request.Request('http://127.0.0.1:8000/_standin/fault',"
+        "data=body.encode(),headers={'Authorization':'Bearer '+k,'Content-Type':'application/json'}),"
+        "timeout=30);print(r.read().decode())"
+    )
+    r = subprocess.run(
+        fleet.ssh_argv(host) + ["python3", "-c", json.dumps(script)],
+        input=key + "\n" + json.dumps({"kind": kind, **options}) + "\n",
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, f"{host}: fault {kind}: {r.stderr}"
+    return json.loads(r.stdout)
+
+
+def swap_used_bytes(fleet, host) -> int:
+    """SwapTotal - SwapFree as the host's own `free -b` reports it."""
+    row = fleet.run(host, "free -b | awk '/^Swap:/ {print $3}'", check=True).stdout
+    return int(row)
+
+
+def leftovers() -> list[str]:
+    """Whatever of a simulated fleet still exists on this machine, found without the harness's
+    state or PID bookkeeping: any process in a network namespace other than ours (every fleet
+    host's processes live in one), any systemd-nspawn, any named network namespace, the bridge
+    or any veth link, any address on the bridge's subnet, any TCP server listening on the
+    bridge address, the state dir and the host copies."""
+    from ipaddress import ip_address, ip_network
+
+    from tests.fleet.profiles import BRIDGE_ADDRESS, BRIDGE_NAME, BRIDGE_PREFIX
+
+    out = []
+    own_netns = os.readlink("/proc/self/ns/net")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            netns = os.readlink(entry / "ns" / "net")
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue    # gone meanwhile
+        if not cmd:
+            continue    # kernel threads
+        if netns != own_netns:
+            out.append(f"process {entry.name} in {netns}: {cmd[:120]}")
+        elif comm == "systemd-nspawn":
+            out.append(f"process {entry.name} (systemd-nspawn): {cmd[:120]}")
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out += [f"netns {line.split()[0]}" for line in netns.splitlines() if line.split()]
+    if Path("/run/netns").is_dir():
+        out += [f"netns file /run/netns/{n}" for n in os.listdir("/run/netns")]
+    if Path(f"/sys/class/net/{BRIDGE_NAME}").exists():
+        out.append(f"bridge {BRIDGE_NAME}")
+    veths = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True).stdout
+    out += [f"veth link {line.split(':')[1].strip().split('@')[0]}" for line in veths.splitlines() if ":" in line]
+    subnet = ip_network(f"{BRIDGE_ADDRESS}/{BRIDGE_PREFIX}", strict=False)
+    for line in subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True).stdout.splitlines():
+        parts = line.split()
+        if "inet" in parts and ip_address(parts[parts.index("inet") + 1].split("/")[0]) in subnet:
+            out.append(f"address {parts[parts.index('inet') + 1]} on {parts[1]}")
+    bridge_hex = "".join(f"{int(b):02X}" for b in reversed(BRIDGE_ADDRESS.split(".")))
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and local.split(":")[0] == bridge_hex:
+            out.append(f"listening server on {BRIDGE_ADDRESS}:{int(local.split(':')[1], 16)}")
+    if harness.state_dir().exists():
+        out.append(f"state dir {harness.state_dir()}")
+    if (harness.cache_dir() / "hosts").exists():
+        out.append(f"host copies {harness.cache_dir() / 'hosts'}")
+    return out

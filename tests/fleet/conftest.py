@@ -1,21 +1,34 @@
 """Session fixture `sim_fleet`: the simulated fleet, up for the whole test session and torn down
 at its end even when tests fail. Yields a tests.fleet.harness.Fleet.
 
-Hosts: FREETOKEN_SIM_HOSTS (default 3). Needs root; without root the fleet tests are skipped."""
+Hosts: harness.host_count() (FREETOKEN_SIM_HOSTS, default one per profile: ws1..ws3); the fleet
+tests need at least the profiled hosts. Needs root; without root the fleet tests are skipped
+(reported as skipped with the reason). After the final teardown the machine is checked for
+anything of the fleet left over (tests.fleet.client.leftovers, which does not trust the
+harness's own records); a leftover is an error in this fixture's teardown, so the run fails."""
 import os
 
 import pytest
 
-from tests.fleet import harness
+from tests.fleet import client, harness
+from tests.fleet.profiles import PROFILES
 
 
 @pytest.fixture(scope="session")
 def sim_fleet():
     if os.geteuid() != 0:
         pytest.skip("the simulated fleet needs root (systemd-nspawn, network namespaces)")
+    n_hosts = harness.host_count()
+    if n_hosts < len(PROFILES):
+        raise harness.FleetError(f"FREETOKEN_SIM_HOSTS={n_hosts}: the fleet tests need at least "
+                                 f"the {len(PROFILES)} profiled hosts ({', '.join(PROFILES)})")
     with harness.exclusive():
-        fleet = harness.up(int(os.environ.get("FREETOKEN_SIM_HOSTS", "3")))
+        fleet = harness.up(n_hosts)
         try:
             yield fleet
         finally:
             harness.down()
+            left = client.leftovers()
+            if left:
+                raise harness.FleetError("the session's final teardown left these behind:\n  "
+                                         + "\n  ".join(left))

@@ -38,7 +38,7 @@ NETNS_PREFIX = "ftsim-"          # netns and host-side veth names: ftsim-ws1, ..
 COMPLETE_MARK = ".freetoken-sim-complete"
 BOOT_TIMEOUT_S = float(os.environ.get("FREETOKEN_SIM_BOOT_TIMEOUT", "120"))
 
-PORTS = {"apt_proxy": 3142, "cuda_repo": 8081, "hub": 8082, "wheelhouse": 8083}
+PORTS = {"apt_proxy": 3142, "cuda_repo": 8081, "hub": 8082, "wheelhouse": 8083, "vm_memory": 8084}
 CUDA_REPO_PATH = "compute/cuda/repos/ubuntu2404/x86_64/"
 
 # Host tools the harness needs, by command -> Debian package (installed when missing).
@@ -65,19 +65,74 @@ def state_file() -> Path:
     return state_dir() / "state.json"
 
 
+def host_count() -> int:
+    """How many hosts a fleet has unless told otherwise: FREETOKEN_SIM_HOSTS, by default one per
+    profile (ws1..ws3). The CLI, the pytest fixture and the benchmark all ask here."""
+    value = os.environ.get("FREETOKEN_SIM_HOSTS", str(len(profiles.PROFILES)))
+    if not value.isdigit() or int(value) < 1:
+        raise FleetError(f"FREETOKEN_SIM_HOSTS={value!r}: expected a whole number of hosts >= 1")
+    return int(value)
+
+
+def host_names(n_hosts: int) -> list[str]:
+    return [f"ws{i}" for i in range(1, n_hosts + 1)]
+
+
+LOCK_FD_ENV = "FREETOKEN_SIM_LOCK_FD"
+_held_lock: list = []          # the lock file this process holds (nested exclusive() re-enter)
+
+
+def _inherited_lock_fd(path: Path) -> int | None:
+    """The fd named by FREETOKEN_SIM_LOCK_FD if it is the fleet lock file, inherited from a
+    parent that holds the lock: flock belongs to the open file, so the child holds it too."""
+    value = os.environ.get(LOCK_FD_ENV, "")
+    if not value.isdigit():
+        return None
+    fd = int(value)
+    try:
+        st, want = os.fstat(fd), path.stat()
+    except OSError:
+        return None
+    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino):
+        return None
+    try:   # succeeds at once only when this open file already holds the lock
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return None
+    return fd
+
+
 @contextlib.contextmanager
 def exclusive():
     """Hold the machine's one fleet: the bridge, addresses and container names are fixed, so two
-    test sessions or benchmarks wait for each other here instead of tearing each other's hosts down."""
+    test sessions, benchmarks or hand-run `python -m tests.fleet up/down` wait for each other here
+    instead of tearing each other's hosts down. Re-entrant: a nested call in the same process, or
+    a child given the holder's lock by lock_for_child(), goes on without waiting."""
     path = cache_dir() / "fleet.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if _held_lock or _inherited_lock_fd(path) is not None:
+        yield  # the holder (this process or the parent) releases it
+        return
     with open(path, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             _log(f"another session holds the simulated fleet ({path}); waiting")
             fcntl.flock(f, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
+        _held_lock.append(f)
+        try:
+            yield
+        finally:
+            _held_lock.remove(f)  # closing the file releases the lock
+
+
+def lock_for_child() -> tuple[dict, tuple[int]]:
+    """(env, pass_fds) for a subprocess that should act under the lock this process holds, e.g.
+    a `python -m tests.fleet up` started by a test of the session that holds the fleet."""
+    if not _held_lock:
+        raise FleetError("lock_for_child() outside harness.exclusive()")
+    fd = _held_lock[-1].fileno()
+    return {**os.environ, LOCK_FD_ENV: str(fd)}, (fd,)
 
 
 def _log(msg: str) -> None:
@@ -414,6 +469,13 @@ def _start_services(state: dict) -> None:
     else:
         state["services"]["hub"] = {"pid": None, "url": None, "missing": "standins/hub.py"}
         _log("note: tests/fleet/standins/hub.py not there yet; hub stand-in not started")
+    # The VM kernel's memory accounting (stand-in): grows a host's swap use on its engine
+    # stand-in's request (the `swap` fault), by rewriting that host's /.sim/meminfo.
+    _start_service(state, "vm_memory",
+                   [py, "-m", "tests.fleet.standins.vm_memory", "--bind", BRIDGE_ADDRESS,
+                    "--port", str(PORTS["vm_memory"]), "--state", str(state_file())],
+                   PORTS["vm_memory"], f"{base}:{PORTS['vm_memory']}/swap/grow",
+                   "tests.fleet.standins.vm_memory")
     if (STANDINS / "wheelhouse.py").exists():
         _sh(py, "-m", "tests.fleet.standins.wheelhouse", "build", srv / "wheelhouse",
             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, quiet=True)
@@ -464,6 +526,17 @@ def meminfo_text(profile: HostProfile, swap_used: int = 0) -> str:
               f"{'DirectMap4k:':<16}{120_832:>8} kB", f"{'DirectMap2M:':<16}{6_170_624:>8} kB",
               f"{'DirectMap1G:':<16}{kb(total) // 1024 // 1024 * 1024 * 1024:>8} kB"]
     return "\n".join(lines) + "\n"
+
+
+def write_meminfo(path: Path, profile: dict, swap_used: int) -> None:
+    """Rewrite a host's /.sim/meminfo in place (same inode, so the bind mount over /proc/meminfo
+    sees it; the values are fixed-width, so a reader never sees a half-written file)."""
+    text = meminfo_text(HostProfile(**{**profile, "gpu": profiles.GpuProfile(**profile["gpu"])}),
+                        swap_used=swap_used)
+    with open(path, "r+b") as f:
+        f.seek(0)
+        f.write(text.encode())
+        f.truncate()
 
 
 def proc_version_text(profile: HostProfile) -> str:
@@ -535,10 +608,16 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
            "c /dev/dxg 0666 root root - 10:63\n")
     _sh("chroot", root, "ldconfig", quiet=True)
 
-    # Engine stand-in pace (read by tests/fleet/standins/engine).
+    # Engine stand-in: pace, the GPU its CUDA OOM line names, where its `swap` fault asks for
+    # swap growth (read by tests/fleet/standins/engine).
+    g = profile.gpu
+    gpu_free_mib = g.locked_free_mib if g.allocation_locked else g.memory_total_mib - g.memory_used_mib
     _write(root / "etc/freetoken-standin.json",
            json.dumps({"tokens_per_s": profile.tokens_per_s,
-                       "load_seconds": profile.load_seconds}) + "\n")
+                       "load_seconds": profile.load_seconds,
+                       "gpu_total_mib": g.memory_total_mib, "gpu_free_mib": gpu_free_mib,
+                       "swap_url": f"http://{BRIDGE_ADDRESS}:{PORTS['vm_memory']}/swap/grow"})
+           + "\n")
 
     # apt: Debian through the bridge proxy, the bridge's own repos directly.
     _write(root / "etc/apt/apt.conf.d/01freetoken-sim-proxy",
@@ -618,8 +697,9 @@ def _tail(path: str, n: int = 40) -> str:
     return "console log tail:\n" + "\n".join(lines[-n:])
 
 
-def up(n_hosts: int = 3) -> "Fleet":
-    """Bring up the bridge services and hosts ws1..wsN; return the running Fleet."""
+def up(n_hosts: int | None = None) -> "Fleet":
+    """Bring up the bridge services and hosts ws1..wsN (N: host_count()); return the Fleet."""
+    n_hosts = host_count() if n_hosts is None else n_hosts
     t0 = time.monotonic()
     ensure_host_tools()
     stale = load_state()
@@ -636,7 +716,7 @@ def up(n_hosts: int = 3) -> "Fleet":
         "services": {}, "hosts": {}}
     _save_state(state)
     hostkey = (base / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()[:2]
-    names = [f"ws{i}" for i in range(1, n_hosts + 1)]
+    names = host_names(n_hosts)
     Path(state["known_hosts"]).write_text("".join(
         f"{profiles.host_address(n)} {' '.join(hostkey)}\n" for n in names))
     try:
@@ -673,13 +753,21 @@ def up(n_hosts: int = 3) -> "Fleet":
 
 SNAPSHOT_SCRIPT = r"""
 import json, os, subprocess
-ROOTS = ["/etc", "/opt", "/usr/local", "/var/lib"]
+# What a deploy may touch: system config and state, the Windows side (C: drive: .wslconfig,
+# scheduled tasks), apt keyrings, users' homes, caches.
+ROOTS = ["/etc", "/opt", "/usr/local", "/var/lib", "/var/cache", "/usr/share/keyrings", "/home",
+         "/mnt/c"]
+# Changed by the system or by a mere look, never by a deploy alone. The Windows stand-ins' call
+# log is not Windows state: the calls that change Windows are listed on their own below.
 VOLATILE = ("/var/lib/apt/lists", "/var/lib/systemd/timers", "/var/lib/systemd/random-seed",
             "/var/lib/systemd/coredump", "/var/lib/systemd/catalog", "/var/lib/dhcp",
             "/var/lib/logrotate", "/var/lib/private", "/var/lib/dpkg/lock",
             "/var/lib/dpkg/triggers/Lock", "/etc/ld.so.cache", "/var/lib/dbus/machine-id",
             "/var/lib/systemd/deb-systemd-user-helper-enabled", "/var/lib/systemd/linger",
-            "/var/lib/systemd/pstore", "/var/lib/systemd/backlight", "/var/lib/ucf/cache")
+            "/var/lib/systemd/pstore", "/var/lib/systemd/backlight", "/var/lib/ucf/cache",
+            "/mnt/c/.sim/calls.jsonl")
+QUERIES = ("wsl.exe --version", "wsl.exe --status", "wsl.exe --list", "wsl.exe -l",
+           "cmd.exe /c echo", "schtasks.exe /Query", "wslinfo", "wslpath")
 files = {}
 for top in ROOTS:
     for d, dirs, names in os.walk(top):
@@ -695,11 +783,21 @@ for top in ROOTS:
             except OSError:
                 continue
             files[p] = [st.st_size, int(st.st_mtime), oct(st.st_mode)]
+calls = set()
+try:
+    with open("/mnt/c/.sim/calls.jsonl", encoding="utf-8") as f:
+        for line in f:
+            call = json.loads(line)
+            text = " ".join([call["tool"]] + call["argv"])
+            if not text.startswith(QUERIES):
+                calls.add(text)
+except (OSError, ValueError):
+    pass
 pk = subprocess.run(["dpkg-query", "-W", "-f", "${Package} ${Version} ${db:Status-Abbrev}\n"],
                     capture_output=True, text=True).stdout.splitlines()
 units = subprocess.run(["systemctl", "list-unit-files", "--no-legend", "--no-pager"],
                        capture_output=True, text=True).stdout.splitlines()
-print(json.dumps({"files": files, "packages": sorted(pk),
+print(json.dumps({"files": files, "packages": sorted(pk), "windows_calls": sorted(calls),
                   "unit_files": sorted(" ".join(u.split()) for u in units)}))
 """
 
@@ -776,19 +874,16 @@ class Fleet:
         _wait_booted(state, [name], timeout)
 
     def set_swap_used(self, host, used_bytes: int) -> None:
-        """Make the host's /proc/meminfo report `used_bytes` of swap in use. The file is
-        rewritten in place (same inode), so the bind mount over /proc/meminfo sees it."""
+        """Make the host's /proc/meminfo report `used_bytes` of swap in use, at once. (Swap use
+        that grows while an engine runs: the engine stand-in's `swap` fault, client.fault.)"""
         h = self._host(host)
-        text = meminfo_text(HostProfile(**{**h["profile"], "gpu": profiles.GpuProfile(
-            **h["profile"]["gpu"])}), swap_used=used_bytes)
-        with open(Path(h["root"]) / ".sim" / "meminfo", "r+b") as f:
-            f.seek(0)
-            f.write(text.encode())
-            f.truncate()
+        write_meminfo(Path(h["root"]) / ".sim" / "meminfo", h["profile"], used_bytes)
 
     def snapshot(self, host) -> dict:
         """A comparable picture of the host: files (size, mtime, mode) under /etc /opt
-        /usr/local /var/lib minus volatile paths, dpkg packages, systemd unit files."""
+        /usr/local /var/lib /var/cache /usr/share/keyrings /home and the C: drive /mnt/c minus
+        volatile paths, dpkg packages, systemd unit files, and the Windows stand-ins' calls that
+        change Windows (anything but a query)."""
         r = subprocess.run(
             self.ssh_argv(host) + ["python3", "-"], input=SNAPSHOT_SCRIPT,
             capture_output=True, text=True, timeout=120)
@@ -805,7 +900,7 @@ def snapshot_diff(before: dict, after: dict) -> list[str]:
         out += [f"removed {p}" for p in sorted(set(b) - set(a))]
         out += [f"added {p}" for p in sorted(set(a) - set(b))]
         out += [f"changed {p}: {b[p]} -> {a[p]}" for p in sorted(set(a) & set(b)) if a[p] != b[p]]
-    for key in ("packages", "unit_files"):
+    for key in ("packages", "unit_files", "windows_calls"):
         b, a = set(before[key]), set(after[key])
         out += [f"{key} -{x}" for x in sorted(b - a)] + [f"{key} +{x}" for x in sorted(a - b)]
     return out
