@@ -11,7 +11,19 @@ from pyinfra.api import FactBase
 
 from ._output import b64decode_lines, parse_int, quote, section_map
 
-CMD_EXE_FALLBACK = "/mnt/c/Windows/System32/cmd.exe"
+WINDOWS_SYSTEM32 = "/mnt/c/Windows/System32"
+
+
+def windows_exe(var: str, exe: str, system32: str = WINDOWS_SYSTEM32) -> str:
+    """Shell that sets ``$var`` to the path of the Windows program ``exe``, or to nothing.
+
+    PATH first (WSL interop appends Windows' PATH to a session started from Windows), then
+    System32: a distro reached over SSH (sshd under systemd) has no Windows folder on its PATH,
+    yet interop still runs the program by its full path.
+    """
+    fallback = f"{system32}/{exe}"
+    return (f'{var}=$(command -v {exe} 2>/dev/null); '
+            f'if [ -z "${var}" ] && [ -f {quote(fallback)} ]; then {var}={quote(fallback)}; fi')
 
 # --------------------------------------------------------------------------- user profile
 
@@ -76,8 +88,7 @@ class WindowsUserProfile(FactBase[WindowsProfileInfo]):
 
     def command(self) -> str:
         return (
-            "C=$(command -v cmd.exe 2>/dev/null); "
-            f"if [ -z \"$C\" ] && [ -f {CMD_EXE_FALLBACK} ]; then C={CMD_EXE_FALLBACK}; fi; "
+            f"{windows_exe('C', 'cmd.exe')}; "
             "if [ -z \"$C\" ]; then echo '@@ft:no-cmd'; "
             "elif ! [ -d /mnt/c ]; then echo '@@ft:no-mnt-c'; "
             "else "

@@ -5,16 +5,19 @@ from __future__ import annotations
 from pyinfra.api import FactBase
 
 from ._output import MARKER, quote
+from .windows import windows_exe
 
 
 class ScheduledTaskExists(FactBase[bool]):
     """
-    Returns True when `schtasks.exe /Query /TN <name>` finds the task.
+    Returns True when `schtasks.exe /Query /TN <name>` finds the task (False when there is no
+    schtasks.exe to ask).
     """
 
     def command(self, task_name: str) -> str:
         return (
-            f"cd /mnt/c 2>/dev/null; if schtasks.exe /Query /TN {quote(task_name)} >/dev/null 2>&1; "
+            f"cd /mnt/c 2>/dev/null; {windows_exe('S', 'schtasks.exe')}; "
+            f"if [ -n \"$S\" ] && \"$S\" /Query /TN {quote(task_name)} >/dev/null 2>&1; "
             f"then echo '{MARKER}yes'; else echo '{MARKER}no'; fi"
         )
 

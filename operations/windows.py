@@ -18,7 +18,7 @@ from pyinfra.operations import files, server
 
 from facts.files import FileBytes
 from facts.windows_tasks import ScheduledTaskExists
-from facts.windows import decode_ini_bytes
+from facts.windows import decode_ini_bytes, windows_exe
 
 
 def merge_ini(original: bytes | None, section: str, values: Mapping[str, str]) -> bytes:
@@ -104,9 +104,14 @@ def windows_autostart(task_name: str, distro: str):
             f"{host.name}: windows_autostart: the distro's name is unknown ($WSL_DISTRO_NAME is "
             "empty and `wslpath -w /` gave none); run the deploy inside the WSL distro"
         )
-    yield from server.shell._inner(
-        commands=[
-            "cd /mnt/c && schtasks.exe /Create /F /SC ONLOGON "
-            f"/TN '{task_name}' /TR 'wsl.exe -d {distro} --exec /bin/true'"
-        ]
+    yield from server.shell._inner(commands=[autostart_command(host.name, task_name, distro)])
+
+
+def autostart_command(host_name: str, task_name: str, distro: str) -> str:
+    """``schtasks.exe /Create`` for the logon task, found on PATH or in System32."""
+    return (
+        f"cd /mnt/c && {windows_exe('S', 'schtasks.exe')}; "
+        f"if [ -z \"$S\" ]; then echo 'host {host_name}: windows_autostart: schtasks.exe is neither "
+        "on PATH nor in C:\\Windows\\System32 (is WSL interop enabled?)' >&2; exit 1; fi; "
+        f"\"$S\" /Create /F /SC ONLOGON /TN '{task_name}' /TR 'wsl.exe -d {distro} --exec /bin/true'"
     )

@@ -127,3 +127,63 @@ def test_wsl_conf_command_on_this_machine():
     info = fact.process(run_sh(fact.command()))
     assert info.path == "/etc/wsl.conf"
     assert info.exists == os.path.exists("/etc/wsl.conf")
+
+
+# --------------------------------------------------------------------------- Windows programs
+# Over SSH (sshd under systemd) a real distro has no Windows folder on PATH: every .exe is found
+# on PATH first, else in C:\Windows\System32 (here a stand-in folder), by facts.windows.windows_exe.
+
+def _system32(tmp_path, exe: str, script: str) -> Path:
+    folder = tmp_path / "System32"
+    folder.mkdir(exist_ok=True)
+    (folder / exe).write_text("#!/bin/sh\n" + script)
+    (folder / exe).chmod(0o755)
+    return folder
+
+
+LINUX_PATH = {"PATH": "/usr/bin:/bin"}
+
+
+def test_windows_exe_prefers_path_then_system32(tmp_path):
+    from facts.windows import windows_exe
+
+    system32 = _system32(tmp_path, "schtasks.exe", "")
+    lookup = f"{windows_exe('S', 'schtasks.exe', str(system32))}; echo \"$S\""
+    assert run_sh(lookup, env=LINUX_PATH) == [f"{system32}/schtasks.exe"]
+    on_path = tmp_path / "interop"
+    on_path.mkdir()
+    (on_path / "schtasks.exe").write_text("#!/bin/sh\n")
+    (on_path / "schtasks.exe").chmod(0o755)
+    assert run_sh(lookup, env={"PATH": f"{on_path}:/usr/bin:/bin"}) == [f"{on_path}/schtasks.exe"]
+    missing = f"{windows_exe('S', 'schtasks.exe', str(tmp_path / 'none'))}; echo \"[$S]\""
+    assert run_sh(missing, env=LINUX_PATH) == ["[]"]
+
+
+def test_scheduled_task_fact_finds_schtasks_in_system32(tmp_path):
+    from facts.windows import WINDOWS_SYSTEM32
+    from facts.windows_tasks import ScheduledTaskExists
+
+    fact = ScheduledTaskExists()
+    for status, exists in (("0", True), ("1", False)):
+        system32 = _system32(tmp_path, "schtasks.exe", f'[ "$1" = /Query ] && exit {status}\nexit 2\n')
+        command = fact.command("FreeToken-WSL").replace(WINDOWS_SYSTEM32, str(system32))
+        assert fact.process(run_sh(command, env=LINUX_PATH)) is exists
+
+
+def test_autostart_runs_schtasks_from_system32_and_names_the_host_without_it(tmp_path):
+    from facts.windows import WINDOWS_SYSTEM32
+    from operations.windows import autostart_command
+
+    calls = tmp_path / "calls"
+    system32 = _system32(tmp_path, "schtasks.exe", f'printf "%s\\n" "$@" > {calls}\n')
+
+    def on_this_machine(command: str, folder: Path) -> str:
+        return command.replace(WINDOWS_SYSTEM32, str(folder)).replace("cd /mnt/c", f"cd {tmp_path}")
+
+    command = autostart_command("ws1", "FreeToken-WSL", "Ubuntu-24.04")
+    run_sh(on_this_machine(command, system32), env=LINUX_PATH)
+    assert calls.read_text().splitlines() == [
+        "/Create", "/F", "/SC", "ONLOGON", "/TN", "FreeToken-WSL", "/TR", "wsl.exe -d Ubuntu-24.04 --exec /bin/true"]
+    proc = subprocess.run(["sh", "-c", on_this_machine(command, tmp_path / "none")], capture_output=True,
+                          text=True, env=LINUX_PATH)
+    assert proc.returncode == 1 and "host ws1" in proc.stderr and "schtasks.exe" in proc.stderr
