@@ -1,19 +1,20 @@
 """The simulated fleet itself: real systemd hosts that look like the profiles' WSL2 workstations,
-a working apt through the bridge, and a teardown that leaves nothing behind (also after a
-bring-up killed half-way)."""
+a working apt through the bridge, a fleet lock that hand-run `up`/`down` wait for, and a teardown
+that leaves nothing behind (also after a bring-up killed half-way)."""
 import json
 import re
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.fleet import harness
-from tests.fleet.profiles import BRIDGE_NAME, PROFILES
+from tests.fleet import client, harness
+from tests.fleet.profiles import PROFILES
 
 pytestmark = pytest.mark.fleet
 
@@ -33,7 +34,7 @@ print(f.value, t.value, s.value.decode())
 
 
 def test_hosts_run_systemd_and_answer_ssh(sim_fleet):
-    assert sorted(sim_fleet.hosts) == ["ws1", "ws2", "ws3"]
+    assert set(sim_fleet.hosts) == set(harness.host_names(harness.host_count()))
     for name in sim_fleet.hosts:
         r = sim_fleet.run(name, "systemctl is-system-running; ps -p 1 -o comm=; hostname")
         state, pid1, hostname = r.stdout.split()
@@ -96,13 +97,24 @@ def test_cuda_repo_standin_installs_toolkit_packages(sim_fleet):
 
 def test_swap_and_snapshot_and_reboot(sim_fleet):
     before = sim_fleet.snapshot("ws3")
+    # an idle host: two snapshots agree (nothing in the covered trees changes by itself)
+    assert harness.snapshot_diff(before, sim_fleet.snapshot("ws3")) == []
     sim_fleet.set_swap_used("ws3", 3 * 1024 ** 3)
     free_kb = sim_fleet.run("ws3", "awk '/SwapFree/ {print $2}' /proc/meminfo").stdout
     assert int(free_kb) == (PROFILES["ws3"].swap_total_bytes - 3 * 1024 ** 3) // 1024
     sim_fleet.set_swap_used("ws3", 0)
+    # a look through the Windows stand-ins (a query) is no change
+    sim_fleet.run("ws3", "wsl.exe --version >/dev/null; cmd.exe /c echo %UserProfile% >/dev/null", check=True)
     assert harness.snapshot_diff(before, sim_fleet.snapshot("ws3")) == []
-    sim_fleet.run("ws3", "touch /etc/sim-marker")
-    assert "added /etc/sim-marker" in harness.snapshot_diff(before, sim_fleet.snapshot("ws3"))
+    user = PROFILES["ws3"].windows_user
+    sim_fleet.run("ws3", f"touch /etc/sim-marker && echo '[x]' >> /mnt/c/Users/{user}/.wslconfig && "
+                         "touch /usr/share/keyrings/sim.gpg /var/cache/sim-marker && mkdir -p /home/u && "
+                         "wsl.exe --shutdown", check=True)
+    diff = harness.snapshot_diff(before, sim_fleet.snapshot("ws3"))
+    for seen in ("added /etc/sim-marker", f"changed /mnt/c/Users/{user}/.wslconfig",
+                 "added /usr/share/keyrings/sim.gpg", "added /var/cache/sim-marker", "added /home/u",
+                 "windows_calls +wsl.exe --shutdown"):
+        assert any(line.startswith(seen) for line in diff), (seen, diff)
     boot_id = sim_fleet.run("ws3", "cat /proc/sys/kernel/random/boot_id").stdout
     pid_before = sim_fleet.state["hosts"]["ws3"]["pid"]
     sim_fleet.reboot("ws3")
@@ -111,44 +123,55 @@ def test_swap_and_snapshot_and_reboot(sim_fleet):
     del boot_id  # boot_id is the VM's kernel's, shared by all containers
 
 
-def _leftovers() -> list[str]:
-    out = []
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    out += [f"netns {line.split()[0]}" for line in netns.splitlines()
-            if line.startswith(harness.NETNS_PREFIX)]
-    if Path(f"/sys/class/net/{BRIDGE_NAME}").exists():
-        out.append(f"bridge {BRIDGE_NAME}")
-    out += [f"link {n}" for n in os.listdir("/sys/class/net") if n.startswith(harness.NETNS_PREFIX)]
-    out += [f"process {p}" for p in harness._our_stray_processes()]
-    if harness.state_dir().exists():
-        out.append(f"state dir {harness.state_dir()}")
-    if (harness.cache_dir() / "hosts").exists():
-        out.append("host copies")
-    return out
+def test_hand_run_down_waits_for_the_sessions_lock(sim_fleet):
+    """`python -m tests.fleet down` by hand while this session holds the fleet: it says so and
+    waits instead of tearing the session's hosts down."""
+    env = {k: v for k, v in os.environ.items() if k != harness.LOCK_FD_ENV}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fleet", "down"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(120, proc.kill)   # a hung child ends the read with EOF
+    watchdog.start()
+    try:
+        first = proc.stderr.readline()
+        assert "another session holds the simulated fleet" in first, first
+        assert proc.poll() is None
+        assert sim_fleet.run("ws1", "systemctl is-system-running").stdout.strip() in ("running", "degraded")
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+    assert harness.state_file().exists()
 
 
 def test_down_leaves_nothing_and_up_recovers_from_a_killed_run(sim_fleet):
-    """Runs last: tears the session fleet down, checks, then brings it back up."""
+    """Tears the session's fleet down and looks for leftovers without trusting the harness's
+    records (client.leftovers), kills a bring-up half-way, and checks the next `up` cleans its
+    debris and works. Leaves a fresh fleet up for the modules after this one (each converges its
+    own); the session's final down is checked the same way by the sim_fleet fixture."""
     pids = [h["pid"] for h in sim_fleet.state["hosts"].values()] + \
         [s["pid"] for s in sim_fleet.services.values() if s.get("pid")]
     harness.down()
-    assert _leftovers() == []
+    assert client.leftovers() == []
     assert not any(harness._alive(p) for p in pids)
 
-    # A bring-up killed half-way (kill -9 after the first host started) leaves debris ...
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fleet", "up", "--hosts", "3"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # A bring-up killed half-way (kill -9 after the first host started) leaves debris. The
+    # killed `up` is the real CLI, acting under this session's fleet lock, which it inherits.
+    env, fds = harness.lock_for_child()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fleet", "up"], cwd=REPO, env=env,
+                            pass_fds=fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         state = harness.load_state()
         if state and any(h.get("pid") for h in state["hosts"].values()):
             break
         time.sleep(0.1)
+    assert proc.poll() is None, f"the CLI's up ended ({proc.returncode}) before a host started"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert _leftovers() != []
+    assert client.leftovers() != []
     # ... which the next `up` cleans before it works.
-    harness.up(3)
-    assert sorted(json.loads(harness.state_file().read_text())["hosts"]) == ["ws1", "ws2", "ws3"]
+    harness.up()
+    assert set(json.loads(harness.state_file().read_text())["hosts"]) == \
+        set(harness.host_names(harness.host_count()))
     assert sim_fleet.run("ws2", "systemctl is-system-running").stdout.strip() in (
         "running", "degraded")
