@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -85,8 +86,20 @@ def run_sh(command, env=None):
 
 
 def test_command_on_this_machine():
-    report = NvidiaGpus().process(run_sh(NvidiaGpus().command(), env=dict(os.environ, PATH="/usr/bin:/bin")))
-    assert report.gpus == () and report.error == "nvidia-smi not found"
+    """Holds on any machine: no nvidia-smi reads as "not found"; with one, the fact names it and
+    lists GPUs, or says why it could not (a driver error is a value, not an exception)."""
+    path = "/usr/bin:/bin"
+    report = NvidiaGpus().process(run_sh(NvidiaGpus().command(), env=dict(os.environ, PATH=path)))
+    smi = shutil.which("nvidia-smi", path=path)
+    if smi is None and os.access("/usr/lib/wsl/lib/nvidia-smi", os.X_OK):
+        smi = "/usr/lib/wsl/lib/nvidia-smi"
+    if smi is None:
+        assert report.gpus == () and report.error == "nvidia-smi not found"
+    else:
+        assert report.smi_path == smi
+        assert report.gpus or report.error, report
+        for gpu in report.gpus:
+            assert gpu.name and gpu.memory_total_mib > 0
 
 
 def test_command_with_fake_nvidia_smi(tmp_path):

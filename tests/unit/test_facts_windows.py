@@ -1,5 +1,6 @@
 import base64
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -8,6 +9,7 @@ from facts.windows import (
     parse_ini_output, parse_user_profile_output,
 )
 
+CMD_EXE = "/mnt/c/Windows/System32/cmd.exe"
 FIX = Path(__file__).parent.parent / "fixtures" / "real"
 
 REPORT_WSLCONFIG = b"[wsl2]\r\nmemory=24GB\r\nprocessors=8\r\nswap=4GB\r\nlocalhostForwarding=true\r\nvmIdleTimeout=0\r\n"
@@ -57,9 +59,17 @@ def test_profile_wslpath_failure():
 
 
 def test_profile_command_on_this_machine():
+    """Holds on any machine: without cmd.exe or /mnt/c (not WSL) no profile and an error saying
+    so; on WSL either the profile, a directory under /mnt/c, or the error that kept it away."""
     fact = WindowsUserProfile()
     info = fact.process(run_sh(fact.command()))
-    assert info.path is None and info.error  # not WSL: no cmd.exe / no /mnt/c
+    cmd = shutil.which("cmd.exe") or (CMD_EXE if os.path.isfile(CMD_EXE) else None)
+    if cmd is None or not os.path.isdir("/mnt/c"):
+        assert info.path is None and info.error
+    elif info.path is not None:
+        assert info.path.startswith("/mnt/") and os.path.isdir(info.path) and info.error is None
+    else:
+        assert info.error  # e.g. interop disabled: cmd.exe present but not runnable
 
 
 def test_profile_command_with_fake_tools(tmp_path):

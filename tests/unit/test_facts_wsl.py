@@ -1,5 +1,6 @@
 import base64
 import os
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from facts.wsl import (
-    WslKernel, WslVersion, decode_wsl_exe_output, parse_proc_version, parse_wsl_exe_version,
+    WSL_EXE_FALLBACK, WslKernel, WslVersion, decode_wsl_exe_output, parse_proc_version, parse_wsl_exe_version,
     parse_wsl_version_output,
 )
 
@@ -65,10 +66,19 @@ def test_missing_proc_version():
 
 
 def test_kernel_command_on_this_machine():
+    """Holds on any machine: /proc/version's release is the running kernel's (uname), and it is
+    WSL2 (lower-case "microsoft"), WSL1 (only "Microsoft") or not WSL by that release."""
     fact = WslKernel()
     info = fact.process(run_sh(fact.command()))
-    assert info.kind == "none"  # this build machine is not WSL
     assert info.raw.startswith("Linux version")
+    release = os.uname().release
+    assert info.release == release
+    if "microsoft" in release:
+        assert info.kind == "wsl2"
+    elif "Microsoft" in release:
+        assert info.kind == "wsl1"
+    else:
+        assert info.kind == "none"
 
 
 # ---- version: wsl.exe bytes
@@ -140,9 +150,20 @@ def test_neither_tool():
 
 
 def test_version_command_on_this_machine():
+    """Holds on any machine: with neither wslinfo nor wsl.exe (not WSL) the version is
+    unavailable; with either, it comes from one of them, parsed or 'too old to say'."""
     fact = WslVersion()
     info = fact.process(run_sh(fact.command()))
-    assert info.status == "unavailable" and info.source == "none"
+    wslinfo = shutil.which("wslinfo")
+    wsl_exe = shutil.which("wsl.exe") or (WSL_EXE_FALLBACK if os.path.isfile(WSL_EXE_FALLBACK) else None)
+    if not wslinfo and not wsl_exe:
+        assert info.status == "unavailable" and info.source == "none"
+    elif info.source == "none":  # an old wslinfo without --wsl-version, and no wsl.exe
+        assert wslinfo and not wsl_exe and info.status == "unavailable" and "wslinfo" in info.detail
+    else:
+        assert info.source in (("wslinfo",) if wslinfo else ()) + (("wsl.exe",) if wsl_exe else ()), info
+        if info.status == "ok":
+            assert info.version and info.version[0] >= 1
 
 
 def _fake_tool(directory: Path, name: str, fixture: str, rc: int) -> None:
