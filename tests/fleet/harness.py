@@ -774,6 +774,11 @@ for top in ROOTS:
         if d.startswith(VOLATILE):
             dirs[:] = []
             continue
+        if d != top:   # a directory: that it exists and its mode (its mtime follows its files)
+            try:
+                files[d] = ["dir", oct(os.lstat(d).st_mode)]
+            except OSError:
+                continue
         for n in names + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             p = os.path.join(d, n)
             if p.startswith(VOLATILE):
