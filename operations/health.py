@@ -19,8 +19,10 @@ import click
 from pyinfra import host as current_host
 from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files
 
+from facts.files import FileText
 from freetoken_infra.report import last_gate_path, record
 from freetoken_infra.settings import Settings
 
@@ -38,8 +40,12 @@ _ELEVATION_ARGS = ("_sudo", "_sudo_user", "_use_sudo_login", "_sudo_password", "
                    "_doas", "_doas_user", "_dzdo", "_dzdo_user")
 
 # host name -> the gate script's result, plus "decode_floor_tps" (the host's floor, or None).
-# Written as each host's gate runs; a deploy prints format_gate_report(GATE_RESULTS) at the end.
+# Written as each host's gate runs; GateReport prints the table (format_gate_report) when the
+# run ends.
 GATE_RESULTS: dict[str, dict[str, Any]] = {}
+# host name -> the result its previous run's gate left on the host (None: none), read while the
+# deploy is prepared: the tok/s shown for a host whose gate had nothing to prove again.
+LAST_GATES: dict[str, Optional[dict[str, Any]]] = {}
 
 _REMEDY = {
     "health": "see the engine's journal below; `systemctl status freetoken` and "
@@ -217,16 +223,15 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
     ``status: error``, then sends a short chat and a streamed chat whose decode tokens/s it
     measures. The result lands in ``GATE_RESULTS[host.name]``. On failure the operation
     raises ``OperationError`` naming the host, the failed phase and the engine's last 30
-    journal lines. Never idempotent: it always checks.
+    journal lines. Never idempotent: it always checks (skip it with ``_if`` when nothing
+    changed). When every host of the run is done, the run prints one table
+    (``GateReport``): each host's health, decode tok/s, or why it has none.
 
     **Example:**
 
     .. code:: python
 
-        import click
-        from pyinfra.operations import python
-
-        from operations.health import GATE_RESULTS, format_gate_report, health_gate
+        from operations.health import health_gate
 
         health_gate(
             name="Health gate: the endpoint loads and serves",
@@ -234,13 +239,11 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
             key_file="/etc/freetoken/api.env",
             _sudo=True,
         )
-        # Last op of the deploy: every host's gate has run (or failed) by then.
-        python.call(
-            name="Health gate report",
-            function=lambda: click.echo(format_gate_report(GATE_RESULTS)),
-            _run_once=True,
-        )
     """
+    GateReport.watch(current_host.state)
+    if not current_host.state.is_executing:
+        LAST_GATES[current_host.name] = _json_or_none(
+            current_host.get_fact(FileText, path=last_gate_path(settings)))
     yield from files.put._inner(
         src=str(GATE_SCRIPT_SOURCE),
         dest=script_path,
@@ -255,6 +258,55 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
                           {"rollback_to": rollback_to, "result_path": last_gate_path(settings)})
 
 
+def _json_or_none(text: Optional[str]) -> Optional[dict[str, Any]]:
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class GateReport(BaseStateCallback):
+    """Prints the health gate table once every host of the run is done (pyinfra disconnects
+    from each host last, failed ones included): a host's gate result, the last gate of a host
+    with nothing to prove again, or why a host never reached its gate."""
+
+    def __init__(self) -> None:
+        self.failed_ops: dict[str, list[str]] = {}
+        self.done: set[str] = set()
+
+    @classmethod
+    def watch(cls, state) -> None:
+        """Register the report with this run (once)."""
+        if not any(isinstance(h, cls) for h in state.callback_handlers):
+            state.add_callback_handler(cls())
+
+    def operation_host_error(self, state, host, op_hash, retry_count: int = 0, max_retries: int = 0):
+        names = sorted(state.get_op_meta(op_hash).names) or ["an operation"]
+        self.failed_ops.setdefault(host.name, []).extend(names)
+
+    def host_disconnect(self, state, host):
+        self.done.add(host.name)
+        hosts = sorted(h.name for h in state.activated_hosts)
+        if set(hosts) <= self.done:
+            click.echo("\n" + format_gate_report(self.rows(hosts, {h.name for h in state.active_hosts})),
+                       err=True)
+
+    def rows(self, hosts: list[str], active: set[str]) -> dict[str, dict[str, Any]]:
+        rows: dict[str, dict[str, Any]] = {}
+        for name in hosts:
+            if name in GATE_RESULTS:
+                rows[name] = GATE_RESULTS[name]
+            elif name in active and name in LAST_GATES:
+                # Healthy before the run and nothing changed: the gate had nothing to prove.
+                rows[name] = {**(LAST_GATES[name] or {}), "ok": True, "checked": False}
+            elif name in self.failed_ops:
+                rows[name] = {"ok": False, "stopped": "failed at: " + "; ".join(self.failed_ops[name])}
+            else:
+                rows[name] = {"ok": False, "stopped": "refused at preflight (findings above)"}
+        return rows
+
+
 def _seconds(value: Any) -> str:
     return f"{value:.1f} s" if isinstance(value, (int, float)) else "-"
 
@@ -263,26 +315,34 @@ def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: Opti
     """Per-host table of gate results (``GATE_RESULTS``), flagging decode speeds below the floor.
 
     Each host's floor is its recorded ``decode_floor_tps``; ``floor_tps`` applies to hosts
-    without one.
+    without one. A result with ``"checked": False`` is a host's last gate (marked ``*``); one
+    with ``"stopped": REASON`` a host that never reached its gate.
     """
-    header = ("host", "ok", "load wait", "decode tok/s", "floor", "note")
+    header = ("host", "health", "load wait", "decode tok/s", "floor", "note")
     rows = []
-    failed = below = 0
+    failed = below = stopped = 0
     for name in sorted(results):
         r = results[name]
         floor = r.get("decode_floor_tps")
         floor = floor_tps if floor is None else floor
         tps = r.get("decode_tps")
+        tps_text = f"{tps:.1f}" if isinstance(tps, (int, float)) else "-"
+        health = "ok" if r.get("ok") else "FAILED"
         note = ""
-        if not r.get("ok"):
+        if r.get("stopped"):
+            stopped += 1
+            health, note = "-", f"no gate: {r['stopped']}"
+        elif not r.get("ok"):
             failed += 1
             error = str(r.get("error") or "").splitlines()
             note = f"FAILED in {r.get('phase') or '?'}: {error[0] if error else ''}"
         elif floor is not None and (tps is None or tps < floor):
             below += 1
             note = "below floor" if tps is not None else "below floor (not measured)"
-        rows.append((name, "yes" if r.get("ok") else "NO", _seconds(r.get("load_wait_s")),
-                     f"{tps:.1f}" if isinstance(tps, (int, float)) else "-",
+        if r.get("checked") is False:
+            tps_text += "*" if tps_text != "-" else ""
+            note = "; ".join(filter(None, ["not re-checked: nothing changed", note]))
+        rows.append((name, health, _seconds(r.get("load_wait_s")), tps_text,
                      f"{floor:g}" if floor is not None else "-", note))
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
@@ -291,6 +351,9 @@ def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: Opti
 
     lines = ["== health gate ==", fmt(header), "-" * (sum(widths) + 2 * (len(widths) - 1))]
     lines += [fmt(row) for row in rows]
-    ok = len(rows) - failed
-    lines.append(f"{len(rows)} host(s): {ok} serving, {below} below the decode floor, {failed} failed")
+    serving = len(rows) - failed - stopped
+    summary = f"{len(rows)} host(s): {serving} serving, {below} below the decode floor, {failed} failed"
+    lines.append(summary + (f", {stopped} stopped before the gate" if stopped else ""))
+    if any(r.get("checked") is False and isinstance(r.get("decode_tps"), (int, float)) for r in results.values()):
+        lines.append("* tok/s of the host's last health gate (nothing changed, so the gate did not run again)")
     return "\n".join(lines)

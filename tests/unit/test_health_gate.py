@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -262,13 +263,11 @@ def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
     deploy.write_text(
         "from pyinfra.operations import python\n"
         "from freetoken_infra.settings import Settings\n"
-        "from operations.health import GATE_RESULTS, format_gate_report, health_gate\n"
+        "from operations.health import health_gate\n"
         f"s = Settings(listen_port={ready_engine.port}, model_dir='/srv/models/{MODEL_NAME}',\n"
-        "             health_timeout_s=30, decode_floor_tps=1000)\n"
+        f"             health_timeout_s=30, decode_floor_tps=1000, state_dir={str(tmp_path)!r})\n"
         f"health_gate(name='gate', settings=s, key_file={str(key_file)!r},\n"
         f"            script_path={str(tmp_path / 'lib' / 'health_gate.py')!r})\n"
-        "python.call(name='report', function=lambda: print(format_gate_report(GATE_RESULTS)),\n"
-        "            _run_once=True)\n"
     )
     pyinfra = Path(sys.executable).with_name("pyinfra")
     proc = subprocess.run([str(pyinfra), "-y", "@local", str(deploy)], capture_output=True, text=True,
@@ -277,7 +276,12 @@ def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
     assert proc.returncode == 0, out
     assert (tmp_path / "lib" / "health_gate.py").read_text() == SCRIPT.read_text()
     assert "[@local] stream ok" in out
-    assert "below floor" in out
+    # The table comes by itself once the run is over, after pyinfra's results.
+    table = out[out.index("== health gate =="):]
+    assert out.index("--> Results:") < out.index("== health gate ==")
+    row = next(line for line in table.splitlines() if line.startswith("@local "))
+    host_, health_, _, tps, floor, note = re.split(r"\s{2,}", row)
+    assert health_ == "ok" and float(tps) > 0 and floor == "1000" and note == "below floor"
     assert KEY not in out
 
 
@@ -304,3 +308,51 @@ def test_report_flags_below_floor_and_failures():
     assert report.splitlines()[-1] == "4 host(s): 3 serving, 1 below the decode floor, 1 failed"
     # A fleet-wide floor applies to hosts that recorded none.
     assert "below floor" in format_gate_report({"ws-nofloor": results["ws-nofloor"]}, floor_tps=5)
+
+
+class _Op:
+    def __init__(self, names):
+        self.names = names
+
+
+class _State:
+    """What GateReport reads of pyinfra's State."""
+
+    def __init__(self, activated, active):
+        self.callback_handlers = []
+        self.activated_hosts = {LocalHost(n, journal=[]) for n in activated}
+        self.active_hosts = {h for h in self.activated_hosts if h.name in active}
+
+    def add_callback_handler(self, handler):
+        self.callback_handlers.append(handler)
+
+    def get_op_meta(self, op_hash):
+        return _Op({op_hash})
+
+    def host(self, name):
+        return next(h for h in self.activated_hosts if h.name == name)
+
+
+def test_gate_report_prints_once_every_host_is_done(capsys):
+    GATE_RESULTS.clear()
+    health.LAST_GATES.clear()
+    state = _State(["ws1", "ws2", "ws3", "ws4"], active={"ws1", "ws2"})
+    health.GateReport.watch(state)
+    health.GateReport.watch(state)
+    assert len(state.callback_handlers) == 1
+    report = state.callback_handlers[0]
+    GATE_RESULTS["ws1"] = {"ok": True, "phase": "done", "load_wait_s": 3.0, "decode_tps": 29.6,
+                           "decode_floor_tps": None}
+    health.LAST_GATES["ws2"] = {"ok": True, "decode_tps": 24.4, "load_wait_s": 2.0}
+    report.operation_host_error(state, state.host("ws4"), "CUDA: toolkit packages")
+    for name in ("ws1", "ws2", "ws3"):
+        report.host_disconnect(state, state.host(name))
+    assert "health gate" not in capsys.readouterr().err  # ws4 is not done yet
+    report.host_disconnect(state, state.host("ws4"))
+    table = capsys.readouterr().err
+    rows = {line.split()[0]: line for line in table.splitlines() if line.startswith("ws")}
+    assert rows["ws1"].split()[1] == "ok" and "29.6" in rows["ws1"]
+    assert "24.4*" in rows["ws2"] and "not re-checked" in rows["ws2"]
+    assert "no gate: refused at preflight" in rows["ws3"] and rows["ws3"].split()[1] == "-"
+    assert "no gate: failed at: CUDA: toolkit packages" in rows["ws4"]
+    assert "4 host(s): 2 serving, 0 below the decode floor, 0 failed, 2 stopped before the gate" in table
