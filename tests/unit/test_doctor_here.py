@@ -4,6 +4,7 @@ traceback, and change nothing."""
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,16 +39,43 @@ def snapshot() -> str:
     return digest.hexdigest()
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [["@local", "deploys/doctor.py"], ["inventories/home.py", "deploys/freetoken.py"]],
-    ids=["doctor", "main-command"],
-)
-def test_refuses_a_machine_that_is_not_a_wsl2_workstation(argv):
+def readme_main_command() -> str:
+    """The README's first command line: the first line of its first ```sh block."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("```sh\n", 1)[1].split("```", 1)[0]
+    line = block.splitlines()[0]
+    assert line.endswith(".venv/bin/pyinfra inventories/home.py deploys/freetoken.py"), line
+    return line
+
+
+def fresh_checkout(dst: Path) -> Path:
+    """The working tree as a user's fresh checkout has it: no .venv, no build leftovers."""
+    shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "*.egg-info", "build", ".pytest_cache"))
+    return dst
+
+
+def controller_env(tmp_path: Path) -> dict:
+    # The controller's own cache (facts/batch.py keeps its list of fact requests under
+    # XDG_CACHE_HOME) is the controller's, not the machine state the doctor must leave alone:
+    # it goes to a tmp dir, where the test sees what was written. pip keeps its usual cache.
+    pip_cache = os.environ.get("PIP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pip")
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg-cache"), "PIP_CACHE_DIR": pip_cache}
+
+
+@pytest.mark.parametrize("case", ["doctor", "main-command"])
+def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path):
+    if case == "doctor":
+        argv, cwd = [PYINFRA, "@local", "deploys/doctor.py"], ROOT
+    else:
+        # The README's exact first line, run by sh in a fresh copy of this tree (so its
+        # `python3 -m venv .venv` and `pip install -e .` build their own .venv, as on a
+        # user's first run, and leave the shared one alone).
+        argv, cwd = ["sh", "-c", readme_main_command()], fresh_checkout(tmp_path / "checkout")
     before = snapshot()
-    run = subprocess.run(
-        [PYINFRA, *argv], cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300
-    )
+    run = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                         env=controller_env(tmp_path), timeout=600)
     after = snapshot()
     out = run.stdout + run.stderr
     assert run.returncode != 0, out
@@ -56,3 +84,6 @@ def test_refuses_a_machine_that_is_not_a_wsl2_workstation(argv):
         assert any(line.split()[:2] == [check, "BLOCK"] for line in out.splitlines()), out
     assert "0 of 1 host(s) ready" in out
     assert before == after, "the preflight changed something on this machine"
+    written = {p.relative_to(tmp_path / "xdg-cache").parts[:2]
+               for p in (tmp_path / "xdg-cache").rglob("*") if p.is_file()}
+    assert written <= {("freetoken-infra", "fact-requests")}, written
