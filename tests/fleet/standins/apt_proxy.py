@@ -1,5 +1,6 @@
-"""HTTP forward proxy for the simulated hosts' apt (stands in for nothing: it gives the hosts a
-working apt for Debian packages while they can only reach the bridge).
+"""HTTP forward proxy for the simulated hosts' apt. Not a stand-in - it imitates nothing: the
+hosts get Debian's real packages from this machine's configured Debian mirror through it, since
+they can only reach the bridge (README, Testing: "Not a stand-in").
 
 The hosts' apt is configured with Acquire::http::Proxy "http://10.213.0.1:3142". The proxy only
 forwards GET/HEAD for the hosts named in the machine's own apt sources (the Debian mirror); any
