@@ -27,8 +27,10 @@ from freetoken_infra import rules
 from freetoken_infra.report import findings_table, fleet_summary
 from freetoken_infra.settings import Settings, SettingsError, validate_inventory
 
-# Findings of every host of this run, for the fleet summary.
-_results: dict[str, list[rules.Finding]] = {}
+# Findings of every host of this run, for the fleet summary (keyed by the run's State: the CLI
+# may run more than once in one process).
+_results: dict[int, dict[str, list[rules.Finding]]] = {}
+_summary_printed: set[int] = set()
 _settings_checked: dict[int, dict[str, Settings]] = {}
 
 
@@ -94,10 +96,31 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
     )
 
 
+def unreachable_finding() -> rules.Finding:
+    return rules.Finding(
+        "unreachable", "block", "pyinfra could not connect to this host (its error is above)",
+        "check that the host is up and reachable over SSH with the inventory's settings",
+    )
+
+
 def _maybe_print_summary(state) -> None:
-    expected = {h.name for h in state.inventory}
-    if expected and expected <= set(_results):
-        click.echo("\n" + fleet_summary({n: _results[n] for n in expected}), err=True)
+    """Print the fleet summary once, when every host this run reached has its findings.
+
+    The run's hosts are the inventory's within --limit/--exclude; the reached ones are those
+    pyinfra connected to. A host of the run it could not connect to never gets here, so it is
+    listed as unreachable instead of holding the summary back.
+    """
+    key = id(state)
+    results = _results.get(key, {})
+    reached = {h.name for h in state.activated_hosts}
+    if key in _summary_printed or not reached or not reached <= set(results):
+        return
+    _summary_printed.add(key)
+    summary = {name: results[name] for name in reached}
+    for host in state.inventory:
+        if state.is_host_in_limit(host) and host.name not in reached:
+            summary[host.name] = [unreachable_finding()]
+    click.echo("\n" + fleet_summary(summary), err=True)
 
 
 def fail_host(state, host, reason: str) -> None:
@@ -128,7 +151,7 @@ def run_preflight(
     findings = rules.evaluate(settings, obs)
     if on_findings is not None:
         on_findings(settings, obs, findings)
-    _results[host.name] = findings
+    _results.setdefault(id(state), {})[host.name] = findings
     click.echo("\n" + findings_table(host.name, findings), err=True)
     blocked = rules.blockers(findings)
     if blocked and on_fixable is not None and rules.only_deploy_fixable(findings):

@@ -87,3 +87,34 @@ def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path):
     written = {p.relative_to(tmp_path / "xdg-cache").parts[:2]
                for p in (tmp_path / "xdg-cache").rglob("*") if p.is_file()}
     assert written <= {("freetoken-infra", "fact-requests")}, written
+
+
+def test_summary_covers_the_hosts_of_this_run_and_names_an_unreachable_one(tmp_path):
+    """The fleet summary waits only for the hosts pyinfra reached: a host of the run it could
+    not connect to is listed as unreachable, and a host left out by --limit is not listed."""
+    from tests.loopback import free_port
+
+    inv = tmp_path / "inventory.py"
+    # ghost: 127.0.0.1 on a port nothing listens on (connection refused at once).
+    inv.write_text('hosts = ["@local", ("ghost", {"ssh_hostname": "127.0.0.1", '
+                   f'"ssh_port": {free_port()}, "ssh_user": "nobody"}})]\n')
+
+    def doctor(*extra):
+        run = subprocess.run([PYINFRA, "-y", *extra, str(inv), "deploys/doctor.py"], cwd=ROOT,
+                             capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                             env=controller_env(tmp_path), timeout=300)
+        out = run.stdout + run.stderr
+        assert run.returncode != 0 and "Traceback" not in out, out
+        lines = out[out.index("== fleet preflight summary =="):].splitlines()
+        return out, lines[1:next(i for i, line in enumerate(lines) if "host(s) ready" in line) + 1]
+
+    out, summary = doctor()
+    assert "== @local: preflight ==" in out
+    assert [line.split()[:3] for line in summary[:-1]] == [
+        ["@local", "BLOCKED", "blockers:"], ["ghost", "BLOCKED", "blockers:"]]
+    assert summary[1].endswith("blockers: unreachable"), summary
+    assert summary[-1] == "0 of 2 host(s) ready"
+
+    out, summary = doctor("--limit", "@local")
+    assert [line.split()[0] for line in summary[:-1]] == ["@local"], summary
+    assert summary[-1] == "0 of 1 host(s) ready"
