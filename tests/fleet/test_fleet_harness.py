@@ -49,6 +49,19 @@ def test_gpu_standins_report_the_profile(sim_fleet):
                                 "memory.total,driver_version --format=csv,noheader,nounits")
         assert r.stdout == f"{g.name}, {g.compute_cap}, {g.memory_total_mib}, {g.driver_version}\n"
         assert sim_fleet.run(name, "stat -c %t:%T /dev/dxg").stdout.strip() == "a:3f"
+        # the engine stand-in's CUDA OOM line names this host's GPU
+        standin = json.loads(sim_fleet.run(name, "cat /etc/freetoken-standin.json", check=True).stdout)
+        assert standin["gpu_total_mib"] == g.memory_total_mib, name
+
+
+def test_one_place_decides_the_host_count(monkeypatch):
+    monkeypatch.delenv("FREETOKEN_SIM_HOSTS", raising=False)
+    assert harness.host_count() == len(PROFILES)
+    monkeypatch.setenv("FREETOKEN_SIM_HOSTS", "5")
+    assert harness.host_count() == 5 and harness.host_names(5)[-1] == "ws5"
+    monkeypatch.setenv("FREETOKEN_SIM_HOSTS", "three")
+    with pytest.raises(harness.FleetError, match="FREETOKEN_SIM_HOSTS"):
+        harness.host_count()
 
 
 def test_memory_probe_healthy_on_ws1_locked_on_ws3(sim_fleet):
