@@ -201,9 +201,8 @@ def _first_line(text: Any) -> str:
     return lines[0] if lines else ""
 
 
-@operation(is_idempotent=False)
 def health_gate(settings: Settings, key_file: Optional[str] = None, script_path: str = GATE_SCRIPT_PATH,
-                rollback_to: Optional[str] = None):
+                rollback_to: Optional[str] = None, **operation_arguments):
     """
     Wait until the FreeToken engine serves, then prove it with a chat and a timed stream.
 
@@ -216,6 +215,7 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
     + rollback_to: the engine version that served before this run (blue-green upgrade): on a
       failed gate the ``active`` link goes back to it, the engine restarts and the gate runs
       again; the operation still fails, saying ``rolled back to <version>: <why>``
+    + operation_arguments: ``name=`` and pyinfra's global arguments (``_sudo``, ``_if`` ...)
 
     Run it as root (``_sudo=True``, or connected as root) so that the script can read the key
     file and the journal; the privilege arguments apply to the gate's commands too. The script
@@ -240,10 +240,18 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
             _sudo=True,
         )
     """
+    # Here, while the deploy is prepared, not in the operation: a gate skipped with `_if` never
+    # runs its operation, and the report must see every host.
     GateReport.watch(current_host.state)
-    if not current_host.state.is_executing:
-        LAST_GATES[current_host.name] = _json_or_none(
-            current_host.get_fact(FileText, path=last_gate_path(settings)))
+    LAST_GATES[current_host.name] = _json_or_none(
+        current_host.get_fact(FileText, path=last_gate_path(settings)))
+    return _health_gate(settings=settings, key_file=key_file, script_path=script_path,
+                        rollback_to=rollback_to, **operation_arguments)
+
+
+@operation(is_idempotent=False)
+def _health_gate(settings: Settings, key_file: Optional[str], script_path: str, rollback_to: Optional[str]):
+    """The operation behind ``health_gate`` (see there)."""
     yield from files.put._inner(
         src=str(GATE_SCRIPT_SOURCE),
         dest=script_path,
