@@ -583,11 +583,12 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     for tool in ("_simwin.py", "wsl.exe", "cmd.exe", "schtasks.exe", "wslinfo", "wslpath"):
         _write(sim / "bin" / tool, (STANDINS / "bin" / tool).read_bytes(), 0o755)
 
-    # Windows side (STAND-INs): C: drive, the user's profile, interop executables.
+    # Windows side (STAND-INs): C: drive, the user's profile, interop executables. The .exe
+    # files are only in System32, not on PATH: a real distro reached over SSH (sshd under
+    # systemd) gets no Windows folders on PATH, so the deploy must find them there itself.
     system32 = root / "mnt/c/Windows/System32"
     for exe in ("wsl.exe", "cmd.exe", "schtasks.exe"):
         _link(system32 / exe, f"/.sim/bin/{exe}")
-        _link(root / "usr/local/bin" / exe, f"/mnt/c/Windows/System32/{exe}")
     _link(root / "usr/bin/wslinfo", "/.sim/bin/wslinfo")
     _link(root / "usr/bin/wslpath", "/.sim/bin/wslpath")
     user_dir = root / "mnt/c/Users" / profile.windows_user

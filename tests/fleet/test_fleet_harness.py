@@ -75,12 +75,12 @@ def test_windows_standins(sim_fleet):
     for name in sim_fleet.hosts:
         p = PROFILES[name]
         assert sim_fleet.run(name, "wslinfo --wsl-version").stdout == p.wsl_version + "\n"
-        raw = sim_fleet.run(name, "wsl.exe --version", binary=True).stdout
+        raw = sim_fleet.run(name, "/mnt/c/Windows/System32/wsl.exe --version", binary=True).stdout
         first = raw.decode("utf-16-le").split("\r\n")[0]
         label = "WSL 版本" if p.windows_language == "zh" else "WSL version"
         assert first == f"{label}: {p.wsl_version}.0"
         profile_dir = sim_fleet.run(
-            name, "cd /mnt/c && wslpath -u \"$(cmd.exe /c echo %UserProfile% | tr -d '\\r')\"")
+            name, "cd /mnt/c && wslpath -u \"$(/mnt/c/Windows/System32/cmd.exe /c echo %UserProfile% | tr -d '\\r')\"")
         assert profile_dir.stdout.strip() == f"/mnt/c/Users/{p.windows_user}"
         wslconfig = sim_fleet.run(name, f"cat {profile_dir.stdout.strip()}/.wslconfig").stdout
         assert wslconfig.startswith("# my own settings - keep this comment\n")
@@ -117,12 +117,12 @@ def test_swap_and_snapshot_and_reboot(sim_fleet):
     assert int(free_kb) == (PROFILES["ws3"].swap_total_bytes - 3 * 1024 ** 3) // 1024
     sim_fleet.set_swap_used("ws3", 0)
     # a look through the Windows stand-ins (a query) is no change
-    sim_fleet.run("ws3", "wsl.exe --version >/dev/null; cmd.exe /c echo %UserProfile% >/dev/null", check=True)
+    sim_fleet.run("ws3", "/mnt/c/Windows/System32/wsl.exe --version >/dev/null; /mnt/c/Windows/System32/cmd.exe /c echo %UserProfile% >/dev/null", check=True)
     assert harness.snapshot_diff(before, sim_fleet.snapshot("ws3")) == []
     user = PROFILES["ws3"].windows_user
     sim_fleet.run("ws3", f"touch /etc/sim-marker && echo '[x]' >> /mnt/c/Users/{user}/.wslconfig && "
                          "touch /usr/share/keyrings/sim.gpg /var/cache/sim-marker && mkdir -p /home/u && "
-                         "wsl.exe --shutdown", check=True)
+                         "/mnt/c/Windows/System32/wsl.exe --shutdown", check=True)
     diff = harness.snapshot_diff(before, sim_fleet.snapshot("ws3"))
     for seen in ("added /etc/sim-marker", f"changed /mnt/c/Users/{user}/.wslconfig",
                  "added /usr/share/keyrings/sim.gpg", "added /var/cache/sim-marker", "added /home/u",
