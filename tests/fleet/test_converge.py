@@ -15,10 +15,32 @@ import time
 
 import pytest
 
+from freetoken_infra.settings import DRIVER_PACKAGE_RE, Settings
 from tests.fleet import harness
 from tests.fleet.client import SERVING, api_key, chat, deploy, engine_pid, grand_total, wait_healthy
+from tests.fleet.standins.cuda_repo import DRIVER_FAMILIES, NOT_A_DRIVER, OLD_KEYRING_VERSION, keyring_deb
 
 pytestmark = pytest.mark.fleet
+DEFAULTS = Settings()
+
+
+def gate_table(out: str) -> dict[str, dict[str, str]]:
+    """The health gate table a deploy ends with (operations/health.py, GateReport), by host:
+    column name -> cell."""
+    lines = out[out.rindex("== health gate =="):].splitlines()
+    header = re.split(r"\s{2,}", lines[1].strip())
+    rows = {}
+    for line in lines[3:]:
+        if re.match(r"\d+ host\(s\):", line):
+            return rows
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = dict(zip(header, cells))
+    raise AssertionError(f"health gate table without its summary line:\n{lines}")
+
+
+def no_changes(run: subprocess.CompletedProcess) -> bool:
+    _, changed, errors, _ = grand_total(run)
+    return (changed, errors) == ("-", "-")
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +55,14 @@ def test_first_converge_serves_on_ws1_and_ws2(sim_fleet, converged):
     out = converged["first"].stdout + converged["first"].stderr
     # ws3 is refused, so the run as a whole reports a failed host.
     assert converged["first"].returncode != 0
+    table = gate_table(out)
     for host in SERVING:
         reply = chat(sim_fleet, host, api_key(sim_fleet, host))
         assert reply["choices"][0]["message"]["content"], reply
-        assert re.search(rf"{host}.*tok/s|{host}.*decode", out, re.S), f"no decode report for {host}"
+        assert table[host]["health"] == "ok", table
+        assert float(table[host]["decode tok/s"]) > 0, table
+    assert "ws3" not in table or (table["ws3"]["health"] != "ok"
+                                  and "refused at preflight" in table["ws3"].get("note", "")), table
 
 
 def test_ws3_is_refused_at_preflight_and_nothing_on_it_changed(sim_fleet, converged):
@@ -56,6 +82,10 @@ def test_second_converge_changes_nothing(sim_fleet, converged):
     assert (changed, errors) == ("-", "-"), results
     assert unchanged == hosts_ops
     assert "Health gate" in results  # the gate is there, and found nothing to prove again
+    table = gate_table(out)
+    for host in SERVING:
+        assert table[host]["health"] == "ok" and "not re-checked" in table[host]["note"], table
+        assert float(table[host]["decode tok/s"].rstrip("*")) > 0, table  # its last gate's
 
 
 def test_wslconfig_keeps_the_users_comment_and_key(sim_fleet, converged):
@@ -69,15 +99,92 @@ def test_wslconfig_keeps_the_users_comment_and_key(sim_fleet, converged):
         assert "systemd=true" in sim_fleet.run(host, "cat /etc/wsl.conf", check=True).stdout
 
 
+def test_a_changed_wslconfig_says_restart_required_and_no_step_waits(sim_fleet, converged):
+    host = "ws1"
+    wslconfig = f"/mnt/c/Users/{sim_fleet.hosts[host].profile['windows_user']}/.wslconfig"
+
+    def restart_line(run):
+        lines = [line for line in (run.stdout + run.stderr).splitlines()
+                 if f"[{host}] restart required: run `wsl.exe --shutdown` from Windows" in line]
+        assert len(lines) == 1, (run.stdout + run.stderr)[-5000:]
+        return lines[0]
+
+    def user_file_kept(memory):
+        text = sim_fleet.run(host, f"cat {wslconfig}", check=True).stdout
+        assert "# my own settings - keep this comment" in text and "guiApplications=false" in text
+        assert re.search(rf"^memory={memory}\r?$", text, re.M | re.I), text
+
+    # Both Windows-side files differ: another memory limit, and systemd dropped from wsl.conf.
+    sim_fleet.run(host, "sed -i '/^systemd=true/d' /etc/wsl.conf", check=True)
+    try:
+        changed = deploy("--limit", host, "--data", "wslconfig_memory=20GB")
+        line = restart_line(changed)
+        assert wslconfig in line and "/etc/wsl.conf" in line, line
+        # systemd already runs the host: the VM limits wait for the restart, no later step does.
+        assert "no later step waits for it" in line, line
+        out = changed.stdout + changed.stderr
+        assert changed.returncode == 0 and "Wait for the WSL restart" not in out, out[-5000:]
+        assert gate_table(out)[host]["health"] == "ok"
+        user_file_kept("20GB")
+        assert "systemd=true" in sim_fleet.run(host, "cat /etc/wsl.conf", check=True).stdout
+    finally:
+        back = deploy("--limit", host)
+    line = restart_line(back)
+    assert wslconfig in line and "/etc/wsl.conf" not in line, line
+    user_file_kept(DEFAULTS.wslconfig_memory)
+    again = deploy("--limit", host)
+    assert no_changes(again), again.stdout[-5000:]
+    assert "restart required" not in again.stdout + again.stderr
+
+
+def _candidate(fleet, host, package) -> str:
+    policy = fleet.run(host, f"apt-cache policy {package}", check=True).stdout
+    found = re.search(r"^\s*Candidate:\s*(\S+)", policy, re.M)
+    assert found, f"{host}: apt knows no {package}: {policy!r}"
+    return found.group(1)
+
+
 def test_no_driver_package_and_the_pin_blocks_them(sim_fleet, converged):
     for host in SERVING:
         pkgs = sim_fleet.run(host, "dpkg-query -W -f='${Package}\\n'", check=True).stdout.split()
-        assert "cuda-nvcc-13-0" in pkgs
-        assert not [p for p in pkgs if p.startswith(("cuda-drivers", "nvidia-driver")) or p == "cuda-13-0"]
-        policy = sim_fleet.run(host, "apt-cache policy cuda-drivers cuda-13-0").stdout
-        assert "-1" in policy, policy
-        attempt = sim_fleet.run(host, "apt-get install -y -s cuda-13-0")
-        assert attempt.returncode != 0, attempt.stdout
+        assert set(DEFAULTS.cuda_packages) <= set(pkgs)
+        assert not [p for p in pkgs if DRIVER_PACKAGE_RE.match(p)]
+        known = {p for p in sim_fleet.run(host, "apt-cache pkgnames", check=True).stdout.split()
+                 if DRIVER_PACKAGE_RE.match(p)}
+        assert {"cuda-drivers", "cuda-13-0", *DRIVER_FAMILIES} <= known, sorted(known)
+        for pkg in sorted(known):  # apt's own decision, one driver package at a time
+            assert _candidate(sim_fleet, host, pkg) == "(none)", f"{host}: the pin lets {pkg} in"
+            attempt = sim_fleet.run(host, f"apt-get install -s {pkg}")
+            assert attempt.returncode != 0 and f"Inst {pkg} " not in attempt.stdout, (host, pkg, attempt.stdout)
+        # ...and the pin is no wider than the drivers: the toolkit and other NVIDIA tools install.
+        for pkg in [*DEFAULTS.cuda_packages, NOT_A_DRIVER]:
+            assert _candidate(sim_fleet, host, pkg) != "(none)", f"{host}: the pin blocks {pkg}"
+            attempt = sim_fleet.run(host, f"apt-get install -s --reinstall {pkg}")
+            assert attempt.returncode == 0 and f"Inst {pkg} " in attempt.stdout, (host, pkg, attempt.stderr)
+
+
+def test_an_older_cuda_keyring_is_kept_and_apt_still_works(sim_fleet, converged):
+    """A host set up from an older NVIDIA guide has cuda-keyring 1.0-1 (downloaded from the
+    repository's directory, as NVIDIA's instructions do): the deploy keeps it. It stays
+    installed for the rest of the session, a state the deploy must accept anyway."""
+    host = "ws2"
+    url = sim_fleet.url("cuda_repo") + keyring_deb(OLD_KEYRING_VERSION)
+    sim_fleet.run(host, f"python3 -c \"import urllib.request as u; u.urlretrieve('{url}', '/tmp/k.deb')\" "
+                        "&& dpkg -i /tmp/k.deb && rm /tmp/k.deb", check=True)
+    version = "dpkg-query -W -f='${Version}' cuda-keyring"
+    installs = "grep -cE ' (install|upgrade) cuda-keyring:' /var/log/dpkg.log"
+    assert sim_fleet.run(host, version, check=True).stdout == OLD_KEYRING_VERSION
+    before = sim_fleet.run(host, installs).stdout
+    first = deploy("--limit", host)
+    # One change: the sources entry the keyring package brought back, a duplicate of the deploy's.
+    assert grand_total(first)[1:3] == ("1", "-"), first.stdout[-5000:]
+    assert sim_fleet.run(host, version, check=True).stdout == OLD_KEYRING_VERSION
+    assert sim_fleet.run(host, installs).stdout == before, "the deploy reinstalled the keyring"
+    apt = sim_fleet.run(host, "apt-get update 2>&1 && apt-get install -s --reinstall cuda-nvcc-13-0", timeout=600)
+    assert apt.returncode == 0 and "Inst cuda-nvcc-13-0 " in apt.stdout, apt.stdout + apt.stderr
+    assert not re.search(r"NO_PUBKEY|not signed|configured multiple times|^[WE]:", apt.stdout, re.M), apt.stdout
+    again = deploy("--limit", host)
+    assert no_changes(again), again.stdout[-5000:]
 
 
 def test_engine_runs_as_a_non_root_user_and_the_key_is_hidden(sim_fleet, converged):
@@ -120,18 +227,29 @@ def test_guard_stops_the_engine_on_an_oom_line_and_records_why(sim_fleet, conver
         host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
 
 
-def test_guard_stops_the_engine_when_swap_grows(sim_fleet, converged):
+def test_guard_timer_stops_the_engine_when_swap_grows(sim_fleet, converged):
+    """Nobody starts the guard here: its timer (every guard_interval_s) must trip on its own."""
     host = "ws1"
     wait_healthy(sim_fleet, host)
+    state_file = "/var/lib/freetoken/guard-state.json"
+    assert sim_fleet.run(host, f"test -e {state_file}").returncode != 0
+    restarts = sim_fleet.run(host, "systemctl show -p NRestarts --value freetoken.service", check=True).stdout
     sim_fleet.set_swap_used(host, int(2.6 * 1024**3))
     try:
-        # The timer may fire in the same moment; what counts is the outcome, not who acted.
-        run = sim_fleet.run(host, "systemctl start freetoken-guard.service")
-        log = sim_fleet.run(host, "journalctl -u freetoken-guard.service --no-pager -o cat -n 40").stdout
-        assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() != "active", (run, log)
-        state = json.loads(sim_fleet.run(host, "cat /var/lib/freetoken/guard-state.json", check=True).stdout)
-        assert state["tripped"] and "swap" in state["reason"], (state, log)
-        assert "stop failed" not in state["reason"], log
+        deadline = time.monotonic() + 5 * DEFAULTS.guard_interval_s  # bounded, well above one period
+        while sim_fleet.run(host, f"test -e {state_file}").returncode != 0:
+            assert time.monotonic() < deadline, sim_fleet.run(
+                host, "systemctl list-timers --all --no-pager freetoken-guard.timer").stdout
+            time.sleep(2)
+        state = json.loads(sim_fleet.run(host, f"cat {state_file}", check=True).stdout)
+        assert state["tripped"] and "swap" in state["reason"] and "stop failed" not in state["reason"], state
+        # Stopped for good: not restarted by systemd (RestartSec=5) a while later.
+        time.sleep(12)
+        assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() == "inactive"
+        assert sim_fleet.run(host, "systemctl show -p NRestarts --value freetoken.service",
+                             check=True).stdout == restarts
+        log = sim_fleet.run(host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
+        assert re.search(r"^freetoken-guard: stopped freetoken\.service: swap", log, re.M), log
         prom = sim_fleet.run(host, "cat /var/lib/freetoken/metrics/freetoken.prom", check=True).stdout
         assert "freetoken_guard_swap_used_bytes" in prom
     finally:

@@ -11,7 +11,14 @@ same names, built with dpkg-deb, apt-ftparchive and gpg:
   dependency cuda-toolkit-config-common here);
 - cuda-cudart-dev-13-0, cuda-cccl-13-0: a few headers under /usr/local/cuda-13.0/include;
 - cuda-drivers: a marker file /usr/lib/cuda-drivers-STAND-IN; a correct deploy never installs it
-  inside WSL. cuda-13-0 is the metapackage that Depends on it, as the real one does.
+  inside WSL. cuda-13-0 is the metapackage that Depends on it, as the real one does;
+- more of the driver's package families the real repository carries (DRIVER_FAMILIES: the open
+  kernel module metapackage nvidia-open, nvidia-utils-580, libnvidia-compute-580, cuda-compat-13-0),
+  each only a marker file under /usr/lib/nvidia-driver-STAND-IN/; the apt pin must block them all;
+- nvidia-container-toolkit: an NVIDIA package that is no driver (the pin names driver families
+  one by one so that this one stays installable);
+- an older keyring, cuda-keyring 1.0-1, only as the file cuda-keyring_1.0-1_all.deb beside the
+  index (not in it), as hosts set up from an older NVIDIA guide have it installed.
 
 Usage: python3 -m tests.fleet.standins.cuda_repo build OUTDIR REPO_URL
 The signing key lives in OUTDIR/../gnupg (a throwaway key of the simulated fleet).
@@ -28,6 +35,20 @@ REPO_SUBDIR = "compute/cuda/repos/ubuntu2404/x86_64"
 HERE = Path(__file__).resolve().parent
 
 STANDIN_NOTE = "STAND-IN package of the simulated fleet (tests/fleet), not NVIDIA's."
+KEYRING_VERSION, OLD_KEYRING_VERSION = "1.1-1", "1.0-1"
+# name -> (version, Depends): Linux driver packages besides cuda-drivers, by family.
+DRIVER_FAMILIES = {
+    "nvidia-open": ("580.95.05-0ubuntu1", "nvidia-utils-580, libnvidia-compute-580"),
+    "nvidia-utils-580": ("580.95.05-0ubuntu1", ""),
+    "libnvidia-compute-580": ("580.95.05-0ubuntu1", ""),
+    "cuda-compat-13-0": ("580.95.05-0ubuntu1", ""),
+}
+NOT_A_DRIVER = "nvidia-container-toolkit"
+
+
+def keyring_deb(version: str = KEYRING_VERSION) -> str:
+    """The keyring's file name in the repository's directory (NVIDIA's spelling)."""
+    return f"cuda-keyring_{version}_all.deb"
 
 
 def _deb(work: Path, out: Path, name: str, version: str, arch: str, files: dict[str, tuple],
@@ -86,12 +107,14 @@ def build(outdir: Path, repo_url: str) -> Path:
     nvcc = (HERE / "bin" / "nvcc").read_bytes()
     header = ("/* STAND-IN header of the simulated fleet's cuda-%s-13-0 package; the real one\n"
               " * comes from NVIDIA's CUDA repository. */\n")
-    _deb(work, repo, "cuda-keyring", "1.1-1", "all", {
+    keyring_files = {
         "/usr/share/keyrings/cuda-archive-keyring.gpg": (keyring, 0o644),
         "/etc/apt/sources.list.d/cuda-ubuntu2404-x86_64.list": (
             f"deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] {repo_url} /\n",
             0o644),
-    }, description="GPG keyring for the CUDA repository (stand-in)")
+    }
+    _deb(work, repo, "cuda-keyring", KEYRING_VERSION, "all", keyring_files,
+         description="GPG keyring for the CUDA repository (stand-in)")
     _deb(work, repo, "cuda-toolkit-config-common", "13.0.96-1", "all", {},
          symlinks={"/usr/local/cuda": "/etc/alternatives/cuda"},
          postinst="#!/bin/sh\nset -e\n[ -e /etc/alternatives/cuda ] || "
@@ -119,6 +142,15 @@ def build(outdir: Path, repo_url: str) -> Path:
     _deb(work, repo, "cuda-13-0", "13.0.2-1", "amd64", {},
          depends="cuda-nvcc-13-0, cuda-cudart-dev-13-0, cuda-cccl-13-0, cuda-drivers",
          description="CUDA 13.0 meta-package (stand-in; pulls in the driver like the real one)")
+    for name, (version, depends) in DRIVER_FAMILIES.items():
+        _deb(work, repo, name, version, "amd64", {
+            f"/usr/lib/nvidia-driver-STAND-IN/{name}": (
+                f"STAND-IN for NVIDIA's Linux driver package {name}. Installed inside WSL means the "
+                "deploy's apt pin failed to keep the Linux driver out.\n", 0o644),
+        }, depends=depends, description=f"NVIDIA driver package {name} (stand-in)")
+    _deb(work, repo, NOT_A_DRIVER, "1.17.8-1", "amd64", {
+        f"/usr/share/doc/{NOT_A_DRIVER}/STAND-IN": ("no driver: the pin leaves it installable\n", 0o644),
+    }, description="NVIDIA container toolkit (stand-in; not a driver)")
 
     packages = subprocess.run(["apt-ftparchive", "packages", "."], cwd=repo, check=True,
                               capture_output=True).stdout
@@ -134,6 +166,9 @@ def build(outdir: Path, repo_url: str) -> Path:
     (repo / "Release").write_bytes(release)
     _gpg(home, "--armor", "--detach-sign", "-o", str(repo / "Release.gpg"), str(repo / "Release"))
     _gpg(home, "--clearsign", "-o", str(repo / "InRelease"), str(repo / "Release"))
+    # After the index: the older keyring is a file to download, not a package apt offers.
+    _deb(work, repo, "cuda-keyring", OLD_KEYRING_VERSION, "all", keyring_files,
+         description="GPG keyring for the CUDA repository (stand-in, older release)")
     shutil.rmtree(work, ignore_errors=True)
     return repo
 
