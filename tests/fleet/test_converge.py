@@ -17,7 +17,9 @@ import pytest
 
 from freetoken_infra.settings import DRIVER_PACKAGE_RE, Settings
 from tests.fleet import harness
-from tests.fleet.client import SERVING, api_key, chat, deploy, engine_pid, grand_total, wait_healthy
+from tests.fleet.client import (
+    SERVING, api_key, chat, deploy, engine_pid, fault, grand_total, swap_used_bytes, wait_healthy,
+)
 from tests.fleet.standins.cuda_repo import DRIVER_FAMILIES, NOT_A_DRIVER, OLD_KEYRING_VERSION, keyring_deb
 
 pytestmark = pytest.mark.fleet
@@ -208,16 +210,8 @@ def test_killed_engine_is_restarted_by_systemd(sim_fleet, converged):
 
 def test_guard_stops_the_engine_on_an_oom_line_and_records_why(sim_fleet, converged):
     host = "ws2"
-    key = api_key(sim_fleet, host)
     assert sim_fleet.run(host, "systemctl is-active freetoken-guard.timer").stdout.strip() == "active"
-    r = subprocess.run(
-        sim_fleet.ssh_argv(host) + ["python3", "-c", json.dumps(
-            "import sys,urllib.request;k=sys.stdin.readline().strip();"
-            "urllib.request.urlopen(urllib.request.Request('http://127.0.0.1:8000/_standin/fault',"
-            "data=b'{\"kind\": \"oom\"}',headers={'Authorization':'Bearer '+k,'Content-Type':'application/json'}))")],
-        input=key + "\n", capture_output=True, text=True, timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
+    fault(sim_fleet, host, "oom")
     time.sleep(2)
     sim_fleet.run(host, "systemctl start freetoken-guard.service", check=True)
     assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() != "active"
@@ -234,26 +228,25 @@ def test_guard_timer_stops_the_engine_when_swap_grows(sim_fleet, converged):
     state_file = "/var/lib/freetoken/guard-state.json"
     assert sim_fleet.run(host, f"test -e {state_file}").returncode != 0
     restarts = sim_fleet.run(host, "systemctl show -p NRestarts --value freetoken.service", check=True).stdout
-    sim_fleet.set_swap_used(host, int(2.6 * 1024**3))
-    try:
-        deadline = time.monotonic() + 5 * DEFAULTS.guard_interval_s  # bounded, well above one period
-        while sim_fleet.run(host, f"test -e {state_file}").returncode != 0:
-            assert time.monotonic() < deadline, sim_fleet.run(
-                host, "systemctl list-timers --all --no-pager freetoken-guard.timer").stdout
-            time.sleep(2)
-        state = json.loads(sim_fleet.run(host, f"cat {state_file}", check=True).stdout)
-        assert state["tripped"] and "swap" in state["reason"] and "stop failed" not in state["reason"], state
-        # Stopped for good: not restarted by systemd (RestartSec=5) a while later.
-        time.sleep(12)
-        assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() == "inactive"
-        assert sim_fleet.run(host, "systemctl show -p NRestarts --value freetoken.service",
-                             check=True).stdout == restarts
-        log = sim_fleet.run(host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
-        assert re.search(r"^freetoken-guard: stopped freetoken\.service: swap", log, re.M), log
-        prom = sim_fleet.run(host, "cat /var/lib/freetoken/metrics/freetoken.prom", check=True).stdout
-        assert "freetoken_guard_swap_used_bytes" in prom
-    finally:
-        sim_fleet.set_swap_used(host, 0)
+    # The engine's memory spills into swap and keeps growing (the stand-in's swap fault).
+    fault(sim_fleet, host, "swap", mib_per_s=256)
+    deadline = time.monotonic() + 5 * DEFAULTS.guard_interval_s  # bounded, well above one period
+    while sim_fleet.run(host, f"test -e {state_file}").returncode != 0:
+        assert time.monotonic() < deadline, sim_fleet.run(
+            host, "systemctl list-timers --all --no-pager freetoken-guard.timer").stdout
+        time.sleep(2)
+    state = json.loads(sim_fleet.run(host, f"cat {state_file}", check=True).stdout)
+    assert state["tripped"] and "swap" in state["reason"] and "stop failed" not in state["reason"], state
+    # Stopped for good: not restarted by systemd (RestartSec=5) a while later, its swap freed.
+    time.sleep(12)
+    assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() == "inactive"
+    assert sim_fleet.run(host, "systemctl show -p NRestarts --value freetoken.service",
+                         check=True).stdout == restarts
+    assert swap_used_bytes(sim_fleet, host) < DEFAULTS.guard_swap_limit_gb * 1024**3
+    log = sim_fleet.run(host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
+    assert re.search(r"^freetoken-guard: stopped freetoken\.service: swap", log, re.M), log
+    prom = sim_fleet.run(host, "cat /var/lib/freetoken/metrics/freetoken.prom", check=True).stdout
+    assert "freetoken_guard_swap_used_bytes" in prom
 
 
 def test_a_converge_after_the_guard_tripped_brings_the_engine_back(sim_fleet, converged):
