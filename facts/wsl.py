@@ -14,6 +14,7 @@ from typing import Literal
 from pyinfra.api import FactBase
 
 from ._output import b64decode_lines, parse_int, section_map
+from .windows import windows_exe
 
 # --------------------------------------------------------------------------- kernel
 
@@ -63,8 +64,6 @@ class WslKernel(FactBase[WslKernelInfo]):
 
 
 # --------------------------------------------------------------------------- version
-
-WSL_EXE_FALLBACK = "/mnt/c/Windows/System32/wsl.exe"
 
 _VERSION_RE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)+)(?![\d.])")
 
@@ -169,8 +168,7 @@ class WslVersion(FactBase[WslVersionInfo]):
             "V=$(wslinfo --wsl-version 2>&1); R=$?; "
             "echo '@@ft:wslinfo'; printf '%s\\n' \"$V\"; echo \"@@ft:wslinfo-rc $R\"; "
             "case \"$R:$V\" in 0:[0-9]*.[0-9]*) exit 0;; esac; fi; "
-            "W=$(command -v wsl.exe 2>/dev/null); "
-            f"if [ -z \"$W\" ] && [ -f {WSL_EXE_FALLBACK} ]; then W={WSL_EXE_FALLBACK}; fi; "
+            f"{windows_exe('W', 'wsl.exe')}; "
             "if [ -n \"$W\" ]; then "
             "echo '@@ft:wsl.exe'; "
             # The exit status rides behind the raw bytes (see split_exit_status).

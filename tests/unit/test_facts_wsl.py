@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from facts.windows import WINDOWS_SYSTEM32
 from facts.wsl import (
-    WSL_EXE_FALLBACK, WslKernel, WslVersion, decode_wsl_exe_output, parse_proc_version, parse_wsl_exe_version,
+    WslKernel, WslVersion, decode_wsl_exe_output, parse_proc_version, parse_wsl_exe_version,
     parse_wsl_version_output,
 )
 
@@ -155,7 +156,8 @@ def test_version_command_on_this_machine():
     fact = WslVersion()
     info = fact.process(run_sh(fact.command()))
     wslinfo = shutil.which("wslinfo")
-    wsl_exe = shutil.which("wsl.exe") or (WSL_EXE_FALLBACK if os.path.isfile(WSL_EXE_FALLBACK) else None)
+    fallback = f"{WINDOWS_SYSTEM32}/wsl.exe"
+    wsl_exe = shutil.which("wsl.exe") or (fallback if os.path.isfile(fallback) else None)
     if not wslinfo and not wsl_exe:
         assert info.status == "unavailable" and info.source == "none"
     elif info.source == "none":  # an old wslinfo without --wsl-version, and no wsl.exe
