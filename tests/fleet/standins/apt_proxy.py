@@ -22,6 +22,8 @@ import tempfile
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.fleet.standins import send_text
+
 HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
                "trailer", "upgrade", "proxy-authorization"}
 
@@ -40,13 +42,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         self.proxy(head=False)
 
-    def _error(self, code, text):
-        body = (text + "\n").encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    def _error(self, code: int, text: str) -> None:
+        send_text(self, code, text)
 
     def proxy(self, head):
         url = urllib.parse.urlsplit(self.path)

@@ -28,6 +28,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tests.fleet.standins import send_text
+
 STEP_S = 0.2
 MiB = 1024 ** 2
 
@@ -46,12 +48,7 @@ class Handler(BaseHTTPRequestHandler):
         sys.stderr.write("vm-memory: " + (fmt % args) + "\n")
 
     def _error(self, code: int, text: str) -> None:
-        body = (text + "\n").encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send_text(self, code, text)
 
     def do_POST(self):
         from tests.fleet import harness
