@@ -1,0 +1,121 @@
+"""Where things live on a host: unit names, directories, scripts, state files.
+
+One home for every name and path the deploy, the facts, the rules, the verify suite and the
+tests use on a target, derived once from a host's ``Settings`` (``HostLayout.of(settings)``).
+Core: imports nothing of ours but the settings.
+
+Ownership (the trust model in the README): ``state_dir`` and everything under it belongs to
+the service user (the engine's unit may write there), so root never writes, reads or sources a
+path under it; what root keeps for itself lives in ``deploy_state_dir`` (root-owned, outside
+every unit's ``ReadWritePaths``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from freetoken_infra.settings import Settings
+
+UNIT_DIR = "/etc/systemd/system"
+# Scripts the operations upload and run on the target with its own python3 (root-owned).
+LIB_DIR = "/usr/local/lib/freetoken"
+
+ENGINE_UNIT = "freetoken.service"
+GUARD_SERVICE = "freetoken-guard.service"
+GUARD_TIMER = "freetoken-guard.timer"
+FETCH_UNIT = "freetoken-model-fetch.service"
+CACHE_UNIT = "freetoken-model-cache.service"
+
+GATE_SCRIPT = f"{LIB_DIR}/health_gate.py"
+GUARD_SCRIPT = f"{LIB_DIR}/guard.py"
+FETCH_SCRIPT = f"{LIB_DIR}/fetch_model.py"
+CACHE_SCRIPT = f"{LIB_DIR}/model_cache.py"
+QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
+MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
+
+# Root's own state on the target: never inside the service user's state_dir.
+DEPLOY_STATE_DIR = "/var/lib/freetoken-deploy"
+
+KEY_VAR = "FREETOKEN_API_KEY"
+
+# What the deploy, the rules and the report say when a Windows-side change needs the WSL VM
+# restarted (pitfall 4A: .wslconfig and wsl.conf are read only when the VM boots).
+RESTART_MESSAGE = "restart required: run `wsl.exe --shutdown` from Windows"
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The paths of one host, derived from its settings."""
+
+    engine_base_dir: str
+    engine_venv: str
+    engine_active_link: str
+    state_dir: str
+    config_dir: str
+    cache_dir: str
+    model_dir: str
+    cuda_home: str
+
+    @classmethod
+    def of(cls, settings: Settings) -> "HostLayout":
+        return cls(
+            engine_base_dir=settings.engine_base_dir,
+            engine_venv=f"{settings.engine_base_dir}/{settings.engine_version}",
+            engine_active_link=f"{settings.engine_base_dir}/active",
+            state_dir=settings.state_dir,
+            config_dir=settings.config_dir,
+            cache_dir=settings.cache_dir,
+            model_dir=settings.model_dir,
+            cuda_home=settings.cuda_home,
+        )
+
+    def engine_venv_for(self, version: str) -> str:
+        return f"{self.engine_base_dir}/{version}"
+
+    # --- files root writes (config_dir and DEPLOY_STATE_DIR are root-owned) ---------------
+    @property
+    def unit_file(self) -> str:
+        return f"{UNIT_DIR}/{ENGINE_UNIT}"
+
+    @property
+    def engine_env_file(self) -> str:
+        return f"{self.config_dir}/engine.env"
+
+    @property
+    def api_key_file(self) -> str:
+        return f"{self.config_dir}/api-key.env"
+
+    @property
+    def deploy_state_dir(self) -> str:
+        return DEPLOY_STATE_DIR
+
+    # --- under state_dir (owned by the service user) -------------------------------------
+    @property
+    def last_gate_file(self) -> str:
+        """The health gate's last result (decode tok/s for a report on a run with nothing
+        to re-check)."""
+        return f"{self.state_dir}/health-gate.json"
+
+    @property
+    def fetch_status_dir(self) -> str:
+        """Owned by the service user: the fetcher rewrites its status file there atomically."""
+        return f"{self.state_dir}/model-fetch"
+
+    @property
+    def fetch_status_file(self) -> str:
+        return f"{self.fetch_status_dir}/status.json"
+
+    @property
+    def reverify_request_file(self) -> str:
+        """While this file exists the downloader re-hashes every file (``model_reverify``)."""
+        return f"{self.fetch_status_dir}/reverify-requested"
+
+    @property
+    def guard_state_file(self) -> str:
+        """Written by the guard when it stops the engine; read by the ``GuardState`` fact."""
+        return f"{self.state_dir}/guard-state.json"
+
+    @property
+    def guard_textfile(self) -> str:
+        """Samples for node_exporter's textfile collector (``--collector.textfile.directory``)."""
+        return f"{self.state_dir}/metrics/freetoken.prom"
