@@ -22,7 +22,7 @@ import pyinfra.api.connect
 import pyinfra_cli.cli
 from pyinfra_cli.exceptions import CliError
 
-from freetoken_infra.settings import SettingsError, validate_inventory
+from freetoken_infra.core.settings import SettingsError, validate_inventory
 
 
 def _validate_then_connect(connect_all):

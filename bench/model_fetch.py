@@ -145,7 +145,7 @@ def fleet_rollout() -> int:
     preflight), with ws1 as model_cache_host, then again with no cache. Figure: upstream bytes
     (the hub stand-in's counters) / model size."""
     from tests.fleet import harness
-    from freetoken_infra.settings import Settings
+    from freetoken_infra.core.settings import Settings
     from tests.fleet.client import deploy, hub
 
     size = sum(len(b) for b in hub_repos.repo_files(REPO).values())

@@ -1,6 +1,6 @@
 """Fact about a model directory: its files and the quantisation its config files declare.
 
-The quantisation summary itself is pure code in ``freetoken_infra.quant`` (the downloader
+The quantisation summary itself is pure code in ``freetoken_infra.core.quant`` (the downloader
 uses it on the target too); this module only reads the directory. The rules decide.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from freetoken_infra.quant import QuantSummary, summarize_quant
+from freetoken_infra.core.quant import QuantSummary, summarize_quant
 
 from ._output import MARKER, b64decode_lines, parse_int, quote, sections
 

@@ -12,7 +12,7 @@ from decimal import Decimal, InvalidOperation
 
 from pyinfra.api import FactBase
 
-from freetoken_infra import manifest
+from freetoken_infra.core import manifest
 
 from ._output import MARKER, b64decode_lines, quote, sections
 

@@ -16,7 +16,6 @@ from facts.cuda import CudaToolchain
 from facts.engine import EngineHealth, EngineInstall
 from facts.gpu import NvidiaGpus
 from facts.guard import GuardState
-from operations.guard import guard_state_file
 from facts.gpu_memory import GpuMemoryProbe
 from facts.init import InitSystem
 from facts.model import ModelDirectory
@@ -25,7 +24,8 @@ from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import rules
 from freetoken_infra.report import findings_table, fleet_summary
-from freetoken_infra.settings import Settings, SettingsError, validate_inventory
+from freetoken_infra.core.layout import HostLayout
+from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
 
 # Findings of every host of this run, for the fleet summary (keyed by the run's State: the CLI
 # may run more than once in one process).
@@ -64,7 +64,7 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         (CudaToolchain, {"cuda_home": settings.cuda_home}), (HostResources, {"path": settings.model_dir}),
         (WslConfFile, {}), (EngineInstall, {"base_dir": settings.engine_base_dir}),
         (ModelDirectory, {"path": settings.model_dir}),
-        (GuardState, {"state_file": guard_state_file(settings)}), engine_health,
+        (GuardState, {"state_file": HostLayout.of(settings).guard_state_file}), engine_health,
     ])
     kernel = host.get_fact(WslKernel)
     gpus = host.get_fact(NvidiaGpus)
@@ -91,7 +91,7 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         gpu_memory=gpu_memory,
         engine=host.get_fact(EngineInstall, base_dir=settings.engine_base_dir),
         model=host.get_fact(ModelDirectory, path=settings.model_dir),
-        guard_state=host.get_fact(GuardState, state_file=guard_state_file(settings)),
+        guard_state=host.get_fact(GuardState, state_file=HostLayout.of(settings).guard_state_file),
         health=health,
     )
 

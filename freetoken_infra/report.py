@@ -11,6 +11,8 @@ from typing import Any, Iterable, Optional
 
 from pyinfra.api.state import BaseStateCallback
 
+from freetoken_infra.core.layout import HostLayout
+from freetoken_infra.core.records import RECORD_ENV, read_records, record
 from freetoken_infra.rules import Finding
 
 _MARK = {"pass": "pass", "warn": "WARN", "block": "BLOCK"}
@@ -53,48 +55,10 @@ def fleet_summary(results: dict[str, list[Finding]]) -> str:
 
 
 # --------------------------------------------------------------------------- fleet report
-# What a rollout (freetoken_infra.rollout) prints at its end: one row per host, gathered
-# while each batch's deploy runs. The deploy appends JSON lines to the file named by
-# $FREETOKEN_RUN_RECORD (set by the rollout; nothing is recorded without it): what the
-# facts saw at preflight, the health gate's result, a rollback, failed operations, and at
-# disconnect whether pyinfra failed the host and how many operations changed something.
+# What a rollout (freetoken_infra.rollout) prints at its end: one row per host, from the run
+# record (freetoken_infra.core.records) each batch's deploy writes.
 
-RECORD_ENV = "FREETOKEN_RUN_RECORD"
 RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN = "ok", "failed", "not run"
-
-
-def last_gate_path(settings) -> str:
-    """Where the health gate leaves its last result on the host (decode tok/s for a report
-    when a later run had nothing to re-check)."""
-    return f"{settings.state_dir}/health-gate.json"
-
-
-def record(host_name: str, **fields: Any) -> None:
-    """Append one record for `host_name` to $FREETOKEN_RUN_RECORD (no-op when unset)."""
-    path = os.environ.get(RECORD_ENV)
-    if not path:
-        return
-    line = json.dumps({"host": host_name, **fields}, default=str)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-
-
-def read_records(path: str) -> dict[str, list[dict]]:
-    """The records of one deploy run, by host (a torn last line is ignored)."""
-    by_host: dict[str, list[dict]] = {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return by_host
-    for line in lines:
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and isinstance(doc.get("host"), str):
-            by_host.setdefault(doc["host"], []).append(doc)
-    return by_host
 
 
 class RunRecorder(BaseStateCallback):
@@ -146,7 +110,7 @@ def record_host(state, host, settings, obs, findings) -> None:
         health = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port)
         observed["health"] = {"status": health.status if health.reachable else "down",
                               "version": health.version, "message": health.message}
-        text = host.get_fact(FileText, path=last_gate_path(settings))
+        text = host.get_fact(FileText, path=HostLayout.of(settings).last_gate_file)
         try:
             observed["last_gate"] = json.loads(text) if text else None
         except ValueError:

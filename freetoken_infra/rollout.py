@@ -134,7 +134,7 @@ def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[st
     from pyinfra.context import ctx_state
     from pyinfra_cli.inventory import make_inventory
 
-    from freetoken_infra.settings import SettingsError, validate_inventory
+    from freetoken_infra.core.settings import SettingsError, validate_inventory
 
     try:
         # The CLI's loader runs the inventory file under a state (it records the file's name).

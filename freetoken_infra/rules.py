@@ -26,16 +26,16 @@ from facts.init import InitInfo
 from facts.model import ModelDirInfo
 from facts.resources import ResourcesInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
-from freetoken_infra.hardware import HARDWARE_PROFILES, nominal_vram_gb
-from freetoken_infra.launch import (
+from freetoken_infra.core.hardware import HARDWARE_PROFILES, nominal_vram_gb
+from freetoken_infra.core.launch import (
     LaunchPlan,
     derive_plan,
     estimated_vram_gb,
     usable_vram_gb,
 )
 from facts.wsl import WslKernelInfo, WslVersionInfo
-from freetoken_infra.quant import QuantSummary, unsupported_expert_schemes
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.quant import QuantSummary, unsupported_expert_schemes
+from freetoken_infra.core.settings import Settings
 
 Status = Literal["pass", "warn", "block"]
 

@@ -19,7 +19,7 @@ from pyinfra.operations import apt, files
 from facts.apt_sources import AptSourceFiles
 from facts.cuda import CudaToolchain
 from facts.files import FileText
-from freetoken_infra.settings import DRIVER_PACKAGE_GLOBS, Settings
+from freetoken_infra.core.settings import DRIVER_PACKAGE_GLOBS, Settings
 
 KEYRING = "/usr/share/keyrings/cuda-archive-keyring.gpg"
 SOURCES_FILE = "/etc/apt/sources.list.d/freetoken-cuda.list"

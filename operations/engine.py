@@ -17,7 +17,7 @@ from pyinfra.operations import files, server
 
 from facts.engine import EngineInstall
 from facts.files import FileText
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 
 
 def pip_conf(settings: Settings) -> str:

@@ -12,7 +12,7 @@ from io import StringIO
 from pyinfra.api import operation
 from pyinfra.operations import files, systemd
 
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 from operations.model import unit_command, unit_word
 
 ENGINE_UNIT = "freetoken.service"
@@ -102,7 +102,7 @@ def guard(settings: Settings):
 
     .. code:: python
 
-        from freetoken_infra.settings import settings_for
+        from freetoken_infra.core.settings import settings_for
         from operations.guard import guard
         guard(name="Memory guard", settings=settings_for(host), _sudo=True)
     """

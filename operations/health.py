@@ -23,8 +23,9 @@ from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files
 
 from facts.files import FileText
-from freetoken_infra.report import last_gate_path, record
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.layout import HostLayout
+from freetoken_infra.core.records import record
+from freetoken_infra.core.settings import Settings
 
 GATE_SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "health_gate.py"
 GATE_SCRIPT_PATH = "/usr/local/lib/freetoken/health_gate.py"
@@ -145,7 +146,7 @@ def run_gate(state, host, settings: Settings, key_file: Optional[str],
     ``settings.engine_version``; when the gate fails, the ``active`` link goes back to it, the
     engine restarts and the gate runs again. The host still fails (the upgrade did), with
     ``rolled back to <version>: <why>``. ``result_path``: file on the host that keeps the last
-    result (``freetoken_infra.report.last_gate_path``).
+    result (``HostLayout.last_gate_file``).
     """
     elevation = dict(elevation or {})
     result = _gate_once(host, settings, key_file, script_path, elevation)
@@ -244,7 +245,7 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
     # runs its operation, and the report must see every host.
     GateReport.watch(current_host.state)
     LAST_GATES[current_host.name] = _json_or_none(
-        current_host.get_fact(FileText, path=last_gate_path(settings)))
+        current_host.get_fact(FileText, path=HostLayout.of(settings).last_gate_file))
     return _health_gate(settings=settings, key_file=key_file, script_path=script_path,
                         rollback_to=rollback_to, **operation_arguments)
 
@@ -263,7 +264,7 @@ def _health_gate(settings: Settings, key_file: Optional[str], script_path: str, 
     global_arguments = current_host.current_op_global_arguments or {}
     elevation = {k: global_arguments[k] for k in _ELEVATION_ARGS if global_arguments.get(k)}
     yield FunctionCommand(run_gate, (settings, key_file, script_path, elevation),
-                          {"rollback_to": rollback_to, "result_path": last_gate_path(settings)})
+                          {"rollback_to": rollback_to, "result_path": HostLayout.of(settings).last_gate_file})
 
 
 def _json_or_none(text: Optional[str]) -> Optional[dict[str, Any]]:

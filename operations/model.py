@@ -26,7 +26,7 @@ from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
 from facts.model_manifest import ModelManifest
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 
 FETCH_UNIT = "freetoken-model-fetch.service"
 LIB_DIR = "/usr/local/lib/freetoken"
@@ -41,8 +41,8 @@ JOURNAL_LINES = 20
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LOCAL_SCRIPT = os.path.join(_HERE, "scripts", "fetch_model.py")
-_LOCAL_QUANT = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "quant.py")
-_LOCAL_MANIFEST = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "manifest.py")
+_LOCAL_QUANT = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "core", "quant.py")
+_LOCAL_MANIFEST = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "core", "manifest.py")
 _LOCAL_CACHE_SCRIPT = os.path.join(_HERE, "scripts", "model_cache.py")
 
 # The operation's privilege arguments also apply to the callback's commands (a python
@@ -229,7 +229,7 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
 
     .. code:: python
 
-        from freetoken_infra.settings import settings_for
+        from freetoken_infra.core.settings import settings_for
         from operations.model import model_fetcher, model_present
 
         settings = settings_for(host)

@@ -15,8 +15,8 @@ from pyinfra.facts.files import File
 from pyinfra.operations import files
 
 from facts.files import FileText
-from freetoken_infra.launch import LaunchPlan, engine_command
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.launch import LaunchPlan, engine_command
+from freetoken_infra.core.settings import Settings
 from operations.model import check_argv, unit_command, unit_word
 
 UNIT_PATH = "/etc/systemd/system/freetoken.service"
@@ -151,7 +151,7 @@ def unit(settings: Settings, plan: LaunchPlan):
     the unit changed.
 
     + settings: the host's Settings
-    + plan: the launch plan (freetoken_infra.launch.derive_plan)
+    + plan: the launch plan (freetoken_infra.core.launch.derive_plan)
     """
     env = engine_environment(settings)
     if host.get_fact(FileText, path=env_path(settings)) != env:

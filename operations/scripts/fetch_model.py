@@ -3,7 +3,7 @@
 
 Runs ON THE TARGET under the system ``python3`` (3.10+), as a systemd oneshot unit so a
 22 GB download outlives the SSH session that started it (field report, pitfall 4A). Stdlib
-only, plus ``quant.py`` (freetoken_infra/quant.py, uploaded beside this file) so the decision
+only, plus ``quant.py`` (freetoken_infra/core/quant.py, uploaded beside this file) so the decision
 "can FreeToken run this checkpoint" is the same code as in the preflight rules.
 
 Why not huggingface_hub: >= 1.31 no longer resumes partial downloads (wsl2-gpu.md), and a
@@ -63,8 +63,8 @@ try:  # uploaded beside this script on the target
     import quant
 except ImportError:  # run from a checkout of the project
     sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-    from freetoken_infra import manifest as manifest_rules  # type: ignore[no-redef]
-    from freetoken_infra import quant  # type: ignore[no-redef]
+    from freetoken_infra.core import manifest as manifest_rules  # type: ignore[no-redef]
+    from freetoken_infra.core import quant  # type: ignore[no-redef]
 
 MANIFEST = manifest_rules.MANIFEST_NAME
 PARTIAL_DIR = manifest_rules.PARTIAL_DIR

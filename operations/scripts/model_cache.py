@@ -32,7 +32,7 @@ try:  # uploaded beside this script on the target
     import manifest as manifest_rules
 except ImportError:  # run from a checkout of the project
     sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-    from freetoken_infra import manifest as manifest_rules  # type: ignore[no-redef]
+    from freetoken_infra.core import manifest as manifest_rules  # type: ignore[no-redef]
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:

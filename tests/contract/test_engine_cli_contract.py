@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_infra.launch import DEFAULT_MEMORY_RATIO, derive_plan, engine_command
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.launch import DEFAULT_MEMORY_RATIO, derive_plan, engine_command
+from freetoken_infra.core.settings import Settings
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from freetoken_infra.settings import DRIVER_PACKAGE_RE, Settings
+from freetoken_infra.core.settings import DRIVER_PACKAGE_RE, Settings
 from tests.fleet import harness
 from tests.fleet.client import (
     SERVING, api_key, chat, deploy, engine_pid, fault, grand_total, swap_used_bytes, wait_healthy,

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.fleet import harness
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 from tests.fleet.client import PYINFRA, ROOT, api_key, chat, deploy, health, hub, wait_healthy
 from tests.fleet.standins import hub_repos
 

@@ -25,7 +25,7 @@ import pytest
 from operations.cuda import PIN_FILE
 from operations.guard import GUARD_TIMER
 from operations.service import UNIT_PATH, key_path
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 from tests.fleet import harness
 from tests.fleet.client import ROOT, SERVING, deploy, grand_total, wait_healthy
 from tests.fleet.profiles import BRIDGE_ADDRESS, PROFILES

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from facts.model import ModelDirectory, parse_model_dir_output
-from freetoken_infra.quant import summarize_quant
+from freetoken_infra.core.quant import summarize_quant
 
 MODELS = Path(__file__).parent.parent / "fixtures" / "real" / "models"
 

@@ -86,8 +86,8 @@ def repos(standin_repos) -> Path:
 def script_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("lib-freetoken")
     shutil.copy(ROOT / "operations" / "scripts" / "fetch_model.py", d / "fetch_model.py")
-    shutil.copy(ROOT / "freetoken_infra" / "quant.py", d / "quant.py")
-    shutil.copy(ROOT / "freetoken_infra" / "manifest.py", d / "manifest.py")
+    shutil.copy(ROOT / "freetoken_infra" / "core" / "quant.py", d / "quant.py")
+    shutil.copy(ROOT / "freetoken_infra" / "core" / "manifest.py", d / "manifest.py")
     return d
 
 
@@ -418,7 +418,7 @@ def test_status_file_is_rewritten_while_waiting(script_dir, fresh, repos, tmp_pa
 
 
 def test_fetch_unit_runs_as_service_user_with_token_as_credential(tmp_path):
-    from freetoken_infra.settings import Settings
+    from freetoken_infra.core.settings import Settings
     from operations.model import fetch_unit
 
     s = Settings(hub_token_file="/etc/freetoken/hub-token", hub_endpoint="http://10.213.0.1:8082",
@@ -500,7 +500,7 @@ class FakeHost:
 def test_wait_follows_the_unit_and_reports_refusal_with_host_and_error(capsys):
     from pyinfra.api.exceptions import OperationError
 
-    from freetoken_infra.settings import Settings
+    from freetoken_infra.core.settings import Settings
     from operations.model import wait_for_fetch
 
     downloading = {"state": "downloading", "bytes_done": 5_000_000_000, "bytes_total": 22_000_000_000,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from facts.guard import GuardState, parse_guard_state_output
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "operations" / "scripts" / "guard.py"

@@ -18,7 +18,7 @@ import pytest
 from pyinfra.api.exceptions import OperationError
 from pyinfra.connectors.util import CommandOutput, OutputLine
 
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 from operations import health
 from operations.health import GATE_RESULTS, format_gate_report, gate_command, gate_url, run_gate
 from tests.loopback import free_port, wait_listening
@@ -262,7 +262,7 @@ def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
     deploy = tmp_path / "deploy.py"
     deploy.write_text(
         "from pyinfra.operations import python\n"
-        "from freetoken_infra.settings import Settings\n"
+        "from freetoken_infra.core.settings import Settings\n"
         "from operations.health import health_gate\n"
         f"s = Settings(listen_port={ready_engine.port}, model_dir='/srv/models/{MODEL_NAME}',\n"
         f"             health_timeout_s=30, decode_floor_tps=1000, state_dir={str(tmp_path)!r})\n"

@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from freetoken_infra.launch import derive_plan
-from freetoken_infra.settings import DRIVER_PACKAGE_GLOBS, Settings
+from freetoken_infra.core.launch import derive_plan
+from freetoken_infra.core.settings import DRIVER_PACKAGE_GLOBS, Settings
 from operations.cuda import pin_text, sources_line
 from operations.engine import pip_conf
 from operations.service import engine_environment, engine_unit
@@ -129,7 +129,7 @@ def test_unit_escapes_every_exec_word_for_systemd(tmp_path):
     # systemd's own rules: %% is a literal %, $$ a literal $ in an argument; the executable
     # path has specifiers but no variables.
     argv = [words[0].replace("%%", "%")] + [w.replace("%%", "%").replace("$$", "$") for w in words[1:]]
-    from freetoken_infra.launch import engine_command
+    from freetoken_infra.core.launch import engine_command
 
     assert argv == engine_command(s, plan)
     assert "$$HOME" not in words[0] and "%%i" in words[0]

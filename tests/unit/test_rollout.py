@@ -21,7 +21,7 @@ from freetoken_infra.report import format_fleet_report, host_row, read_records
 from freetoken_infra.rollout import (
     RolloutError, batch_size, batch_stops, connect_errors, parse_batch_sizes, plan_batches, pyinfra_argv,
 )
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 from operations import engine
 from operations.health import GATE_RESULTS, rollback_command, run_gate
 from tests.loopback import free_port, wait_listening
@@ -99,7 +99,7 @@ def test_example_fleet_inventory_loads_and_every_host_validates():
         "from pyinfra.context import ctx_state\n"
         "from pyinfra_cli.inventory import make_inventory\n"
         "from freetoken_infra.rollout import load_hosts\n"
-        "from freetoken_infra.settings import validate_inventory\n"
+        "from freetoken_infra.core.settings import validate_inventory\n"
         "with ctx_state.use(State()):\n"
         "    inventory = make_inventory('inventories/fleet.py', cwd='.')\n"
         "settings = validate_inventory(inventory)\n"

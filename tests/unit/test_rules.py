@@ -14,8 +14,8 @@ from facts.resources import ResourcesInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
 from facts.wsl import WslKernelInfo, WslVersionInfo
 from freetoken_infra import rules
-from freetoken_infra.launch import derive_plan, engine_command
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.launch import derive_plan, engine_command
+from freetoken_infra.core.settings import Settings
 
 GiB = 1024**3
 ARCHS_13 = ("compute_75", "compute_80", "compute_86", "compute_89", "compute_90", "compute_100", "compute_120")
@@ -238,7 +238,7 @@ CARDS = [
 
 @pytest.mark.parametrize("mib,cc,want", CARDS, ids=[f"{c[2][0]}gb" for c in CARDS])
 def test_every_derived_plan_passes_its_own_launch_plan_rule(mib, cc, want):
-    from freetoken_infra.hardware import nominal_vram_gb
+    from freetoken_infra.core.hardware import nominal_vram_gb
 
     g, cache, tokens, reserve, running, backend = want
     assert nominal_vram_gb(mib) == g

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_infra.settings import Settings, SettingsError, build_settings
+from freetoken_infra.core.settings import Settings, SettingsError, build_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,18 +15,40 @@ def group_data(name: str) -> dict:
     return {k: v for k, v in data.items() if not k.startswith("__")}
 
 
-def test_group_data_all_is_the_field_report_and_matches_the_model_defaults():
-    from_file = build_settings("ws1", group_data("all"))
-    assert from_file == Settings()
-    assert from_file.engine_requirement == "freetoken[accel]==0.2.1"
-    assert from_file.served_model_name == "Qwen3.6-35B-A3B-NVFP4-nvidia"
-    assert from_file.wslconfig_values() == {
+def test_the_defaults_are_the_field_report():
+    s = Settings()
+    assert s.engine_requirement == "freetoken[accel]==0.2.1"
+    assert s.served_model_name == "Qwen3.6-35B-A3B-NVFP4-nvidia"
+    assert s.wslconfig_values() == {
         "memory": "24GB",
         "processors": "8",
         "swap": "4GB",
         "localhostForwarding": "true",
         "vmIdleTimeout": "0",
     }
+
+
+def test_group_data_holds_only_choices_that_differ_from_the_defaults():
+    """Each default has one home (Settings): a group_data value equal to it is a second copy."""
+    defaults = Settings()
+    for path in sorted((ROOT / "group_data").glob("*.py")):
+        data = group_data(path.stem)
+        build_settings("ws1", data)
+        copies = [k for k, v in data.items() if getattr(build_settings("ws1", {k: v}), k) == getattr(defaults, k)]
+        assert not copies, f"{path.name} repeats the default of {copies}"
+
+
+def test_every_setting_has_a_one_line_description():
+    for name, field in Settings.model_fields.items():
+        assert field.description and "\n" not in field.description, name
+
+
+def test_the_readme_settings_table_is_current():
+    from freetoken_infra.core.settings import readme_with_table
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme_with_table(readme) == readme, (
+        "README.md's settings table is stale: run `.venv/bin/python -m freetoken_infra.core.settings`")
 
 
 @pytest.mark.parametrize("name", ["rtx5060ti_16gb", "rtx5090_32gb"])
@@ -102,7 +124,7 @@ def _inventory(hosts):
 
 
 def test_model_cache_host_must_be_a_host_of_the_inventory():
-    from freetoken_infra.settings import validate_inventory
+    from freetoken_infra.core.settings import validate_inventory
 
     good = _inventory([("ws1", {"model_cache_host": "ws1"}), ("ws2", {"model_cache_host": "ws1"})])
     assert set(validate_inventory(good)) == {"ws1", "ws2"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_infra.settings import SettingsError, build_settings
+from freetoken_infra.core.settings import SettingsError, build_settings
 from tests.verify import bridge
 from tests.verify.probes import apt_policy, parse_ss, present_packages
 

@@ -51,7 +51,7 @@ class Target:
 
     name: str
     groups: tuple[str, ...]
-    settings: Any  # freetoken_infra.settings.Settings
+    settings: Any  # freetoken_infra.core.settings.Settings
     hostspec: str
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -197,7 +197,7 @@ def hostspec_for(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 def target_for(record: dict[str, Any]) -> Target:
     """An inventory host as a verify target; its settings validated like the deploy's."""
-    from freetoken_infra.settings import build_settings
+    from freetoken_infra.core.settings import build_settings
 
     spec, kwargs = hostspec_for(record)
     groups = tuple(g for g in record["groups"] if not g.startswith("@"))

@@ -79,7 +79,7 @@ def pytest_ignore_collect(collection_path, config):
 
 def _targets(config) -> list:
     if _TARGETS not in config.stash:
-        from freetoken_infra.settings import SettingsError
+        from freetoken_infra.core.settings import SettingsError
         from tests.verify.bridge import BridgeError, targets
 
         if _option(config, "hosts"):

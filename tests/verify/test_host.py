@@ -20,8 +20,8 @@ from facts.init import InitSystem
 from facts.model_manifest import ModelManifest
 from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslVersion
-from freetoken_infra.launch import derive_plan
-from freetoken_infra.settings import DRIVER_PACKAGE_RE
+from freetoken_infra.core.launch import derive_plan
+from freetoken_infra.core.settings import DRIVER_PACKAGE_RE
 from operations.cuda import PIN_FILE
 from operations.guard import ENGINE_UNIT, GUARD_TIMER
 from operations.health import gate_url

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.settings import Settings
 
 UNIT_DIR = "/etc/systemd/system"
 # Scripts the operations upload and run on the target with its own python3 (root-owned).

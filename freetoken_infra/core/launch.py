@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from freetoken_infra.hardware import nominal_vram_gb
-from freetoken_infra.settings import Settings
+from freetoken_infra.core.hardware import nominal_vram_gb
+from freetoken_infra.core.settings import Settings
 
 # VRAM model fitted to the field report (peak 5.9 GB at cache 256 / 4096 tokens on
 # a 16 GB card; cache 2048 or `auto` ran out of memory): dense weights, graphs and

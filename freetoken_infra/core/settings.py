@@ -25,7 +25,7 @@ from pydantic import (
     field_validator,
 )
 
-from freetoken_infra.hardware import HARDWARE_PROFILES
+from freetoken_infra.core.hardware import HARDWARE_PROFILES
 
 # Pitfall 4 (A and B): below this WSL release, processes started from a wsl.exe
 # session are reaped and WDDM locks usable GPU memory at 0 (fake OOMs). The field
@@ -70,88 +70,138 @@ def _abs_path(value: str, what: str = "an absolute path") -> str:
 class Settings(BaseModel):
     """One host's settings. Defaults are the field report's working values."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True)
+
+    # Every setting's description is the docstring under it (pydantic's attribute docstrings):
+    # one line each, shown by the README's settings table (`python -m freetoken_infra.core.settings`).
 
     # --- engine -------------------------------------------------------------
     engine_package: str = "freetoken"
+    """Python package of the engine."""
     engine_version: str = "0.2.1"
+    """Engine release installed into its own venv; changing it is a blue-green upgrade."""
     engine_extras: list[str] = Field(default_factory=lambda: ["accel"])
+    """pip extras of the engine package (`accel`: the faster kernels)."""
     engine_base_dir: str = "/opt/freetoken"
+    """One venv per engine version under this directory, `active` links the one in service."""
     pip_index_url: Optional[AnyHttpUrl] = None
+    """pip index (a mirror) for the engine's venv; pip's own index when unset."""
     pip_extra_index_urls: list[AnyHttpUrl] = Field(default_factory=list)
+    """Further pip indexes for the engine's venv."""
 
     # --- model --------------------------------------------------------------
     model_repo: str = "nvidia/Qwen3.6-35B-A3B-NVFP4"
+    """Hub repository of the model; NVIDIA's modelopt build (pitfall 2: not unsloth's)."""
     model_revision: str = "main"
-    # The served model name is this directory's last component (field report).
+    """Branch, tag or commit of the model repository."""
     model_dir: str = "/var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia"
+    """Where the model is kept; its last component is the served model name (field report)."""
     model_size_gb: float = Field(22.0, gt=0)
+    """Size of the model's files, for the disk check."""
     model_expert_ram_gb: float = Field(16.9, gt=0)
+    """RAM the offloaded experts take, for the RAM check."""
     hub_endpoint: AnyHttpUrl = AnyHttpUrl("https://huggingface.co")
-    hub_disable_xet: bool = True  # pitfall 2: the Xet protocol answered 401
+    """The model hub or a mirror of it."""
+    hub_disable_xet: bool = True
+    """Never use the Xet protocol (pitfall 2: it answered 401)."""
     hub_token_file: Optional[str] = None
-    # The LAN model cache (upstream read once per fleet): the inventory name of the host that
-    # serves its verified model to the others on model_cache_port; every other host fetches
-    # from it first. model_sources: further caches (e.g. one the controller runs), tried next.
+    """Root-only file on the target holding the hub token of a gated repository."""
     model_cache_host: Optional[str] = None
+    """Inventory name of the host that serves its verified model to the rest of the fleet."""
     model_cache_port: int = Field(8090, ge=1, le=65535)
+    """Port of the LAN model cache on model_cache_host."""
     model_sources: list[AnyHttpUrl] = Field(default_factory=list)
-    # One-shot: re-hash every model file this run, trusting no manifest entry
-    # (`pyinfra ... --data model_reverify=true`). Normally size and mtime suffice.
+    """Further model caches (e.g. one the controller runs), tried after model_cache_host."""
     model_reverify: bool = False
+    """One-shot (`--data model_reverify=true`): re-hash every model file this run."""
 
     # --- launch plan (None = derived from the hardware profile) ---------------
     hardware_profile: str = "auto"
+    """Hardware class of the host (`group_data/<class>.py`); `auto` reads it off the GPU."""
     launch_moe_strategy: Optional[Literal["auto", "fused", "offload", "cpu", "hybrid"]] = None
+    """Override of the derived `--moe-strategy`."""
     launch_moe_cache_size: Optional[Union[Literal["auto"], int]] = None
+    """Override of the derived `--moe-cache-size` (experts kept on the GPU) or `auto`."""
     launch_num_tokens: Optional[int] = Field(None, gt=0)
+    """Override of the derived `--num-tokens` (KV capacity)."""
     launch_kv_reserve_tokens: Optional[int] = Field(None, gt=0)
+    """Override of the derived `--kv-reserve-tokens`."""
     launch_max_prefill_length: Optional[int] = Field(None, gt=0)
+    """Override of the derived `--max-prefill-length`."""
     launch_max_running_requests: Optional[int] = Field(None, ge=1, le=64)
+    """Override of the derived `--max-running-requests`."""
     launch_moe_cpu_layers: Optional[str] = None
-    launch_attention_backend: Optional[
-        Literal["auto", "triton", "trtllm", "fi", "fa"]
-    ] = None
+    """Override of `--moe-cpu-layers`: `auto`, a count, a fraction or layer ids."""
+    launch_attention_backend: Optional[Literal["auto", "triton", "trtllm", "fi", "fa"]] = None
+    """Override of the derived `--attention-backend`."""
     launch_memory_ratio: Optional[float] = Field(None, gt=0, le=1)
+    """Override of the derived `--memory-ratio` (share of GPU memory the engine takes)."""
     listen_host: IPvAnyAddress = IPvAnyAddress("127.0.0.1")  # type: ignore[operator]
-    # The engine also binds port+1 (gloo), hence the upper bound.
+    """Address the API listens on (loopback unless the fleet must reach it)."""
     listen_port: int = Field(8000, ge=1, le=65534)
+    """Port of the API; the engine also binds port+1 (gloo), hence the upper bound."""
     api_key_source: str = "generate"
+    """API key: `generate` (made on the host), `none`, `file:/path` or `env:VAR` on the controller."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """The engine's log level."""
 
     # --- Windows side ---------------------------------------------------------
     wslconfig_memory: str = "24GB"
+    """`.wslconfig` `[wsl2] memory`: RAM of the WSL VM."""
     wslconfig_processors: int = Field(8, ge=1, le=256)
+    """`.wslconfig` `[wsl2] processors`."""
     wslconfig_swap: str = "4GB"
+    """`.wslconfig` `[wsl2] swap`."""
     wslconfig_localhost_forwarding: bool = True
-    # Milliseconds; 0 keeps the VM up (pitfall 4A: the 60 s default reaps the engine).
+    """`.wslconfig` `[wsl2] localhostForwarding`."""
     wslconfig_vm_idle_timeout: int = Field(0, ge=-1)
+    """`.wslconfig` `[wsl2] vmIdleTimeout` in ms; 0 keeps the VM up (pitfall 4A)."""
     wslconfig_networking_mode: Optional[Literal["nat", "mirrored"]] = None
+    """`.wslconfig` `[wsl2] networkingMode`; `mirrored` lets the LAN reach the distro."""
     wsl_min_version: str = WSL_VERSION_FLOOR
+    """Lowest WSL release accepted (pitfall 4A/4B)."""
     windows_autostart: bool = False
+    """A Windows logon task that starts the distro (and so the engine) at logon."""
 
     # --- CUDA toolchain ---------------------------------------------------------
     cuda_repo_url: AnyHttpUrl = AnyHttpUrl(NVIDIA_CUDA_REPO)
+    """NVIDIA's CUDA apt repository (pitfall 3)."""
     cuda_keyring_url: AnyHttpUrl = AnyHttpUrl(NVIDIA_CUDA_KEYRING)
+    """The repository's keyring package."""
     cuda_packages: list[str] = Field(
         default_factory=lambda: ["cuda-nvcc-13-0", "cuda-cudart-dev-13-0", "cuda-cccl-13-0"]
     )
+    """The CUDA toolchain packages, never a driver (pitfall 3)."""
     cuda_home: str = "/usr/local/cuda-13.0"
+    """CUDA_HOME of the engine."""
 
     # --- service, paths, guard, thresholds -------------------------------------
     service_user: str = "freetoken"
+    """System user the engine runs as."""
     state_dir: str = "/var/lib/freetoken"
+    """The engine's state (owned by service_user)."""
     config_dir: str = "/etc/freetoken"
+    """Root-owned configuration: the key and environment files."""
     cache_dir: str = "/var/cache/freetoken"
+    """Persistent kernel caches of the engine (a cold start of minutes becomes ~34 s)."""
     start_timeout_s: int = Field(300, ge=30, le=3600)
+    """How long systemd waits for the engine to start."""
     health_timeout_s: int = Field(600, ge=10, le=7200)
+    """How long the health gate waits for `/health` ok."""
     decode_floor_tps: Optional[float] = Field(None, gt=0)
+    """Lowest decode tokens/s the gate accepts (set per hardware class)."""
     guard_enabled: bool = True
+    """Run the guard timer (samples memory, stops the engine on swap growth or CUDA OOM)."""
     guard_interval_s: int = Field(30, ge=5, le=3600)
+    """Seconds between guard samples."""
     guard_swap_limit_gb: float = Field(2.0, gt=0)
+    """The guard stops the engine when swap use exceeds this (operations advice)."""
     ram_margin_gb: float = Field(3.0, ge=0)
+    """RAM to keep free beside the experts."""
     disk_margin_gb: float = Field(5.0, ge=0)
+    """Disk to keep free beside the model and the engine."""
     engine_env_size_gb: float = Field(12.0, ge=0)
+    """Disk one engine venv takes."""
 
     # --- validators ---------------------------------------------------------------
     @field_validator("engine_version")
@@ -413,3 +463,48 @@ def validate_inventory(inventory) -> dict[str, Settings]:
     if problems:
         raise SettingsError(problems)
     return result
+
+
+# --------------------------------------------------------------------------- the settings table
+# The README's settings table is made from the defaults and descriptions above; a unit test
+# checks that it is current. `python -m freetoken_infra.core.settings` rewrites it.
+README_TABLE_START = "<!-- settings table: made by `python -m freetoken_infra.core.settings`; do not edit -->"
+README_TABLE_END = "<!-- end of settings table -->"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, list):
+        return ", ".join(f"`{v}`" for v in value) if value else "none"
+    return f"`{value}`"
+
+
+def settings_table() -> str:
+    """Markdown: one row per setting with its default and its description."""
+    rows = ["| setting | default | what it is |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        description = (field.description or "").replace("|", "\\|")
+        cell = _cell(default).replace("|", "\\|")
+        rows.append(f"| `{name}` | {cell} | {description} |")
+    return "\n".join(rows)
+
+
+def readme_with_table(readme: str) -> str:
+    """`readme` with the text between the table markers replaced by the current table."""
+    head, start, rest = readme.partition(README_TABLE_START)
+    _, end, tail = rest.partition(README_TABLE_END)
+    if not start or not end:
+        raise ValueError("README.md lacks the settings table markers")
+    return f"{head}{start}\n{settings_table()}\n{end}{tail}"
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    readme_path = Path(__file__).resolve().parents[2] / "README.md"
+    readme_path.write_text(readme_with_table(readme_path.read_text(encoding="utf-8")), encoding="utf-8")
+    print(f"rewrote the settings table in {readme_path}")

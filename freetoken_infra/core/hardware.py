@@ -3,7 +3,7 @@
 
 A class names a kind of workstation by its GPU's nominal memory; the preflight
 refuses a host whose GPU does not match its declared class. The launch values come
-from one rule in `freetoken_infra.launch`; what else a class sets (its decode floor)
+from one rule in `freetoken_infra.core.launch`; what else a class sets (its decode floor)
 lives in its group_data file with the other settings.
 """
 
