@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 MANIFEST_NAME = ".freetoken-manifest.json"
 PARTIAL_DIR = ".partial"
 
 
-def load(model_dir: str) -> Tuple[Optional[dict], Optional[str]]:
+def load(model_dir: str) -> Tuple[Optional[dict[str, Any]], Optional[str]]:
     """``(manifest, None)``; ``(None, None)`` when there is none; ``(None, why)`` when it is
     unreadable or not a download manifest."""
     path = os.path.join(model_dir, MANIFEST_NAME)
@@ -58,7 +58,7 @@ def files_on_disk(model_dir: str) -> dict[str, Tuple[int, int]]:
     return found
 
 
-def verified_files(manifest: Optional[Mapping], on_disk: Mapping[str, Tuple[int, int]]) -> dict[str, Mapping]:
+def verified_files(manifest: Optional[Mapping[str, Any]], on_disk: Mapping[str, Tuple[int, int]]) -> dict[str, Mapping[str, Any]]:
     """The manifest's entries whose file is still exactly as it was when verified."""
     if not manifest or not isinstance(manifest.get("files"), Mapping):
         return {}
@@ -68,7 +68,7 @@ def verified_files(manifest: Optional[Mapping], on_disk: Mapping[str, Tuple[int,
     }
 
 
-def covers(manifest: Optional[Mapping], on_disk: Mapping[str, Tuple[int, int]], repo: str, revision: str,
+def covers(manifest: Optional[Mapping[str, Any]], on_disk: Mapping[str, Tuple[int, int]], repo: str, revision: str,
            where: str, error: Optional[str] = None) -> Tuple[bool, str]:
     """Whether a complete, untouched download of ``repo`` at ``revision`` is in ``where``, and why not."""
     m = manifest

@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 SUPPORTED_EXPERT_SCHEMES = frozenset({"nvfp4", "fp8_block", "mxfp4", "mxfp8", "unquantized", "gguf"})
 
@@ -61,7 +61,7 @@ def modelopt_scheme(algo: object) -> str:
     return _MODELOPT_ALGOS.get(raw.upper(), f"unknown:{raw}")
 
 
-def compressed_tensors_scheme(group: dict, fmt: str | None) -> str:
+def compressed_tensors_scheme(group: dict[str, Any], fmt: str | None) -> str:
     """Name the scheme of one compressed-tensors ``config_groups`` entry."""
     weights = group.get("weights")
     fmt = (group.get("format") or fmt or "").lower()
@@ -88,7 +88,7 @@ def compressed_tensors_scheme(group: dict, fmt: str | None) -> str:
     return f"unknown:{fmt or kind}{bits}-{strategy}"
 
 
-def _summarize_modelopt(cfg: dict) -> tuple[str | None, set[str], set[str]]:
+def _summarize_modelopt(cfg: dict[str, Any]) -> tuple[str | None, set[str], set[str]]:
     algo = cfg.get("quant_algo")
     expert: set[str] = set()
     other: set[str] = set()
@@ -112,7 +112,7 @@ def _summarize_modelopt(cfg: dict) -> tuple[str | None, set[str], set[str]]:
     return (str(algo) if algo is not None else None), expert, other
 
 
-def _summarize_compressed_tensors(cfg: dict) -> tuple[str | None, set[str], set[str]]:
+def _summarize_compressed_tensors(cfg: dict[str, Any]) -> tuple[str | None, set[str], set[str]]:
     fmt = cfg.get("format")
     expert: set[str] = set()
     other: set[str] = set()
@@ -137,7 +137,7 @@ def _summarize_compressed_tensors(cfg: dict) -> tuple[str | None, set[str], set[
     return (str(fmt) if fmt is not None else None), expert, other
 
 
-def _summarize_quantization_config(qc: dict) -> tuple[str | None, str | None, set[str], set[str]]:
+def _summarize_quantization_config(qc: dict[str, Any]) -> tuple[str | None, str | None, set[str], set[str]]:
     method = qc.get("quant_method")
     method_s = str(method) if method is not None else None
     lowered = (method_s or "").lower()
@@ -158,7 +158,7 @@ def _summarize_quantization_config(qc: dict) -> tuple[str | None, str | None, se
     return method_s, None, {scheme}, {scheme}
 
 
-def summarize_quant(config: dict, hf_quant_config: dict | None) -> QuantSummary:
+def summarize_quant(config: dict[str, Any], hf_quant_config: dict[str, Any] | None) -> QuantSummary:
     """Summarise a checkpoint's quantisation the way FreeToken reads it.
 
     ``config.json`` → ``quantization_config`` (top level, else under ``text_config``) wins;

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from pydantic import (
     AnyHttpUrl,
@@ -26,6 +26,10 @@ from pydantic import (
 )
 
 from freetoken_infra.core.hardware import HARDWARE_PROFILES
+
+if TYPE_CHECKING:
+    from pyinfra.api.host import Host
+    from pyinfra.api.inventory import Inventory
 
 # Pitfall 4 (A and B): below this WSL release, processes started from a wsl.exe
 # session are reaped and WDDM locks usable GPU memory at 0 (fake OOMs). The field
@@ -262,7 +266,7 @@ class Settings(BaseModel):
 
     @field_validator("launch_moe_cache_size")
     @classmethod
-    def _cache_size(cls, v):
+    def _cache_size(cls, v: Optional[Union[str, int]]) -> Optional[Union[str, int]]:
         if isinstance(v, int) and v <= 0:
             raise ValueError("must be a positive number of experts or 'auto'")
         return v
@@ -377,7 +381,7 @@ def _pyinfra_keys() -> set[str]:
     from pyinfra.api.connectors import get_all_connectors
 
     keys: set[str] = set()
-    for connector in get_all_connectors().values():
+    for connector in get_all_connectors().values():  # type: ignore[no-untyped-call]
         keys.update(getattr(connector, "data_meta", {}) or {})
     return keys
 
@@ -440,12 +444,12 @@ def build_settings(host_name: str, data: dict[str, Any]) -> Settings:
     return settings
 
 
-def settings_for(host) -> Settings:
+def settings_for(host: "Host") -> Settings:
     """Settings of a pyinfra host."""
-    return build_settings(host.name, host.data.dict())
+    return build_settings(host.name, host.data.dict())  # type: ignore[no-untyped-call]
 
 
-def validate_inventory(inventory) -> dict[str, Settings]:
+def validate_inventory(inventory: "Inventory") -> dict[str, Settings]:
     """Validate every host of an inventory; raise one SettingsError listing all problems."""
     result: dict[str, Settings] = {}
     problems: list[str] = []
