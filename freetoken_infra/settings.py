@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -423,8 +424,33 @@ def settings_for(host) -> Settings:
     return build_settings(host.name, host.data.dict())
 
 
+def controller_key_problem(source: str) -> Optional[str]:
+    """What is wrong with the API key ``api_key_source`` names on the controller, or None when
+    it gives a usable key (``generate`` and ``none`` need nothing here). The key itself is never
+    part of the answer."""
+    kind, _, ref = source.partition(":")
+    if kind == "file":
+        try:
+            with open(ref, encoding="utf-8") as handle:
+                key = handle.read().strip()
+        except FileNotFoundError:
+            return "the file does not exist on the controller"
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"the file cannot be read on the controller ({getattr(exc, 'strerror', None) or exc})"
+    elif kind == "env":
+        if ref not in os.environ:
+            return f"the variable {ref} is not set on the controller"
+        key = os.environ[ref].strip()
+    else:
+        return None
+    if not key or "\n" in key:
+        return "it gives an empty or multi-line key"
+    return None
+
+
 def validate_inventory(inventory) -> dict[str, Settings]:
-    """Validate every host of an inventory; raise one SettingsError listing all problems."""
+    """Validate every host of an inventory; raise one SettingsError listing all problems.
+    Also checks what the settings name on the controller (the API key's file or variable)."""
     result: dict[str, Settings] = {}
     problems: list[str] = []
     names = {host.name for host in inventory}
@@ -434,6 +460,11 @@ def validate_inventory(inventory) -> dict[str, Settings]:
         except SettingsError as exc:
             problems.extend(exc.problems)
             continue
+        source = result[host.name].api_key_source
+        key_problem = controller_key_problem(source)
+        if key_problem:
+            problems.append(f"host {host.name}: setting 'api_key_source' = {_short(source)} is invalid: "
+                            f"{key_problem}")
         cache = result[host.name].model_cache_host
         if cache is not None and cache not in names:
             problems.append(f"host {host.name}: setting 'model_cache_host' = {_short(cache)} is invalid: "

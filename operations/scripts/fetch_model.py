@@ -237,10 +237,16 @@ class RemoteFile:
         return h
 
 
-def _safe_name(name: str) -> bool:
+def _safe_name(name: object) -> bool:
+    """A file name from the hub's listing we will create: relative, no empty, ``.`` or ``..``
+    component, not our own files, no control character (a newline in a name splits every
+    line-based record it reaches: status, journal, the fact protocol; issue 13) nor backslash."""
+    if not isinstance(name, str) or not name or name.startswith("/"):
+        return False
+    if any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f or c == "\\" for c in name):
+        return False
     parts = name.split("/")
-    return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts) \
-        and parts[0] not in (PARTIAL_DIR, MANIFEST) and "\0" not in name
+    return all(p not in ("", ".", "..") for p in parts) and parts[0] not in (PARTIAL_DIR, MANIFEST)
 
 
 def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
@@ -255,13 +261,18 @@ def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[
     if siblings and all(isinstance(s, dict) and isinstance(s.get("size"), int) for s in siblings):
         for s in siblings:
             lfs = s.get("lfs") or {}
-            entries[s["rfilename"]] = {"size": s["size"], "sha256": lfs.get("sha256"), "oid": s.get("blobId")}
+            entries[str(s.get("rfilename"))] = {"size": s["size"], "sha256": lfs.get("sha256"),
+                                                "oid": s.get("blobId")}
+            if not _safe_name(s.get("rfilename")):
+                raise Failed(f"the hub listed an unsafe file name {s.get('rfilename')!r}; refusing to write it")
     else:  # a mirror without ?blobs=true: the tree API has the same data
         tree = http.get_json(f"{base}/api/models/{repo}/tree/{commit}?recursive=true")
         for item in tree:
             if item.get("type") != "file":
                 continue
             lfs = item.get("lfs") or {}
+            if not _safe_name(item.get("path")):
+                raise Failed(f"the hub listed an unsafe file name {item.get('path')!r}; refusing to write it")
             entries[item["path"]] = {"size": item.get("size"), "sha256": lfs.get("oid"), "oid": item.get("oid")}
     files = []
     for name, e in sorted(entries.items()):
