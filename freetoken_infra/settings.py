@@ -113,6 +113,9 @@ class Settings(BaseModel):
     # from it first. model_sources: further caches (e.g. one the controller runs), tried next.
     model_cache_host: Optional[str] = None
     model_cache_port: int = Field(8090, ge=1, le=65535)
+    # Where the cache host's cache listens; None: the address the fleet reaches it by (its
+    # ssh_hostname), never every interface unless set here to 0.0.0.0 / ::.
+    model_cache_bind: Optional[IPvAnyAddress] = None
     model_sources: list[AnyHttpUrl] = Field(default_factory=list)
     # One-shot: re-hash every model file this run, trusting no manifest entry
     # (`pyinfra ... --data model_reverify=true`). Normally size and mtime suffice.

@@ -24,6 +24,8 @@ hub_disable_xet = True
 # A fleet reads the model from upstream once: set model_cache_host (inventory or group
 # data) to the host that serves its verified copy to the others on this port.
 model_cache_port = 8090
+# The cache listens on the address the fleet reaches its host by (ssh_hostname) unless
+# model_cache_bind names another.
 
 # The API: loopback only, port 8000, a key generated on the host.
 listen_host = "127.0.0.1"

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import http.client
 import json
 import os
@@ -164,15 +165,27 @@ class _SameOriginAuthRedirect(urllib.request.HTTPRedirectHandler):
             new_origin = urllib.parse.urlsplit(new.full_url)[:2]
             if old_origin != new_origin:
                 new.remove_header("Authorization")
+                new.remove_header(CACHE_TOKEN_HEADER.capitalize())  # as add_header stored it
         return new
+
+
+# A LAN cache serving a gated repository asks for this key, derived from the hub token
+# (model_cache.py cache_token: the same derivation, kept identical by a test).
+CACHE_TOKEN_HEADER = "X-FreeToken-Cache-Token"
+_CACHE_TOKEN_CONTEXT = b"freetoken-infra model cache v1"
+
+
+def cache_token(hub_token: str) -> str:
+    return hmac.new(hub_token.encode("utf-8"), _CACHE_TOKEN_CONTEXT, hashlib.sha256).hexdigest()
 
 
 class Http:
     def __init__(self, token: str | None, timeout: float, token_origin: str | None = None):
         self._token = token
-        # The token goes to the upstream endpoint only: a LAN cache needs none, and it is
-        # often plain HTTP on a shared network.
+        # The token goes to the upstream endpoint only: a LAN cache is often plain HTTP on a
+        # shared network. A source gets the key derived from it instead (a gated cache asks).
         self._token_origin = urllib.parse.urlsplit(token_origin)[:2] if token_origin else None
+        self._cache_token = cache_token(token) if token and token_origin else None
         self.timeout = timeout
         self._opener = urllib.request.build_opener(_SameOriginAuthRedirect())
 
@@ -180,6 +193,8 @@ class Http:
         req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **(headers or {})})
         if self._token and (self._token_origin is None or urllib.parse.urlsplit(url)[:2] == self._token_origin):
             req.add_header("Authorization", f"Bearer {self._token}")
+        elif self._cache_token:
+            req.add_header(CACHE_TOKEN_HEADER, self._cache_token)
         return self._opener.open(req, timeout=self.timeout)
 
     def get_json(self, url: str):
