@@ -44,7 +44,8 @@ def pin_text() -> str:
 
 def profile_text(settings: Settings) -> str:
     # Sourced by every login shell: the value is one quoted word whatever it holds.
-    return f'export CUDA_HOME={shlex.quote(settings.cuda_home)}\ncase ":$PATH:" in *":$CUDA_HOME/bin:"*) ;; *) PATH="$CUDA_HOME/bin:$PATH";; esac\n'
+    return (f"export CUDA_HOME={shlex.quote(settings.cuda_home)}\n"
+            'case ":$PATH:" in *":$CUDA_HOME/bin:"*) ;; *) PATH="$CUDA_HOME/bin:$PATH";; esac\n')
 
 
 @operation()

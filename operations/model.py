@@ -162,7 +162,8 @@ def cache_unit(settings: Settings, bind: str) -> str:
             "--port", str(settings.model_cache_port)]
     token_lines = []
     if settings.hub_token_file:
-        token_lines = [f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}"]
+        source = unit_word(settings.hub_token_file, variables=False)
+        token_lines = [f"LoadCredential={TOKEN_CREDENTIAL}:{source}"]
         argv_text = unit_command(argv) + f" --token-file %d/{TOKEN_CREDENTIAL}"
     else:
         argv_text = unit_command(argv)

@@ -279,7 +279,8 @@ def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[
             entries[str(s.get("rfilename"))] = {"size": s["size"], "sha256": lfs.get("sha256"),
                                                 "oid": s.get("blobId")}
             if not _safe_name(s.get("rfilename")):
-                raise Failed(f"the hub listed an unsafe file name {s.get('rfilename')!r}; refusing to write it")
+                raise Failed(f"the hub listed an unsafe file name {s.get('rfilename')!r}; "
+                             "refusing to write it")
     else:  # a mirror without ?blobs=true: the tree API has the same data
         tree = http.get_json(f"{base}/api/models/{repo}/tree/{commit}?recursive=true")
         for item in tree:

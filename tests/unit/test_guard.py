@@ -428,7 +428,8 @@ def test_service_unit():
 def test_service_unit_escapes_systemd_specifiers():
     from operations.guard import guard_service_unit
 
-    unit = guard_service_unit(Settings.model_construct(**{**Settings().model_dump(), "state_dir": "/srv/100%$x"}))
+    odd = Settings.model_construct(**{**Settings().model_dump(), "state_dir": "/srv/100%$x"})
+    unit = guard_service_unit(odd)
     assert "/srv/100%%$$x/guard-state.json" in unit
 
 

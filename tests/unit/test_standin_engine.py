@@ -245,10 +245,12 @@ def test_fault_switches_oom_then_crash(engines, tmp_path, model):
     # record (tagged FrontendAPI) and /health turns error (exit follows after the grace).
     assert e.health()["status"] == "error"
     stdout, stderr = e.logs()
-    assert re.search(r"^\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d\|FrontendAPI\]\x1b\[0m \x1b\[31mERROR   "
-                     r"\x1b\[0m Backend supervisor: backend worker freetoken-TP0-scheduler exited$", stdout, re.M), stdout
-    assert re.search(r"^Process freetoken-TP0-scheduler:\nTraceback \(most recent call last\):\n(  .*\n)+"
-                     r"torch\.OutOfMemoryError: CUDA out of memory\. Tried to allocate ", stderr, re.M), stderr
+    record = (r"^\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d\|FrontendAPI\]\x1b\[0m \x1b\[31mERROR   "
+              r"\x1b\[0m Backend supervisor: backend worker freetoken-TP0-scheduler exited$")
+    assert re.search(record, stdout, re.M), stdout
+    traceback = (r"^Process freetoken-TP0-scheduler:\nTraceback \(most recent call last\):\n(  .*\n)+"
+                 r"torch\.OutOfMemoryError: CUDA out of memory\. Tried to allocate ")
+    assert re.search(traceback, stderr, re.M), stderr
     assert "this process has 17179869184.00 GiB memory in use" in e.logs()[1]
     assert "GPU 0 has a total capacity of 15.93 GiB of which 11.60 GiB is free" in e.logs()[1]
     assert e.call("/_standin/fault", {"kind": "crash"})[0] == 200

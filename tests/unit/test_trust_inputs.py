@@ -50,7 +50,8 @@ def test_an_inventory_without_hosts_is_refused(tmp_path):
 
 @pytest.mark.parametrize("text,expected", [
     ("listen_port = = 8000\n", ":1: syntax error: invalid syntax"),
-    ("import os\nlisten_port = int(os.environ['FREETOKEN_NO_SUCH_VAR'])\n", ": KeyError: 'FREETOKEN_NO_SUCH_VAR'"),
+    ("import os\nlisten_port = int(os.environ['FREETOKEN_NO_SUCH_VAR'])\n",
+     ": KeyError: 'FREETOKEN_NO_SUCH_VAR'"),
     ("listen_port = 1 / 0\n", ": ZeroDivisionError: division by zero"),
 ], ids=["syntax", "keyerror", "zerodivision"])
 def test_a_broken_group_data_file_is_named_in_one_line(tmp_path, listener, text, expected):
@@ -87,8 +88,8 @@ def test_an_api_key_file_missing_on_the_controller_is_refused(tmp_path, listener
 def test_an_unset_api_key_variable_is_refused(tmp_path, listener):
     inv = inventory(tmp_path, listener.port)
     assert "FREETOKEN_TEST_UNSET_KEY" not in os.environ
-    refused(pyinfra("--data", "api_key_source=env:FREETOKEN_TEST_UNSET_KEY", str(inv), "deploys/freetoken.py"),
-            "the variable FREETOKEN_TEST_UNSET_KEY is not set on the controller")
+    run = pyinfra("--data", "api_key_source=env:FREETOKEN_TEST_UNSET_KEY", str(inv), "deploys/freetoken.py")
+    refused(run, "the variable FREETOKEN_TEST_UNSET_KEY is not set on the controller")
     assert listener.connections == 0
 
 
