@@ -48,7 +48,7 @@ _REPO_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 _PACKAGE_RE = re.compile(r"[a-z0-9][a-z0-9+.-]+")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_HOST_NAME_RE = re.compile(r"[A-Za-z0-9@][A-Za-z0-9._@-]*")
+_HOST_NAME_RE = re.compile(r"[A-Za-z0-9@][A-Za-z0-9._@:-]*")
 _ENV_VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A branch, tag or commit: git ref characters a URL path and a shell word need no escaping for.
 _REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
@@ -228,7 +228,7 @@ class Settings(BaseModel):
     def _cache_host(cls, v: Optional[str]) -> Optional[str]:
         # An inventory name; it may become the host part of the cache's URL.
         if v is not None and not _HOST_NAME_RE.fullmatch(v):
-            raise ValueError("must be the inventory name of a host (letters, digits, '._-@')")
+            raise ValueError("must be the inventory name of a host (letters, digits, '._-@:')")
         return v
 
     @field_validator("hardware_profile")
