@@ -15,12 +15,21 @@ state.init). When a pyinfra release no longer has that name to wrap we say so on
 the deploys' own check (freetoken_infra/preflight.py fleet_settings, first thing in every
 deploy) still stops the run before any fact is read; it also covers runs that do not read
 this file (another working directory, `--config`, pyinfra's Python API).
+
+The inventory is loaded the same way, through `make_inventory` (also imported by name into
+pyinfra_cli.cli): a missing inventory file (pyinfra would go on with zero hosts and exit 0), an
+inventory with no host, and an inventory or group_data file that does not compile or raises (a
+traceback, or "An internal exception occurred" plus a pyinfra-debug.log in the working directory)
+each stop the run with one line naming the file, exit 1, nothing contacted (issue 13).
 """
+
+import os
 
 import click
 import pyinfra.api.connect
 import pyinfra_cli.cli
-from pyinfra_cli.exceptions import CliError
+import pyinfra_cli.inventory
+from pyinfra_cli.exceptions import CliError, UnexpectedExternalError
 
 from freetoken_infra.core.settings import SettingsError, validate_inventory
 
@@ -37,6 +46,46 @@ def _validate_then_connect(connect_all):
     connect_all_after_validation.validates_settings = True
     return connect_all_after_validation
 
+
+def _names_a_file(inventory: str) -> bool:
+    """Whether pyinfra's CLI argument is meant as an inventory file (not `@local`, `host1,host2`
+    or a module path)."""
+    return not inventory.startswith("@") and "," not in inventory and (
+        inventory.endswith(".py") or os.sep in inventory)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _load_inventory_or_say_why(make_inventory):
+    def make_inventory_checked(inventory, *args, **kwargs):
+        if isinstance(inventory, str) and _names_a_file(inventory) and not os.path.isfile(inventory):
+            raise CliError(f"inventory file {inventory}: not found; no host was contacted")
+        try:
+            loaded = make_inventory(inventory, *args, **kwargs)
+        except SyntaxError as exc:  # pyinfra compiles outside its own error handling
+            raise CliError(f"{exc.filename}:{exc.lineno}: syntax error: {exc.msg}; "
+                           "no host was contacted") from None
+        except UnexpectedExternalError as exc:
+            raise CliError(f"{exc.filename}: {_one_line(exc.exception)}; no host was contacted") from None
+        if len(loaded) == 0:
+            raise CliError(f"inventory {inventory}: no hosts; no host was contacted")
+        return loaded
+
+    make_inventory_checked.checks_inventory = True
+    return make_inventory_checked
+
+
+_inventory = getattr(pyinfra_cli.cli, "make_inventory", None)
+if getattr(_inventory, "checks_inventory", False):
+    pass
+elif _inventory is pyinfra_cli.inventory.make_inventory:
+    pyinfra_cli.cli.make_inventory = _load_inventory_or_say_why(_inventory)
+else:
+    click.echo("config.py: this pyinfra's CLI has no make_inventory to wrap; a missing or broken "
+               "inventory is reported by pyinfra itself", err=True)
 
 _connect = getattr(pyinfra_cli.cli, "connect_all", None)
 if getattr(_connect, "validates_settings", False):

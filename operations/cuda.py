@@ -10,6 +10,7 @@ every Linux driver package out.
 from __future__ import annotations
 
 import io
+import shlex
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -42,7 +43,9 @@ def pin_text() -> str:
 
 
 def profile_text(settings: Settings) -> str:
-    return f'export CUDA_HOME={settings.cuda_home}\ncase ":$PATH:" in *":$CUDA_HOME/bin:"*) ;; *) PATH="$CUDA_HOME/bin:$PATH";; esac\n'
+    # Sourced by every login shell: the value is one quoted word whatever it holds.
+    return (f"export CUDA_HOME={shlex.quote(settings.cuda_home)}\n"
+            'case ":$PATH:" in *":$CUDA_HOME/bin:"*) ;; *) PATH="$CUDA_HOME/bin:$PATH";; esac\n')
 
 
 @operation()
@@ -80,7 +83,7 @@ def repository(settings: Settings):
         deb = "/var/cache/freetoken/cuda-keyring.deb"
         yield from files.directory._inner(path="/var/cache/freetoken")
         yield from files.download._inner(src=str(settings.cuda_keyring_url), dest=deb)
-        yield f"dpkg -i {deb}"
+        yield f"dpkg -i {shlex.quote(deb)}"
         changed = True
     sources = host.get_fact(AptSourceFiles) or {}
     for path, content in sources.items():
@@ -124,9 +127,10 @@ def toolkit(settings: Settings, gpu_arch: str | None):
         )
         if missing or not ok:
             nvcc = f"{settings.cuda_home}/bin/nvcc"
+            why = shlex.quote(f"{nvcc} does not list {gpu_arch}: FreeToken cannot JIT its kernels")
             yield (
-                f"{nvcc} --list-gpu-arch | grep -qx {gpu_arch} || "
-                f"{{ echo '{nvcc} does not list {gpu_arch}: FreeToken cannot JIT its kernels' >&2; exit 1; }}"
+                f"{shlex.quote(nvcc)} --list-gpu-arch | grep -qx -- {shlex.quote(gpu_arch)} || "
+                f"{{ echo {why} >&2; exit 1; }}"
             )
 
 

@@ -9,6 +9,7 @@ so it is installed into the same environment.
 from __future__ import annotations
 
 import io
+import shlex
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -90,12 +91,12 @@ def environment(settings: Settings, version: str | None = None, activate: bool =
 
     if not host.get_fact(File, path=f"{venv}/pyvenv.cfg"):
         yield from files.directory._inner(path=settings.engine_base_dir, mode="755")
-        yield f"python3 -m venv {venv}"
+        yield f"python3 -m venv {shlex.quote(venv)}"
     if host.get_fact(FileText, path=f"{venv}/pip.conf") != pip_conf(settings):
         yield from files.put._inner(src=io.StringIO(pip_conf(settings)), dest=f"{venv}/pip.conf", mode="644")
     has_ninja = host.get_fact(File, path=f"{venv}/bin/ninja")
     if installed.versions.get(version) != version or not has_ninja:
         # pip reads <venv>/pip.conf, so mirrors apply without arguments.
-        yield f"{venv}/bin/pip install --progress-bar off '{requirement}' ninja"
+        yield f"{shlex.quote(venv + '/bin/pip')} install --progress-bar off {shlex.quote(requirement)} ninja"
     if activate:
         yield from files.link._inner(path=settings.engine_active_link, target=venv)

@@ -1,7 +1,8 @@
 """
 The memory guard: a systemd timer that runs ``scripts/guard.py`` every
 ``guard_interval_s`` seconds and stops the engine when swap passes ``guard_swap_limit_gb`` or
-a CUDA out-of-memory shows up in its journal (field report, operations advice).
+the engine records a CUDA out-of-memory failure of its own (its ERROR record of a backend death
+by OOM, not OOM text in a prompt or reply it logged) (field report, operations advice).
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ verifies every file and keeps a manifest that the ``ModelManifest`` fact reads.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shlex
+import socket
 import time
 from io import StringIO
 from typing import Any, Mapping, Optional, Sequence
@@ -133,10 +135,38 @@ def cache_sources(settings: Settings, host_name: str, inventory) -> list[str]:
     return sources + [str(u).rstrip("/") for u in settings.model_sources]
 
 
-def cache_unit(settings: Settings) -> str:
-    """Text of ``freetoken-model-cache.service``: the verified model, read-only, to the LAN."""
-    argv = ["/usr/bin/python3", CACHE_SCRIPT, "--dir", settings.model_dir,
+def cache_bind_address(settings: Settings, host_name: str, host_data: Mapping[str, Any]) -> str:
+    """Where the cache host's cache listens: ``model_cache_bind``, else the address the rest of
+    the fleet reaches it by (what ``cache_sources`` gives them: its ``ssh_hostname``, else its
+    inventory name), resolved here when it is a name, never every interface."""
+    if settings.model_cache_bind is not None:
+        return str(settings.model_cache_bind)
+    address = str(host_data.get("ssh_hostname") or host_name)
+    try:
+        return str(ipaddress.ip_address(address.strip("[]")))
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(address, settings.model_cache_port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise OperationError(f"{host_name}: cannot resolve {address} for the LAN model cache's bind address "
+                             f"({exc}); set model_cache_bind") from None
+    return str(found[0][4][0])
+
+
+def cache_unit(settings: Settings, bind: str) -> str:
+    """Text of ``freetoken-model-cache.service``: the verified model, read-only, to the LAN, on
+    ``bind`` only. A gated repository (``hub_token_file``) makes it ask every client for the key
+    derived from the hub token, handed over as a credential like the fetcher's."""
+    argv = ["/usr/bin/python3", CACHE_SCRIPT, "--dir", settings.model_dir, "--bind", bind,
             "--port", str(settings.model_cache_port)]
+    token_lines = []
+    if settings.hub_token_file:
+        source = unit_word(settings.hub_token_file, variables=False)
+        token_lines = [f"LoadCredential={TOKEN_CREDENTIAL}:{source}"]
+        argv_text = unit_command(argv) + f" --token-file %d/{TOKEN_CREDENTIAL}"
+    else:
+        argv_text = unit_command(argv)
     return "\n".join([
         "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
         "[Unit]",
@@ -147,7 +177,8 @@ def cache_unit(settings: Settings) -> str:
         "[Service]",
         f"User={settings.service_user}",
         f"Group={settings.service_user}",
-        "ExecStart=" + unit_command(argv),
+        *token_lines,
+        "ExecStart=" + argv_text,
         "Restart=on-failure",
         "RestartSec=5",
         "SyslogIdentifier=freetoken-model-cache",
@@ -255,7 +286,7 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
 
 
 @operation()
-def model_cache(settings: Settings, present: bool = True):
+def model_cache(settings: Settings, present: bool = True, bind: Optional[str] = None):
     """
     Serve this host's verified model to the rest of the fleet: ``model_cache.py`` (only files
     the manifest vouches for, with HTTP Range) as ``freetoken-model-cache.service`` on
@@ -266,6 +297,8 @@ def model_cache(settings: Settings, present: bool = True):
       ``service_user``)
     + present: ``False`` stops, disables and removes the cache (a host that is no longer the
       fleet's cache host); nothing is yielded when it is not there
+    + bind: the address to listen on (default ``cache_bind_address``: ``model_cache_bind``, else
+      the address the fleet reaches this host by)
 
     Under WSL the other hosts reach it only with ``networkingMode=mirrored`` (setting
     ``wslconfig_networking_mode``) and the port open in the Windows firewall.
@@ -289,8 +322,9 @@ def model_cache(settings: Settings, present: bool = True):
         src=_LOCAL_CACHE_SCRIPT, dest=CACHE_SCRIPT, user="root", group="root", mode="644",
         add_deploy_dir=False,
     ))
+    bind = bind or cache_bind_address(settings, current_host.name, current_host.data)
     unit_commands = list(files.put._inner(
-        src=StringIO(cache_unit(settings)), dest=unit_path, user="root", group="root", mode="644",
+        src=StringIO(cache_unit(settings, bind)), dest=unit_path, user="root", group="root", mode="644",
     ))
     yield from script_commands
     yield from unit_commands

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
 import re
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -42,13 +43,23 @@ WSL_VERSION_FLOOR = "2.7.13"
 NVIDIA_CUDA_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2404/x86_64/"
 NVIDIA_CUDA_KEYRING = NVIDIA_CUDA_REPO + "cuda-keyring_1.1-1_all.deb"
 
-_SIZE_RE = re.compile(r"^[1-9][0-9]*(MB|GB|TB)$")
-_VERSION_RE = re.compile(r"^[0-9]+(\.[0-9]+){1,3}$")
-_PEP440_RE = re.compile(r"^[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?$")
-_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-_PACKAGE_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
-_ABS_PATH_RE = re.compile(r"^/[^\0\n]*$")
+# Every pattern below is used with fullmatch: `$` would also accept a trailing newline, which
+# split an ExecStart= line and broke the .wslconfig merge (issue 13).
+_SIZE_RE = re.compile(r"[1-9][0-9]*(MB|GB|TB)")
+_VERSION_RE = re.compile(r"[0-9]+(\.[0-9]+){1,3}")
+_PEP440_RE = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?")
+_REPO_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+_PACKAGE_RE = re.compile(r"[a-z0-9][a-z0-9+.-]+")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_HOST_NAME_RE = re.compile(r"[A-Za-z0-9@][A-Za-z0-9._@:-]*")
+_ENV_VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A branch, tag or commit: git ref characters a URL path and a shell word need no escaping for.
+_REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+# Paths reach shells (root's commands), systemd unit files (`%` specifiers, `$` and spaces
+# split words), env files and the Windows side, so one conservative set: letters, digits and
+# `._+-` per component. No `..` or `.` component; `//` and a trailing `/` are normalised away.
+_PATH_COMPONENT_RE = re.compile(r"[A-Za-z0-9._+-]+")
 # wsl2-gpu.md: inside WSL the Windows driver is the driver; these packages would
 # install a Linux one (`cuda` and `cuda-X-Y` depend on cuda-drivers). The same globs
 # become the deploy's apt pin (priority -1) and the settings check below.
@@ -66,15 +77,23 @@ DRIVER_PACKAGE_RE = re.compile("|".join(fnmatch.translate(g) for g in DRIVER_PAC
 
 
 def _abs_path(value: str, what: str = "an absolute path") -> str:
-    if not _ABS_PATH_RE.match(value) or "/../" in value + "/":
-        raise ValueError(f"must be {what} (starting with '/', no '..')")
-    return value.rstrip("/") or "/"
+    """The normalised path, or ValueError: absolute, components of letters, digits and
+    ``._+-`` only (no spaces, quotes, ``$``, ``;``, ``%``, newlines...), none ``.`` or ``..``."""
+    parts = [p for p in value.split("/") if p] if isinstance(value, str) else None
+    if (parts is None or not value.startswith("/")
+            or any(p in (".", "..") or not _PATH_COMPONENT_RE.fullmatch(p) for p in parts)):
+        raise ValueError(
+            f"must be {what} of letters, digits, '/' and '._+-' only (no spaces, quotes, "
+            "'$;%`' or newlines), no '.' or '..' component")
+    return "/" + "/".join(parts)
 
 
 class Settings(BaseModel):
     """One host's settings. Defaults are the field report's working values."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True)
+    # allow_inf_nan=False: 1e309 reads as inf and nan compares false to every bound (issue 13).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True,
+                              validate_default=True)
 
     # Every setting's description is the docstring under it (pydantic's attribute docstrings):
     # one line each, shown by the README's settings table (`python -m freetoken_infra.core.settings`).
@@ -114,6 +133,8 @@ class Settings(BaseModel):
     """Inventory name of the host that serves its verified model to the rest of the fleet."""
     model_cache_port: int = Field(8090, ge=1, le=65535)
     """Port of the LAN model cache on model_cache_host."""
+    model_cache_bind: Optional[IPvAnyAddress] = None
+    """Address the LAN model cache listens on; unset: the address the fleet reaches its host by."""
     model_sources: list[AnyHttpUrl] = Field(default_factory=list)
     """Further model caches (e.g. one the controller runs), tried after model_cache_host."""
     model_reverify: bool = False
@@ -211,14 +232,14 @@ class Settings(BaseModel):
     @field_validator("engine_version")
     @classmethod
     def _engine_version(cls, v: str) -> str:
-        if not _PEP440_RE.match(v):
+        if not _PEP440_RE.fullmatch(v):
             raise ValueError("must be a release version such as '0.2.1'")
         return v
 
     @field_validator("engine_package")
     @classmethod
     def _engine_package(cls, v: str) -> str:
-        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", v):
+        if not _NAME_RE.fullmatch(v):
             raise ValueError("must be a Python package name such as 'freetoken'")
         return v
 
@@ -226,22 +247,22 @@ class Settings(BaseModel):
     @classmethod
     def _extras(cls, v: list[str]) -> list[str]:
         for extra in v:
-            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", extra):
+            if not isinstance(extra, str) or not _NAME_RE.fullmatch(extra):
                 raise ValueError(f"extra {extra!r} is not a valid name (e.g. 'accel')")
         return v
 
     @field_validator("model_repo")
     @classmethod
     def _repo(cls, v: str) -> str:
-        if not _REPO_ID_RE.match(v):
+        if not _REPO_ID_RE.fullmatch(v):
             raise ValueError("must be a hub repository id 'owner/name'")
         return v
 
     @field_validator("model_revision")
     @classmethod
     def _revision(cls, v: str) -> str:
-        if not v or any(c in v for c in " \n\t?#") or ".." in v:
-            raise ValueError("must be a branch, tag or commit sha")
+        if not _REVISION_RE.fullmatch(v) or ".." in v:
+            raise ValueError("must be a branch, tag or commit sha (letters, digits, '._-/')")
         return v
 
     @field_validator(
@@ -255,6 +276,14 @@ class Settings(BaseModel):
     @classmethod
     def _token_file(cls, v: Optional[str]) -> Optional[str]:
         return None if v is None else _abs_path(v, "an absolute path on the target")
+
+    @field_validator("model_cache_host")
+    @classmethod
+    def _cache_host(cls, v: Optional[str]) -> Optional[str]:
+        # An inventory name; it may become the host part of the cache's URL.
+        if v is not None and not _HOST_NAME_RE.fullmatch(v):
+            raise ValueError("must be the inventory name of a host (letters, digits, '._-@:')")
+        return v
 
     @field_validator("hardware_profile")
     @classmethod
@@ -275,7 +304,7 @@ class Settings(BaseModel):
     @classmethod
     def _cpu_layers(cls, v: Optional[str]) -> Optional[str]:
         # FreeToken accepts layer ids, a count, a fraction or 'auto'.
-        if v is not None and not re.match(r"^(auto|[0-9]+(\.[0-9]+)?|[0-9]+(,[0-9]+)+)$", v):
+        if v is not None and not re.fullmatch(r"auto|[0-9]+(\.[0-9]+)?|[0-9]+(,[0-9]+)+", v):
             raise ValueError("must be 'auto', a count, a fraction or comma-separated layer ids")
         return v
 
@@ -285,9 +314,12 @@ class Settings(BaseModel):
         if v in ("none", "generate"):
             return v
         kind, _, ref = v.partition(":")
-        if kind == "file" and ref.startswith("/"):
-            return v
-        if kind == "env" and re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", ref):
+        if kind == "file":
+            try:
+                return f"file:{_abs_path(ref)}"
+            except ValueError:
+                pass
+        if kind == "env" and _ENV_VAR_RE.fullmatch(ref):
             return v
         raise ValueError(
             "must be 'generate' (a key made on the host), 'none', "
@@ -297,14 +329,14 @@ class Settings(BaseModel):
     @field_validator("wslconfig_memory", "wslconfig_swap")
     @classmethod
     def _size(cls, v: str) -> str:
-        if not _SIZE_RE.match(v):
+        if not _SIZE_RE.fullmatch(v):
             raise ValueError("must be a positive size such as '24GB' or '512MB'")
         return v
 
     @field_validator("wsl_min_version")
     @classmethod
     def _wsl_floor(cls, v: str) -> str:
-        if not _VERSION_RE.match(v):
+        if not _VERSION_RE.fullmatch(v):
             raise ValueError("must be a dotted version such as '2.7.13'")
         return v
 
@@ -314,9 +346,9 @@ class Settings(BaseModel):
         if not v:
             raise ValueError("must name at least one package")
         for name in v:
-            if not _PACKAGE_RE.match(name):
+            if not _PACKAGE_RE.fullmatch(name):
                 raise ValueError(f"{name!r} is not a Debian package name")
-            if DRIVER_PACKAGE_RE.match(name):
+            if DRIVER_PACKAGE_RE.fullmatch(name):
                 raise ValueError(
                     f"{name!r} pulls in a Linux NVIDIA driver, which must never be installed inside WSL"
                 )
@@ -325,7 +357,7 @@ class Settings(BaseModel):
     @field_validator("service_user")
     @classmethod
     def _user(cls, v: str) -> str:
-        if not _USER_RE.match(v) or v == "root":
+        if not _USER_RE.fullmatch(v) or v == "root":
             raise ValueError("must be a non-root system user name such as 'freetoken'")
         return v
 
@@ -449,8 +481,33 @@ def settings_for(host: "Host") -> Settings:
     return build_settings(host.name, host.data.dict())  # type: ignore[no-untyped-call]
 
 
+def controller_key_problem(source: str) -> Optional[str]:
+    """What is wrong with the API key ``api_key_source`` names on the controller, or None when
+    it gives a usable key (``generate`` and ``none`` need nothing here). The key itself is never
+    part of the answer."""
+    kind, _, ref = source.partition(":")
+    if kind == "file":
+        try:
+            with open(ref, encoding="utf-8") as handle:
+                key = handle.read().strip()
+        except FileNotFoundError:
+            return "the file does not exist on the controller"
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"the file cannot be read on the controller ({getattr(exc, 'strerror', None) or exc})"
+    elif kind == "env":
+        if ref not in os.environ:
+            return f"the variable {ref} is not set on the controller"
+        key = os.environ[ref].strip()
+    else:
+        return None
+    if not key or "\n" in key:
+        return "it gives an empty or multi-line key"
+    return None
+
+
 def validate_inventory(inventory: "Inventory") -> dict[str, Settings]:
-    """Validate every host of an inventory; raise one SettingsError listing all problems."""
+    """Validate every host of an inventory; raise one SettingsError listing all problems.
+    Also checks what the settings name on the controller (the API key's file or variable)."""
     result: dict[str, Settings] = {}
     problems: list[str] = []
     names = {host.name for host in inventory}
@@ -460,6 +517,11 @@ def validate_inventory(inventory: "Inventory") -> dict[str, Settings]:
         except SettingsError as exc:
             problems.extend(exc.problems)
             continue
+        source = result[host.name].api_key_source
+        key_problem = controller_key_problem(source)
+        if key_problem:
+            problems.append(f"host {host.name}: setting 'api_key_source' = {_short(source)} is invalid: "
+                            f"{key_problem}")
         cache = result[host.name].model_cache_host
         if cache is not None and cache not in names:
             problems.append(f"host {host.name}: setting 'model_cache_host' = {_short(cache)} is invalid: "

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import http.client
 import json
 import os
@@ -164,15 +165,27 @@ class _SameOriginAuthRedirect(urllib.request.HTTPRedirectHandler):
             new_origin = urllib.parse.urlsplit(new.full_url)[:2]
             if old_origin != new_origin:
                 new.remove_header("Authorization")
+                new.remove_header(CACHE_TOKEN_HEADER.capitalize())  # as add_header stored it
         return new
+
+
+# A LAN cache serving a gated repository asks for this key, derived from the hub token
+# (model_cache.py cache_token: the same derivation, kept identical by a test).
+CACHE_TOKEN_HEADER = "X-FreeToken-Cache-Token"
+_CACHE_TOKEN_CONTEXT = b"freetoken-infra model cache v1"
+
+
+def cache_token(hub_token: str) -> str:
+    return hmac.new(hub_token.encode("utf-8"), _CACHE_TOKEN_CONTEXT, hashlib.sha256).hexdigest()
 
 
 class Http:
     def __init__(self, token: str | None, timeout: float, token_origin: str | None = None):
         self._token = token
-        # The token goes to the upstream endpoint only: a LAN cache needs none, and it is
-        # often plain HTTP on a shared network.
+        # The token goes to the upstream endpoint only: a LAN cache is often plain HTTP on a
+        # shared network. A source gets the key derived from it instead (a gated cache asks).
         self._token_origin = urllib.parse.urlsplit(token_origin)[:2] if token_origin else None
+        self._cache_token = cache_token(token) if token and token_origin else None
         self.timeout = timeout
         self._opener = urllib.request.build_opener(_SameOriginAuthRedirect())
 
@@ -180,6 +193,8 @@ class Http:
         req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **(headers or {})})
         if self._token and (self._token_origin is None or urllib.parse.urlsplit(url)[:2] == self._token_origin):
             req.add_header("Authorization", f"Bearer {self._token}")
+        elif self._cache_token:
+            req.add_header(CACHE_TOKEN_HEADER, self._cache_token)
         return self._opener.open(req, timeout=self.timeout)
 
     def get_json(self, url: str):
@@ -237,10 +252,16 @@ class RemoteFile:
         return h
 
 
-def _safe_name(name: str) -> bool:
+def _safe_name(name: object) -> bool:
+    """A file name from the hub's listing we will create: relative, no empty, ``.`` or ``..``
+    component, not our own files, no control character (a newline in a name splits every
+    line-based record it reaches: status, journal, the fact protocol; issue 13) nor backslash."""
+    if not isinstance(name, str) or not name or name.startswith("/"):
+        return False
+    if any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f or c == "\\" for c in name):
+        return False
     parts = name.split("/")
-    return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts) \
-        and parts[0] not in (PARTIAL_DIR, MANIFEST) and "\0" not in name
+    return all(p not in ("", ".", "..") for p in parts) and parts[0] not in (PARTIAL_DIR, MANIFEST)
 
 
 def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
@@ -255,13 +276,19 @@ def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[
     if siblings and all(isinstance(s, dict) and isinstance(s.get("size"), int) for s in siblings):
         for s in siblings:
             lfs = s.get("lfs") or {}
-            entries[s["rfilename"]] = {"size": s["size"], "sha256": lfs.get("sha256"), "oid": s.get("blobId")}
+            entries[str(s.get("rfilename"))] = {"size": s["size"], "sha256": lfs.get("sha256"),
+                                                "oid": s.get("blobId")}
+            if not _safe_name(s.get("rfilename")):
+                raise Failed(f"the hub listed an unsafe file name {s.get('rfilename')!r}; "
+                             "refusing to write it")
     else:  # a mirror without ?blobs=true: the tree API has the same data
         tree = http.get_json(f"{base}/api/models/{repo}/tree/{commit}?recursive=true")
         for item in tree:
             if item.get("type") != "file":
                 continue
             lfs = item.get("lfs") or {}
+            if not _safe_name(item.get("path")):
+                raise Failed(f"the hub listed an unsafe file name {item.get('path')!r}; refusing to write it")
             entries[item["path"]] = {"size": item.get("size"), "sha256": lfs.get("oid"), "oid": item.get("oid")}
     files = []
     for name, e in sorted(entries.items()):

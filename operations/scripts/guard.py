@@ -7,8 +7,10 @@ swaps with 16.9 GB of experts resident in RAM grinds the whole workstation to a 
 
 Each run:
   * samples /proc/meminfo and ``nvidia-smi`` (missing or failing nvidia-smi: no GPU samples);
-  * reads the engine unit's journal since the previous run, looking for CUDA OOM lines;
-  * if swap used > --swap-limit-gb or an OOM line appeared, and the engine is running:
+  * reads the engine unit's journal since the previous run, looking for the engine's own record
+    of a CUDA OOM (its ERROR record of a backend death by OOM; never OOM text anywhere, which
+    a prompt or a reply can carry);
+  * if swap used > --swap-limit-gb or the engine recorded an OOM, and the engine is running:
     ``systemctl stop`` it, print one ``freetoken-guard: stopped ...`` line (the journal, under
     systemd) and write the tripped state file (read by the doctor, cleared by the deploy when it
     starts the engine again). A tripped state is otherwise left alone;
@@ -22,7 +24,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,12 +36,34 @@ import time
 PREFIX = "freetoken-guard:"
 # "GB" as in .wslconfig (swap=4GB is 4 GiB) and in `free -h`, which the field report read.
 GB = 1024 ** 3
-OOM_MARKERS = (
-    "CUDA out of memory",
-    "torch.OutOfMemoryError",
-    "CUDA error: out of memory",
-    "cudaErrorMemoryAllocation",
-)
+# What counts as the engine running out of GPU memory: the engine's own error records, never a
+# phrase anywhere in its journal (FreeToken logs request text and model output there, so a
+# prompt could otherwise stop a healthy engine; issue 13). Shapes read from the real 0.2.1 wheel:
+#  * utils/logger.py formats every record as BOLD "[%Y-%m-%d|%H:%M:%S<suffix>]" RESET, then the
+#    level name in its colour padded to 8, RESET, the message (stdout, colours always on);
+#    <suffix> is "|pid=N" with LOG_PID, then the logger's own tag, then "|core|rank=N" once a
+#    process has a tensor-parallel rank.
+#  * server/api_server.py (logger tag "FrontendAPI") logs a backend death as ERROR
+#    "Backend supervisor: <reason>"; during
+#    load <reason> is "<ExceptionType>: <message>" (server/launch.py _report_startup_error),
+#    after load "backend worker <name> exited" (server/supervisor.py), the scheduler worker
+#    (name freetoken-TP<rank>-scheduler, launch.py) having printed its traceback to stderr.
+#  * PyTorch's allocator raises torch.OutOfMemoryError "CUDA out of memory. Tried to allocate
+#    ..." (c10/cuda/CUDACachingAllocator.cpp); a raw CUDA allocation failure is RuntimeError
+#    "CUDA error: out of memory".
+ENGINE_ERROR_RE = re.compile(
+    r"\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d(?:\|pid=\d+)?\|FrontendAPI(?:\|core\|rank=\d+)?\]\x1b\[0m "
+    r"\x1b\[31mERROR   \x1b\[0m (?P<message>.*)")
+TORCH_OOM = (r"(?:torch\.(?:cuda\.)?)?OutOfMemoryError: CUDA out of memory\. "
+             r"|RuntimeError: CUDA error: out of memory")
+LOAD_OOM_RE = re.compile(r"Backend supervisor: (?P<oom>(?:%s).*)" % TORCH_OOM)
+WORKER_DIED_RE = re.compile(r"Backend supervisor: backend worker freetoken-TP[0-9]+-scheduler\b.* exited\b")
+# The last line of a Python traceback starts the line (column 0, "torch.OutOfMemoryError: ...").
+TRACEBACK_OOM_RE = re.compile(r"(?:torch\.(?:cuda\.)?OutOfMemoryError: CUDA out of memory\. "
+                              r"|RuntimeError: CUDA error: out of memory).*")
+# The supervisor polls its workers every second; a traceback older than this whose death record
+# never came belongs to no death.
+PENDING_OOM_S = 120
 # nvidia-smi is not on systemd's PATH inside WSL: the Windows driver provides it here.
 WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"
 # First run (no journal position yet): look back this far, not at the whole history, so an
@@ -142,8 +168,34 @@ def _journalctl(unit: str, position: list) -> tuple[int, list]:
     return proc.returncode, proc.stdout.splitlines()
 
 
+def engine_message(line: str) -> str | None:
+    """The message of one of the engine's own ERROR records; None for any other line."""
+    m = ENGINE_ERROR_RE.fullmatch(line.rstrip("\r\n"))
+    return m.group("message") if m else None
+
+
+def find_ooms(lines: list, pending: str | None = None) -> tuple[list, str | None]:
+    """The engine's out-of-memory failures among journal lines, oldest first, as text for the
+    reason, and a traceback OOM still waiting for its worker's death record (to carry to the next
+    run). A traceback line alone stops nothing: request text or model output the engine logs can
+    hold any line; only the engine's ERROR record that the worker died makes it the engine's."""
+    found = []
+    for line in lines:
+        message = engine_message(line)
+        if message is not None:
+            load = LOAD_OOM_RE.fullmatch(message)
+            if load:
+                found.append(load.group("oom"))
+            elif pending and WORKER_DIED_RE.match(message):
+                found.append(f"{pending} ({message[len('Backend supervisor: '):]})")
+                pending = None
+        elif TRACEBACK_OOM_RE.fullmatch(line.rstrip("\r\n")):
+            pending = line.strip()
+    return found, pending
+
+
 def scan_journal(unit: str, position_file: str, now: float) -> tuple[list, dict]:
-    """OOM lines the unit logged since the previous run, and the position to save."""
+    """The engine's OOM failures logged since the previous run, and the position to save."""
     previous = load_json(position_file) or {}
     since = previous.get("time")
     since = since if isinstance(since, (int, float)) else now - FIRST_LOOKBACK_S
@@ -154,13 +206,22 @@ def scan_journal(unit: str, position_file: str, now: float) -> tuple[list, dict]
         # The cursor's journal file was rotated away: fall back to the time.
         cursor = None
         rc, lines = _journalctl(unit, by_time)
-    found = []
+    records = []
     for line in lines:
         if line.startswith("-- cursor: "):
             cursor = line[len("-- cursor: "):].strip()
-        elif not line.startswith(PREFIX) and any(marker in line for marker in OOM_MARKERS):
-            found.append(line.strip())
-    return found, {"cursor": cursor, "time": now}
+        else:
+            records.append(line)
+    # A worker's traceback and the supervisor's record of its death may fall either side of a run.
+    carried = previous.get("pending_oom")
+    fresh = (isinstance(carried, dict) and isinstance(carried.get("line"), str)
+             and isinstance(carried.get("time"), (int, float)) and now - carried["time"] <= PENDING_OOM_S)
+    before = carried["line"] if fresh else None
+    found, pending = find_ooms(records, before)
+    keep = None
+    if pending is not None:
+        keep = {"line": pending, "time": carried["time"] if pending == before and fresh else now}
+    return found, {"cursor": cursor, "time": now, "pending_oom": keep}
 
 
 # --------------------------------------------------------------------------- output
@@ -261,10 +322,17 @@ def problems(samples: dict, swap_limit_gb: float, oom_lines: list) -> list:
     return found
 
 
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # float("1e309") is inf: a limit nothing ever passes
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description="Stop the FreeToken engine when memory runs out.")
     parser.add_argument("--unit", default="freetoken.service")
-    parser.add_argument("--swap-limit-gb", type=float, default=2.0)
+    parser.add_argument("--swap-limit-gb", type=finite_float, default=2.0)
     parser.add_argument("--state-file", default="/var/lib/freetoken/guard-state.json")
     parser.add_argument("--textfile", default="/var/lib/freetoken/metrics/freetoken.prom")
     parser.add_argument("--meminfo", default="/proc/meminfo")

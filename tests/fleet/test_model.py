@@ -70,6 +70,33 @@ def test_a_fleet_rollout_through_the_lan_cache_reads_the_hub_once(sim_fleet, cac
     assert sim_fleet.run("ws2", "systemctl is-active freetoken-model-cache.service").stdout.strip() != "active"
 
 
+# Opened on ws2 against the cache on ws1: 200 connections that never send a byte, then a request.
+IDLE_THEN_ASK = r"""
+import json, socket, sys, urllib.request
+address, port = sys.argv[1], int(sys.argv[2])
+idle = [socket.create_connection((address, port), timeout=10) for _ in range(200)]
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+with opener.open(f"http://{address}:{port}/health", timeout=60) as r:
+    print(r.status, json.loads(r.read())["complete"])
+"""
+
+
+def test_the_lan_cache_listens_on_the_fleet_address_only_and_outlasts_idle_clients(sim_fleet, cached_rollout):
+    """Issue 13: bound to the address the fleet reaches ws1 by (not every interface), and 200
+    idle connections from a LAN peer do not stop it answering."""
+    address, port = sim_fleet.hosts["ws1"].address, Settings().model_cache_port
+    unit = sim_fleet.run("ws1", "systemctl cat freetoken-model-cache.service", check=True).stdout
+    assert f"--bind {address} " in unit, unit
+    # Not on loopback (nor any other interface of ws1): only the fleet address answers.
+    probe = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)"
+    assert sim_fleet.run("ws1", f"python3 -c '{probe}' 127.0.0.1 {port}").returncode != 0
+    assert sim_fleet.run("ws1", f"python3 -c '{probe}' {address} {port}").returncode == 0
+    answer = sim_fleet.run("ws2", f"python3 -c '{IDLE_THEN_ASK}' {address} {port}", check=True).stdout
+    assert answer.split() == ["200", "True"], answer
+    active = sim_fleet.run("ws1", "systemctl is-active freetoken-model-cache.service").stdout.strip()
+    assert active == "active"
+
+
 def test_a_transfer_cut_part_way_resumes_and_a_rerun_completes(sim_fleet, cached_rollout):
     """The link drops mid-file (resumed with Range), the controller dies (pitfall 4A's reaped
     session: the download unit keeps going), then the VM goes down mid-file; the next deploy

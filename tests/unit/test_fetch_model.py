@@ -675,3 +675,23 @@ def test_a_reverify_request_survives_until_a_run_verifies_everything(script_dir,
     assert not request.exists()
     again = fetch(script_dir, fresh.url, complete_model, "--reverify-request", str(request))
     assert again.rc == 0 and again.status["bytes_hashed"] == 0
+
+
+@pytest.mark.parametrize("bad_name", ["notes\nmodel-00001-of-00003.safetensors", "tab\there", "esc\x1b[31m",
+                                      "back\\slash"])
+def test_a_listing_with_a_control_character_in_a_name_is_refused_before_any_write(
+        script_dir, repos, tmp_path, bad_name):
+    """Issue 13: a hub (or mirror) file name with a newline is refused before anything is
+    written: such a name would split every line-based record it reached."""
+    own = _cache_repos(repos, tmp_path)
+    (own.joinpath(*SUPPORTED.split("/")) / bad_name).write_text("x")
+    hub = Hub(own)
+    try:
+        dest = tmp_path / "model"
+        run = fetch(script_dir, hub.url, dest)
+        assert run.rc != 0
+        assert "unsafe file name" in run.stderr and repr(bad_name) in run.stderr, run.stderr
+        assert not dest.exists() or not any(p.is_file() for p in dest.rglob("*")), list(dest.rglob("*"))
+        assert hub.stats()["bytes_sent"] == 0
+    finally:
+        hub.close()

@@ -109,13 +109,16 @@ def test_environment_has_persistent_kernel_caches_and_hub_settings():
 
 
 def _odd_path_settings(tmp_path):
-    """Paths with what systemd would expand (``%i``, ``$HOME``) and a space in them."""
+    """Paths with what systemd would expand (``%i``, ``$HOME``) and a space in them. Settings
+    refuse such paths (issue 13); built past validation here to prove the unit file escapes every
+    word all the same (quoting at use, not only validation)."""
     base = tmp_path / "engines 100%i $HOME"
     python = base / "active" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text("#!/bin/sh\n")
     python.chmod(0o755)
-    return Settings(engine_base_dir=str(base), model_dir=str(tmp_path / "models %n $USER" / "Qwen"))
+    return Settings.model_construct(**{**Settings().model_dump(), "engine_base_dir": str(base),
+                                       "model_dir": str(tmp_path / "models %n $USER" / "Qwen")})
 
 
 def test_unit_escapes_every_exec_word_for_systemd(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -240,8 +241,16 @@ def test_fault_switches_oom_then_crash(engines, tmp_path, model):
     e.wait_bound()
     e.wait_status("ok")
     assert e.call("/_standin/fault", {"kind": "oom"})[0] == 200
-    time.sleep(0.2)
-    assert e.health()["status"] == "ok"
+    # The real 0.2.1: the scheduler worker dies of it; the API server's supervisor logs an ERROR
+    # record (tagged FrontendAPI) and /health turns error (exit follows after the grace).
+    assert e.health()["status"] == "error"
+    stdout, stderr = e.logs()
+    record = (r"^\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d\|FrontendAPI\]\x1b\[0m \x1b\[31mERROR   "
+              r"\x1b\[0m Backend supervisor: backend worker freetoken-TP0-scheduler exited$")
+    assert re.search(record, stdout, re.M), stdout
+    traceback = (r"^Process freetoken-TP0-scheduler:\nTraceback \(most recent call last\):\n(  .*\n)+"
+                 r"torch\.OutOfMemoryError: CUDA out of memory\. Tried to allocate ")
+    assert re.search(traceback, stderr, re.M), stderr
     assert "this process has 17179869184.00 GiB memory in use" in e.logs()[1]
     assert "GPU 0 has a total capacity of 15.93 GiB of which 11.60 GiB is free" in e.logs()[1]
     assert e.call("/_standin/fault", {"kind": "crash"})[0] == 200
@@ -273,7 +282,7 @@ def test_oom_line_names_the_hosts_gpu(engines, tmp_path, model):
     e.wait_bound()
     e.wait_status("ok")
     assert e.call("/_standin/fault", {"kind": "oom"})[0] == 200
-    e.wait_status("ok")
+    e.wait_status("error")
     assert "GPU 0 has a total capacity of 31.84 GiB of which 30.75 GiB is free" in e.logs()[1]
 
 

@@ -37,8 +37,9 @@ named by env FREETOKEN_STANDIN_CONFIG: ``{"tokens_per_s": 24.0, "load_seconds": 
 Fault switches: ``POST /_standin/fault`` ``{"kind": "crash"|"exit"|"oom"|"swap"}`` (loopback
 clients only; API key required when one is set): crash = the process dies at once with a worker
 traceback and exit code 1 (no health error); exit = backend death: health error, then exit
-after the delay; oom = the CUDA OOM lines of the field report are logged to stderr, naming the
-host's GPU (config ``gpu_total_mib``, ``gpu_free_mib``), and the server keeps running; swap
+after the delay; oom = a scheduler worker dies of CUDA OOM while serving: its traceback (the field
+report's OOM line, naming the host's GPU: config ``gpu_total_mib``, ``gpu_free_mib``) on stderr,
+then the backend death as for exit (ERROR "Backend supervisor: backend worker ... exited"); swap
 (``"mib_per_s"`` optional, default config ``swap_mib_per_s``) = the host's swap use grows at that
 pace up to SwapTotal for as long as this process lives and falls back when it ends, as a real
 process's swapped-out memory does: it holds a connection to the simulated fleet's VM memory
@@ -104,19 +105,24 @@ def load_config() -> dict:
 class _Fmt(logging.Formatter):
     COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m", "CRITICAL": "\033[35m"}
 
+    def __init__(self, tag: str = "") -> None:
+        super().__init__()
+        # init_logger(name, suffix): the suffix joins the timestamp, "[...|HH:MM:SS|FrontendAPI]"
+        self.tag = f"|{tag}" if tag else ""
+
     def format(self, record):
-        ts = self.formatTime(record, "[%Y-%m-%d|%H:%M:%S]")
+        ts = self.formatTime(record, f"[%Y-%m-%d|%H:%M:%S{self.tag}]")
         return f"\033[1m{ts}\033[0m {self.COLORS.get(record.levelname, '')}{record.levelname:<8}\033[0m {record.getMessage()}"
 
 
-def _logger() -> logging.Logger:
-    log = logging.getLogger("freetoken")
+def _logger(name: str = "freetoken", tag: str = "") -> logging.Logger:
+    log = logging.getLogger(name)
     level = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}.get(
         os.getenv("LOG_LEVEL", "").upper(), 20)
     log.setLevel(level)
     log.handlers.clear()
     h = logging.StreamHandler(sys.stdout)
-    h.setFormatter(_Fmt())
+    h.setFormatter(_Fmt(tag))
     log.addHandler(h)
     log.propagate = False
     return log
@@ -129,6 +135,9 @@ def _uvicorn(msg: str, level: str = "INFO") -> None:
 
 
 logger = _logger()
+# The real server/api_server.py logger: init_logger(__name__, "FrontendAPI"). Its records (the
+# backend supervisor's among them) carry that tag, which the guard matches.
+api_logger = _logger("freetoken.server.api_server", "FrontendAPI")
 
 
 # ------------------------------------------------------------------ model checks
@@ -279,13 +288,13 @@ class Engine:
                 return
             self.fatal = message
             self.state = "failed"
-        logger.error("Backend supervisor: %s", message)
+        api_logger.error("Backend supervisor: %s", message)
         t = threading.Timer(float(self.cfg["error_exit_delay_s"]), self._stop_after_death)
         t.daemon = True
         t.start()
 
     def _stop_after_death(self) -> None:
-        logger.error("Backend worker is gone and cannot be restarted; stopping the API server")
+        api_logger.error("Backend worker is gone and cannot be restarted; stopping the API server")
         sys.stdout.flush()
         if self.cfg.get("fatal_exit") == "code":
             _uvicorn(f"Finished server process [{os.getpid()}]")
@@ -347,7 +356,7 @@ class Engine:
             if self.state == "loading":
                 self.state = "serving"
                 self.ready_at = time.monotonic()
-        logger.info(f"API server is ready to serve on {self.args.server_host}:{self.args.server_port}")
+        api_logger.info(f"API server is ready to serve on {self.args.server_host}:{self.args.server_port}")
 
     # -------------------------------------------------------------- faults
     def crash(self) -> None:
@@ -358,13 +367,20 @@ class Engine:
         os._exit(1)
 
     def oom(self) -> None:
+        """A CUDA OOM in the scheduler worker while serving, as the real 0.2.1 shows it: the
+        worker (multiprocessing, name freetoken-TP0-scheduler; Scheduler.run_forever catches
+        nothing) prints its traceback to stderr and dies; the API server's supervisor logs
+        ERROR "Backend supervisor: backend worker <name> exited", /health turns error and the
+        process stops after the grace (server/supervisor.py, server/api_server.py)."""
         sys.stderr.write(
+            "Process freetoken-TP0-scheduler:\n"
             "Traceback (most recent call last):\n"
             '  File "freetoken/moe/offload.py", line 412, in _alloc_slot\n'
             "    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)\n"
             + OOM_LINE.format(total_gib=self.cfg["gpu_total_mib"] / 1024,
                               free_gib=self.cfg["gpu_free_mib"] / 1024) + "\n")
         sys.stderr.flush()
+        self.backend_died("backend worker freetoken-TP0-scheduler exited")
 
     def grow_swap(self, mib_per_s: float) -> None:
         """Become a process whose memory spills into swap: the VM's swap use (the fleet's VM
@@ -616,7 +632,7 @@ def serve(args) -> None:
                 "model" if gen else "framework", gen.get("temperature", 0.0), gen.get("top_k", -1),
                 gen.get("top_p", 1.0))
     if args.api_key is not None:
-        logger.info("API key required on every route except /health")
+        api_logger.info("API key required on every route except /health")
     handler = type("BoundHandler", (Handler,), {"engine": e})
     _uvicorn(f"Started server process [{pid}]")
     _uvicorn("Waiting for application startup.")
