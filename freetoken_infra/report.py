@@ -61,6 +61,15 @@ def fleet_summary(results: dict[str, list[Finding]]) -> str:
 
 RECORD_ENV = "FREETOKEN_RUN_RECORD"
 RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN = "ok", "failed", "not run"
+# A host pyinfra could not connect to (a PC that is off tonight): nothing was done on it, it is
+# no failure of the rollout, and a catch-up run converges it later.
+RESULT_PARKED = "parked"
+# A host the preflight stopped before any change (a blocker such as an old WSL): nothing was done.
+RESULT_REFUSED = "refused"
+RESULTS = (RESULT_OK, RESULT_PARKED, RESULT_REFUSED, RESULT_FAILED, RESULT_NOT_RUN)
+# Results of a row where the deploy changed nothing on the host: its "what we did" columns
+# (model, health, tok/s, restart) say "-".
+UNTOUCHED = (RESULT_PARKED, RESULT_REFUSED, RESULT_NOT_RUN)
 
 
 def last_gate_path(settings) -> str:
@@ -167,8 +176,9 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
              not_run: Optional[str] = None, unreachable: Optional[str] = None,
              no_result: str = "no result from the deploy") -> dict[str, Any]:
     """One report row from a host's records. `not_run`: why the rollout never got to it;
-    `unreachable`: pyinfra's connection error when the deploy recorded nothing; `no_result`:
-    the reason when it recorded nothing and no connection error was seen."""
+    `unreachable`: pyinfra's connection error when the deploy recorded nothing (the host is
+    parked); `no_result`: the reason when it recorded nothing and no connection error was
+    seen."""
     observed: dict = {}
     gate = rollback = finished = None
     op_errors: list[str] = []
@@ -202,12 +212,14 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
 
     if not_run:
         result, reason = RESULT_NOT_RUN, not_run
+    elif not records and unreachable:
+        result, reason = RESULT_PARKED, f"unreachable: {_first_line(unreachable)}"
     elif not records:
-        result, reason = RESULT_FAILED, f"unreachable: {unreachable}" if unreachable else no_result
+        result, reason = RESULT_FAILED, no_result
     elif observed.get("blockers") and observed.get("restart_only"):
         result, reason = RESULT_FAILED, "restart required: run `wsl.exe --shutdown` from Windows, then re-run"
     elif observed.get("blockers"):
-        result, reason = RESULT_FAILED, "refused at preflight: " + ", ".join(observed["blockers"])
+        result, reason = RESULT_REFUSED, "refused at preflight: " + ", ".join(observed["blockers"])
     elif rollback:
         result = RESULT_FAILED
         if rollback.get("ok"):
@@ -232,6 +244,7 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
         if before and engine and before != engine:
             reason += f", upgraded from {before}"
     vram = observed.get("vram_mib")
+    untouched = result in UNTOUCHED
     return {
         "host": name,
         "batch": batch,
@@ -239,16 +252,36 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
         "vram_gb": round(vram / 1024) if isinstance(vram, (int, float)) else None,
         "wsl_version": observed.get("wsl_version"),
         "engine_version": engine,
-        "model": observed.get("model"),
-        "health": health if records else "-",
-        "tokens_per_s": tps,
-        "tokens_per_s_source": tps_source,
-        "restart_pending": bool(restart_files) if observed else None,
-        "restart_pending_files": restart_files,
+        # what the host should serve; "-" (None) where the deploy did nothing on it
+        "model": None if untouched else observed.get("model"),
+        "health": "-" if untouched or not records else health,
+        "tokens_per_s": None if untouched else tps,
+        "tokens_per_s_source": None if untouched else tps_source,
+        # None ("-"): the deploy did nothing here, so it owes no `wsl.exe --shutdown` either
+        "restart_pending": bool(restart_files) if observed and not untouched else None,
+        "restart_pending_files": [] if untouched else restart_files,
         "result": result,
         "reason": reason,
         "changes": (finished or {}).get("changes"),
     }
+
+
+def fleet_counts(rows: list[dict]) -> str:
+    """``3 host(s): 1 ok, 1 parked, 1 refused, 0 failed, 0 not run``."""
+    count = {k: sum(1 for r in rows if r["result"] == k) for k in RESULTS}
+    return f"{len(rows)} host(s): " + ", ".join(f"{count[k]} {k}" for k in RESULTS)
+
+
+def ending_line(row: dict) -> str:
+    """One plain line of why for a host that is not ok (printed as its batch ends)."""
+    result, reason = row["result"], row.get("reason") or ""
+    if result == RESULT_PARKED:
+        return f"{row['host']} parked: {reason}; nothing was done on it (catch it up when it is back)"
+    if result == RESULT_REFUSED:
+        return f"{row['host']} refused: {reason}; nothing was changed on it (its findings say what to do)"
+    if result == RESULT_NOT_RUN:
+        return f"{row['host']} not run: {reason}"
+    return f"{row['host']} {result}: {reason}"
 
 
 def format_fleet_report(rows: list[dict]) -> str:
@@ -276,9 +309,7 @@ def format_fleet_report(rows: list[dict]) -> str:
 
     lines = ["== fleet report ==", fmt(header), "-" * (sum(widths) + 2 * len(widths) + len("result"))]
     lines += [fmt(row) for row in table]
-    count = {k: sum(1 for r in rows if r["result"] == k) for k in (RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN)}
-    lines.append(f"{len(rows)} host(s): {count[RESULT_OK]} ok, {count[RESULT_FAILED]} failed, "
-                 f"{count[RESULT_NOT_RUN]} not run")
+    lines.append(fleet_counts(rows))
     if any(r.get("tokens_per_s_source") == "last gate" for r in rows):
         lines.append("* tok/s of the host's last health gate (nothing changed, so the gate did not run again)")
     return "\n".join(lines)
