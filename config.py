@@ -20,6 +20,7 @@ this file (another working directory, `--config`, pyinfra's Python API).
 import click
 import pyinfra.api.connect
 import pyinfra_cli.cli
+from pyinfra.api.exceptions import PyinfraError
 from pyinfra_cli.exceptions import CliError
 
 from freetoken_infra.settings import SettingsError, validate_inventory
@@ -32,7 +33,18 @@ def _validate_then_connect(connect_all):
         except SettingsError as exc:
             # CliError: the CLI prints the message as is (no traceback, no source line), exits 1.
             raise CliError(f"{exc}\nno host was contacted") from None
-        return connect_all(state)
+        try:
+            return connect_all(state)
+        except PyinfraError:
+            # pyinfra's "No hosts remaining!" when it could connect to none of the run's hosts
+            # (PCs that are off): say so plainly; its own wording, "pyinfra error in
+            # .../config.py line N", reads like a crash of ours. Nothing was done on any host.
+            if state.active_hosts:
+                raise
+            names = sorted(h.name for h in state.failed_hosts)
+            click.echo(f"\n--> no host could be reached ({', '.join(names)}; pyinfra's errors are above); "
+                       "nothing was done on any host", err=True)
+            raise SystemExit(1) from None
 
     connect_all_after_validation.validates_settings = True
     return connect_all_after_validation

@@ -616,3 +616,21 @@ def test_environment_lines_are_masked_but_a_change_still_shows():
     assert mask_env_lines("HF_TOKEN=b\nAPI_KEY=k\n", before="HF_TOKEN=a\n") == [
         "HF_TOKEN=******** (changed)\n", "API_KEY=******** (new)\n"]
     assert mask_env_lines("HF_TOKEN=a\n", before="HF_TOKEN=a\n") == ["HF_TOKEN=********\n"]
+
+
+def test_a_run_that_reaches_no_host_says_so_plainly(tmp_path):
+    """pyinfra could connect to none of the run's hosts (a batch of PCs that are off): one plain
+    line and exit status 1, not ``pyinfra error in .../config.py line N: No hosts remaining!``."""
+    from tests.loopback import free_port
+
+    inv = tmp_path / "inventory.py"
+    inv.write_text(f'hosts = [("ghost", {{"ssh_hostname": "127.0.0.1", "ssh_port": {free_port()}, '
+                   '"ssh_user": "nobody"})]\n')
+    run = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "-y", str(inv), "deploys/freetoken.py"],
+                         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "pyinfra error" not in out and "Traceback" not in out, out
+    assert ("--> no host could be reached (ghost; pyinfra's errors are above); nothing was done on any host"
+            in out), out
