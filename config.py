@@ -23,6 +23,7 @@ import pyinfra_cli.cli
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra_cli.exceptions import CliError
 
+from freetoken_infra.report import record_connect_errors
 from freetoken_infra.settings import SettingsError, validate_inventory
 
 
@@ -33,6 +34,7 @@ def _validate_then_connect(connect_all):
         except SettingsError as exc:
             # CliError: the CLI prints the message as is (no traceback, no source line), exits 1.
             raise CliError(f"{exc}\nno host was contacted") from None
+        record_connect_errors(state)  # for a rollout's report: who is unreachable (parked)
         try:
             return connect_all(state)
         except PyinfraError:

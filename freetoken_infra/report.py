@@ -126,6 +126,25 @@ class RunRecorder(BaseStateCallback):
         record(host.name, finished={"failed": host not in state.active_hosts, "changes": changes})
 
 
+class ConnectRecorder(BaseStateCallback):
+    """pyinfra callback: a host it could not connect to, with pyinfra's reason (the host is
+    parked in a rollout's report)."""
+
+    @staticmethod
+    def host_connect_error(state, host, error) -> None:
+        reason = error.args[0] if getattr(error, "args", None) else error
+        record(host.name, unreachable=_first_line(reason) or "could not connect")
+
+
+def record_connect_errors(state) -> None:
+    """Register the ConnectRecorder on this run's state, before pyinfra connects (config.py
+    does, only under $FREETOKEN_RUN_RECORD)."""
+    if not os.environ.get(RECORD_ENV):
+        return
+    if not any(isinstance(h, ConnectRecorder) for h in state.callback_handlers):
+        state.add_callback_handler(ConnectRecorder())
+
+
 def record_host(state, host, settings, obs, findings) -> None:
     """Called by the deploy right after preflight: register the recorder once per run and
     record what the facts saw on this host (reads only)."""
@@ -183,6 +202,9 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
     gate = rollback = finished = None
     op_errors: list[str] = []
     restart_files: list[str] = []
+    # pyinfra's connection error, recorded (ConnectRecorder) or read from its output by the caller
+    unreachable = next((r["unreachable"] for r in records if r.get("unreachable")), None) or unreachable
+    records = [r for r in records if not r.get("unreachable")]
     for r in records:
         observed.update(r.get("observed") or {})
         gate = r.get("gate", gate)

@@ -238,6 +238,8 @@ def run_batch(index: int, hosts: list[str], inventory: str, deploy: str, data: S
         records = read_records(record_file)
     finally:
         os.unlink(record_file)
+    # Connection errors are records (report.ConnectRecorder, registered by config.py); pyinfra's
+    # output is read only for a run that did not read config.py (host_row prefers the record).
     unreachable = connect_errors("".join(lines), hosts)
     rows = [host_row(h, records.get(h, []), batch=index + 1, unreachable=unreachable.get(h),
                      no_result=f"no result from the deploy (pyinfra exited {returncode})") for h in hosts]

@@ -634,3 +634,16 @@ def test_a_run_that_reaches_no_host_says_so_plainly(tmp_path):
     assert "pyinfra error" not in out and "Traceback" not in out, out
     assert ("--> no host could be reached (ghost; pyinfra's errors are above); nothing was done on any host"
             in out), out
+
+
+def test_an_unreachable_host_is_parked_from_the_structured_record(tmp_path, monkeypatch):
+    """config.py registers report.ConnectRecorder under $FREETOKEN_RUN_RECORD: pyinfra's
+    connection error is a record, so the row needs no console text to be parked."""
+    monkeypatch.setenv(report.RECORD_ENV, str(tmp_path / "run.jsonl"))
+    report.ConnectRecorder.host_connect_error(None, type("H", (), {"name": "ws2"})(),
+                                              OSError("Could not connect (timed out)\nmore"))
+    records = read_records(str(tmp_path / "run.jsonl"))
+    assert records == {"ws2": [{"host": "ws2", "unreachable": "Could not connect (timed out)"}]}
+    row = host_row("ws2", records["ws2"])
+    assert (row["result"], row["reason"]) == ("parked", "unreachable: Could not connect (timed out)")
+    assert row["restart_pending"] is None and row["health"] == "-"
