@@ -26,12 +26,12 @@ each stop the run with one line naming the file, exit 1, nothing contacted (issu
 import os
 
 import click
-import pyinfra.api.connect
-import pyinfra_cli.cli
-import pyinfra_cli.inventory
+from pyinfra.api.exceptions import PyinfraError
 from pyinfra_cli.exceptions import CliError, UnexpectedExternalError
 
+from freetoken_infra.core import pyinfra_internals
 from freetoken_infra.core.settings import SettingsError, validate_inventory
+from freetoken_infra.report import record_connect_errors
 
 
 def _validate_then_connect(connect_all):
@@ -41,7 +41,19 @@ def _validate_then_connect(connect_all):
         except SettingsError as exc:
             # CliError: the CLI prints the message as is (no traceback, no source line), exits 1.
             raise CliError(f"{exc}\nno host was contacted") from None
-        return connect_all(state)
+        record_connect_errors(state)  # for a rollout's report: who is unreachable (parked)
+        try:
+            return connect_all(state)
+        except PyinfraError:
+            # pyinfra's "No hosts remaining!" when it could connect to none of the run's hosts
+            # (PCs that are off): say so plainly; its own wording, "pyinfra error in
+            # .../config.py line N", reads like a crash of ours. Nothing was done on any host.
+            if state.active_hosts:
+                raise
+            names = sorted(h.name for h in state.failed_hosts)
+            click.echo(f"\n--> no host could be reached ({', '.join(names)}; pyinfra's errors are above); "
+                       "nothing was done on any host", err=True)
+            raise SystemExit(1) from None
 
     connect_all_after_validation.validates_settings = True
     return connect_all_after_validation
@@ -78,20 +90,9 @@ def _load_inventory_or_say_why(make_inventory):
     return make_inventory_checked
 
 
-_inventory = getattr(pyinfra_cli.cli, "make_inventory", None)
-if getattr(_inventory, "checks_inventory", False):
-    pass
-elif _inventory is pyinfra_cli.inventory.make_inventory:
-    pyinfra_cli.cli.make_inventory = _load_inventory_or_say_why(_inventory)
-else:
+if not pyinfra_internals.wrap_cli("make_inventory", _load_inventory_or_say_why, "checks_inventory"):
     click.echo("config.py: this pyinfra's CLI has no make_inventory to wrap; a missing or broken "
                "inventory is reported by pyinfra itself", err=True)
-
-_connect = getattr(pyinfra_cli.cli, "connect_all", None)
-if getattr(_connect, "validates_settings", False):
-    pass  # this process ran config.py before (pyinfra's CLI called in-process twice)
-elif _connect is pyinfra.api.connect.connect_all:
-    pyinfra_cli.cli.connect_all = _validate_then_connect(_connect)
-else:
+if not pyinfra_internals.wrap_cli("connect_all", _validate_then_connect, "validates_settings"):
     click.echo("config.py: this pyinfra's CLI has no connect_all to wrap; settings are validated "
                "by the deploy after connecting", err=True)

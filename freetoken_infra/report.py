@@ -59,6 +59,15 @@ def fleet_summary(results: dict[str, list[Finding]]) -> str:
 # record (freetoken_infra.core.records) each batch's deploy writes.
 
 RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN = "ok", "failed", "not run"
+# A host pyinfra could not connect to (a PC that is off tonight): nothing was done on it, it is
+# no failure of the rollout, and a catch-up run converges it later.
+RESULT_PARKED = "parked"
+# A host the preflight stopped before any change (a blocker such as an old WSL): nothing was done.
+RESULT_REFUSED = "refused"
+RESULTS = (RESULT_OK, RESULT_PARKED, RESULT_REFUSED, RESULT_FAILED, RESULT_NOT_RUN)
+# Results of a row where the deploy changed nothing on the host: its "what we did" columns
+# (model, health, tok/s, restart) say "-".
+UNTOUCHED = (RESULT_PARKED, RESULT_REFUSED, RESULT_NOT_RUN)
 
 
 class RunRecorder(BaseStateCallback):
@@ -79,6 +88,25 @@ class RunRecorder(BaseStateCallback):
         # Not `host in state.failed_hosts`: the preflight fails hosts through pyinfra's
         # context proxy, which cannot be compared outside the deploy's context.
         record(host.name, finished={"failed": host not in state.active_hosts, "changes": changes})
+
+
+class ConnectRecorder(BaseStateCallback):
+    """pyinfra callback: a host it could not connect to, with pyinfra's reason (the host is
+    parked in a rollout's report)."""
+
+    @staticmethod
+    def host_connect_error(state, host, error) -> None:
+        reason = error.args[0] if getattr(error, "args", None) else error
+        record(host.name, unreachable=_first_line(reason) or "could not connect")
+
+
+def record_connect_errors(state) -> None:
+    """Register the ConnectRecorder on this run's state, before pyinfra connects (config.py
+    does, only under $FREETOKEN_RUN_RECORD)."""
+    if not os.environ.get(RECORD_ENV):
+        return
+    if not any(isinstance(h, ConnectRecorder) for h in state.callback_handlers):
+        state.add_callback_handler(ConnectRecorder())
 
 
 def record_host(state, host, settings, obs, findings) -> None:
@@ -131,12 +159,16 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
              not_run: Optional[str] = None, unreachable: Optional[str] = None,
              no_result: str = "no result from the deploy") -> dict[str, Any]:
     """One report row from a host's records. `not_run`: why the rollout never got to it;
-    `unreachable`: pyinfra's connection error when the deploy recorded nothing; `no_result`:
-    the reason when it recorded nothing and no connection error was seen."""
+    `unreachable`: pyinfra's connection error when the deploy recorded nothing (the host is
+    parked); `no_result`: the reason when it recorded nothing and no connection error was
+    seen."""
     observed: dict = {}
     gate = rollback = finished = None
     op_errors: list[str] = []
     restart_files: list[str] = []
+    # pyinfra's connection error, recorded (ConnectRecorder) or read from its output by the caller
+    unreachable = next((r["unreachable"] for r in records if r.get("unreachable")), None) or unreachable
+    records = [r for r in records if not r.get("unreachable")]
     for r in records:
         observed.update(r.get("observed") or {})
         gate = r.get("gate", gate)
@@ -166,12 +198,14 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
 
     if not_run:
         result, reason = RESULT_NOT_RUN, not_run
+    elif not records and unreachable:
+        result, reason = RESULT_PARKED, f"unreachable: {_first_line(unreachable)}"
     elif not records:
-        result, reason = RESULT_FAILED, f"unreachable: {unreachable}" if unreachable else no_result
+        result, reason = RESULT_FAILED, no_result
     elif observed.get("blockers") and observed.get("restart_only"):
         result, reason = RESULT_FAILED, "restart required: run `wsl.exe --shutdown` from Windows, then re-run"
     elif observed.get("blockers"):
-        result, reason = RESULT_FAILED, "refused at preflight: " + ", ".join(observed["blockers"])
+        result, reason = RESULT_REFUSED, "refused at preflight: " + ", ".join(observed["blockers"])
     elif rollback:
         result = RESULT_FAILED
         if rollback.get("ok"):
@@ -196,6 +230,7 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
         if before and engine and before != engine:
             reason += f", upgraded from {before}"
     vram = observed.get("vram_mib")
+    untouched = result in UNTOUCHED
     return {
         "host": name,
         "batch": batch,
@@ -203,16 +238,36 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
         "vram_gb": round(vram / 1024) if isinstance(vram, (int, float)) else None,
         "wsl_version": observed.get("wsl_version"),
         "engine_version": engine,
-        "model": observed.get("model"),
-        "health": health if records else "-",
-        "tokens_per_s": tps,
-        "tokens_per_s_source": tps_source,
-        "restart_pending": bool(restart_files) if observed else None,
-        "restart_pending_files": restart_files,
+        # what the host should serve; "-" (None) where the deploy did nothing on it
+        "model": None if untouched else observed.get("model"),
+        "health": "-" if untouched or not records else health,
+        "tokens_per_s": None if untouched else tps,
+        "tokens_per_s_source": None if untouched else tps_source,
+        # None ("-"): the deploy did nothing here, so it owes no `wsl.exe --shutdown` either
+        "restart_pending": bool(restart_files) if observed and not untouched else None,
+        "restart_pending_files": [] if untouched else restart_files,
         "result": result,
         "reason": reason,
         "changes": (finished or {}).get("changes"),
     }
+
+
+def fleet_counts(rows: list[dict]) -> str:
+    """``3 host(s): 1 ok, 1 parked, 1 refused, 0 failed, 0 not run``."""
+    count = {k: sum(1 for r in rows if r["result"] == k) for k in RESULTS}
+    return f"{len(rows)} host(s): " + ", ".join(f"{count[k]} {k}" for k in RESULTS)
+
+
+def ending_line(row: dict) -> str:
+    """One plain line of why for a host that is not ok (printed as its batch ends)."""
+    result, reason = row["result"], row.get("reason") or ""
+    if result == RESULT_PARKED:
+        return f"{row['host']} parked: {reason}; nothing was done on it (catch it up when it is back)"
+    if result == RESULT_REFUSED:
+        return f"{row['host']} refused: {reason}; nothing was changed on it (its findings say what to do)"
+    if result == RESULT_NOT_RUN:
+        return f"{row['host']} not run: {reason}"
+    return f"{row['host']} {result}: {reason}"
 
 
 def format_fleet_report(rows: list[dict]) -> str:
@@ -240,9 +295,7 @@ def format_fleet_report(rows: list[dict]) -> str:
 
     lines = ["== fleet report ==", fmt(header), "-" * (sum(widths) + 2 * len(widths) + len("result"))]
     lines += [fmt(row) for row in table]
-    count = {k: sum(1 for r in rows if r["result"] == k) for k in (RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN)}
-    lines.append(f"{len(rows)} host(s): {count[RESULT_OK]} ok, {count[RESULT_FAILED]} failed, "
-                 f"{count[RESULT_NOT_RUN]} not run")
+    lines.append(fleet_counts(rows))
     if any(r.get("tokens_per_s_source") == "last gate" for r in rows):
         lines.append("* tok/s of the host's last health gate (nothing changed, so the gate did not run again)")
     return "\n".join(lines)

@@ -2,23 +2,32 @@
 
     python -m freetoken_infra.rollout INVENTORY [--batches 1,25%,100%] [--canary HOST[,HOST]]
         [--max-fail-pct P] [--data KEY=VALUE ...] [--limit HOST[,HOST]] [--json FILE]
+        [--only parked,failed --from REPORT]
 
 Each batch is converged by exactly what a user runs by hand,
 ``pyinfra -y INVENTORY deploys/freetoken.py --limit HOST --limit HOST ...`` (the batch's hosts), so every host gets
 the deploy's preflight, its blue-green engine switch and its health gate (a host whose gate
 fails is failed by the deploy, after an automatic rollback when it was an upgrade).
 
+* A host pyinfra cannot connect to (a PC that is off) is *parked*: nothing is done on it, it
+  counts toward no stop, and a later ``--only parked,failed --from REPORT`` catches it up. A
+  host its preflight stops is *refused* (nothing changed either).
 * Hosts go in name order (natural: ws2 before ws10); ``--canary`` puts the named hosts first
   and makes them the first batch.
 * ``--batches``: batch sizes, each a host count or a percentage of all hosts (rounded up),
   like Ansible's ``serial``; the last size repeats until every host had its turn. The first
-  batch is the canary: any failure in it stops the rollout, no other host is touched.
-* Later batches stop the rollout when more than ``--max-fail-pct`` percent of their hosts
-  failed (default 0: any failure stops the rest).
+  batch is the canary: any failure in it stops the rollout, no other host is touched, and so
+  does a canary with no host that converged (all parked or refused: it proved nothing).
+* Later batches stop the rollout when more than ``--max-fail-pct`` percent of their reached
+  hosts failed (default 0: any failure stops the rest); parked hosts are not counted.
 * A re-run resumes: the deploy is idempotent, converged hosts pass with no change.
-* At the end: the fleet report (``freetoken_infra.report.format_fleet_report``), and with
-  ``--json FILE`` the same rows as JSON. Exit status: 0 every host ok, 1 some host failed,
-  3 the rollout stopped early, 2 bad arguments or settings (nothing touched).
+* At the end: the fleet report (``freetoken_infra.report.format_fleet_report``), and the same
+  rows as JSON, always written: to ``--json FILE``, else to a new file under
+  ``$XDG_STATE_HOME/freetoken-infra/rollouts/`` (``~/.local/state`` by default), whose path
+  the rollout prints; ``--from last`` reads the newest there.
+* Exit status (the first that applies): 2 bad arguments or settings (nothing touched), 3 the
+  rollout stopped early, 1 some host failed, 4 no host failed but some are parked, 5 no host
+  failed or is parked but some were refused at preflight, 0 every host ok.
 """
 
 from __future__ import annotations
@@ -32,18 +41,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 from freetoken_infra.report import (
-    RECORD_ENV, RESULT_FAILED, RESULT_OK, format_fleet_report, host_row, read_records,
+    RECORD_ENV, RESULT_FAILED, RESULT_NOT_RUN, RESULT_OK, RESULT_PARKED, RESULT_REFUSED, RESULTS,
+    ending_line, fleet_counts, format_fleet_report, host_row, read_records,
 )
 
 DEFAULT_BATCHES = "1,25%,100%"
 DEFAULT_DEPLOY = "deploys/freetoken.py"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+DEFAULT_ONLY = "parked,failed"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_PARKED, EXIT_REFUSED = 0, 1, 2, 3, 4, 5
 
 
 class RolloutError(Exception):
@@ -99,16 +110,30 @@ def plan_batches(hosts: Sequence[str], sizes: Sequence[str],
     return batches
 
 
-def batch_stops(index: int, failed: int, size: int, max_fail_pct: float) -> Optional[str]:
-    """Why the rollout stops after this batch, or None to go on. The canary (index 0) allows
-    no failure; later batches allow up to `max_fail_pct` percent of their hosts."""
+def batch_stops(index: int, failed: int, size: int, max_fail_pct: float,
+                parked: int = 0, ok: Optional[int] = None) -> Optional[str]:
+    """Why the rollout stops after this batch, or None to go on.
+
+    Parked hosts (unreachable, nothing done) count neither way. The canary (index 0) allows no
+    failure and needs at least one host that converged (`ok`; None: every host that did not
+    fail): a canary of parked or refused hosts proved nothing about the change. Later batches
+    allow up to `max_fail_pct` percent of their reached hosts to fail."""
+    reached = size - parked
+    ok = reached - failed if ok is None else ok
+    if index == 0:
+        if failed:
+            return f"the canary failed ({failed} of {size} host(s))"
+        if not reached:
+            return f"the canary had no reachable host ({parked} of {size} parked): it proved nothing"
+        if not ok:
+            return (f"no canary host converged ({reached - ok} of {size} refused at preflight): "
+                    "it proved nothing")
+        return None
     if not failed:
         return None
-    if index == 0:
-        return f"the canary failed ({failed} of {size} host(s))"
-    pct = 100.0 * failed / size
+    pct = 100.0 * failed / reached
     if pct > max_fail_pct:
-        return (f"batch {index + 1}: {failed} of {size} host(s) failed ({pct:.0f}% > "
+        return (f"batch {index + 1}: {failed} of {reached} reached host(s) failed ({pct:.0f}% > "
                 f"--max-fail-pct {max_fail_pct:g}%)")
     return None
 
@@ -172,17 +197,6 @@ def pyinfra_argv(inventory: str, deploy: str, hosts: Sequence[str], data: Sequen
     return argv
 
 
-def connect_errors(output: str, hosts: Sequence[str]) -> dict[str, str]:
-    """pyinfra's connection errors per host (``[ws4] Could not connect (...)``)."""
-    found = {}
-    for line in _ANSI.sub("", output).splitlines():
-        m = re.match(r"\s*\[([^\]]+)\]\s+(.*)", line)
-        if m and m.group(1) in hosts and re.search(
-                r"could not (connect|resolve)|authentication error|ssh error|eof error", m.group(2), re.I):
-            found[m.group(1)] = m.group(2).strip()
-    return found
-
-
 @dataclass
 class BatchRun:
     hosts: list[str]
@@ -191,54 +205,165 @@ class BatchRun:
 
 
 def run_batch(index: int, hosts: list[str], inventory: str, deploy: str, data: Sequence[str],
-              out=sys.stdout) -> BatchRun:
+              out: TextIO = sys.stdout) -> BatchRun:
     """Converge one batch with the pyinfra CLI, streaming its output; one report row per host."""
     argv = pyinfra_argv(inventory, deploy, hosts, data)
     print(f"\n--> rollout batch {index + 1}: {', '.join(hosts)}", file=out, flush=True)
     print("    " + " ".join(argv), file=out, flush=True)
     fd, record_file = tempfile.mkstemp(prefix="freetoken-rollout-", suffix=".jsonl")
     os.close(fd)
-    lines: list[str] = []
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 stdin=subprocess.DEVNULL, env={**os.environ, RECORD_ENV: record_file},
                                 errors="replace")
         assert proc.stdout is not None
         for line in proc.stdout:
-            lines.append(line)
             out.write(line)
         out.flush()
         returncode = proc.wait()
         records = read_records(record_file)
     finally:
         os.unlink(record_file)
-    unreachable = connect_errors("".join(lines), hosts)
-    rows = [host_row(h, records.get(h, []), batch=index + 1, unreachable=unreachable.get(h),
+    # Everything comes from the run record, connection errors included (report.ConnectRecorder,
+    # registered by config.py, which the CLI reads from the working directory): no console text
+    # is parsed.
+    rows = [host_row(h, records.get(h, []), batch=index + 1,
                      no_result=f"no result from the deploy (pyinfra exited {returncode})") for h in hosts]
-    if returncode != 0 and all(r["result"] == RESULT_OK for r in rows):
+    if returncode != 0 and rows and all(r["result"] == RESULT_OK for r in rows):
         # pyinfra failed although no host reported a failure: trust the exit status.
         for r in rows:
             r["result"], r["reason"] = RESULT_FAILED, f"pyinfra exited {returncode} (see the log above)"
     return BatchRun(hosts, returncode, rows)
 
 
+BatchRunner = Callable[..., BatchRun]
+
+
 def rollout(inventory: str, batches: list[list[str]], max_fail_pct: float = 0.0,
-            data: Sequence[str] = (), deploy: str = DEFAULT_DEPLOY, out=sys.stdout) -> tuple[list[dict], Optional[str]]:
-    """Run the batches in order; (report rows for every host, why it stopped or None)."""
+            data: Sequence[str] = (), deploy: str = DEFAULT_DEPLOY, out: TextIO = sys.stdout,
+            run: Optional[BatchRunner] = None) -> tuple[list[dict], Optional[str]]:
+    """Run the batches in order; (report rows for every host, why it stopped or None).
+
+    Per batch: converge it (`run`, the pyinfra CLI), end it with one plain line per host that
+    is not ok, then decide whether the rollout goes on (``batch_stops``)."""
+    run = run or run_batch
     rows: list[dict] = []
     stopped: Optional[str] = None
     for index, hosts in enumerate(batches):
         if stopped:
             rows += [host_row(h, [], batch=index + 1, not_run=f"rollout stopped: {stopped}") for h in hosts]
             continue
-        run = run_batch(index, hosts, inventory, deploy, data, out=out)
-        rows += run.rows
-        failed = sum(1 for r in run.rows if r["result"] != RESULT_OK)
+        batch = run(index, hosts, inventory, deploy, data, out=out)
+        rows += batch.rows
+        end_batch(index, batch.rows, out)
+        count = {k: sum(1 for r in batch.rows if r["result"] == k) for k in RESULTS}
+        failed = len(batch.rows) - count[RESULT_OK] - count[RESULT_PARKED] - count[RESULT_REFUSED]
         if index < len(batches) - 1:  # after the last batch there is nothing left to stop
-            stopped = batch_stops(index, failed, len(hosts), max_fail_pct)
+            stopped = batch_stops(index, failed, len(hosts), max_fail_pct,
+                                  parked=count[RESULT_PARKED], ok=count[RESULT_OK])
         if stopped:
             print(f"\n--> rollout stopped: {stopped}", file=out, flush=True)
     return rows, stopped
+
+
+def end_batch(index: int, rows: list[dict], out: TextIO) -> None:
+    """After pyinfra's own output: one plain line of why for each host that is not ok."""
+    lines = [ending_line(r) for r in rows if r["result"] != RESULT_OK]
+    ok = [r["host"] for r in rows if r["result"] == RESULT_OK]
+    head = f"--> rollout batch {index + 1} ended: " + (f"{', '.join(ok)} ok" if ok else "no host ok")
+    print("\n" + head, file=out, flush=True)
+    for line in lines:
+        print(f"    {line}", file=out, flush=True)
+
+
+def exit_status(rows: list[dict], stopped: Optional[str]) -> int:
+    """The rollout's exit status (module docstring): the first of stopped, failed, parked,
+    refused that applies, else 0."""
+    results = {r["result"] for r in rows}
+    if stopped:
+        return EXIT_STOPPED
+    if results - {RESULT_OK, RESULT_PARKED, RESULT_REFUSED}:
+        return EXIT_FAILED
+    if RESULT_PARKED in results:
+        return EXIT_PARKED
+    if RESULT_REFUSED in results:
+        return EXIT_REFUSED
+    return EXIT_OK
+
+
+def exit_meaning(status: int) -> str:
+    return {
+        EXIT_OK: "every host ok",
+        EXIT_FAILED: "some host failed",
+        EXIT_STOPPED: "the rollout stopped early",
+        EXIT_PARKED: "every reached host converged or was refused; some hosts are parked (unreachable)",
+        EXIT_REFUSED: "every reached host converged or was refused at preflight; none is parked",
+    }[status]
+
+
+# --------------------------------------------------------------------------- report files
+def reports_dir() -> Path:
+    """Where a rollout without ``--json`` writes its report (on the controller)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "freetoken-infra" / "rollouts"
+
+
+def default_report_path(now: Optional[float] = None) -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    path = reports_dir() / f"rollout-{stamp}.json"
+    n = 1
+    while path.exists():  # two rollouts in one second
+        n += 1
+        path = reports_dir() / f"rollout-{stamp}-{n}.json"
+    return path
+
+
+def write_report(path: Path, doc: dict[str, Any]) -> None:
+    """Write the report atomically (a catch-up may read it while another rollout writes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def newest_report() -> Path:
+    found = sorted(reports_dir().glob("rollout-*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise RolloutError(f"--from last: no rollout report in {reports_dir()} yet")
+    return found[-1]
+
+
+def parse_only(spec: str) -> list[str]:
+    """``--only parked,failed`` -> the results to select; RolloutError on an unknown one."""
+    wanted = [part.strip().replace("-", " ") for part in spec.split(",") if part.strip()]
+    unknown = [w for w in wanted if w not in RESULTS]
+    if not wanted or unknown:
+        names = ", ".join(r.replace(" ", "-") for r in RESULTS)
+        raise RolloutError(f"--only {spec!r}: give results from {names}")
+    return wanted
+
+
+def load_report(source: str) -> tuple[Path, dict[str, Any]]:
+    path = newest_report() if source == "last" else Path(source)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RolloutError(f"--from {source}: cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise RolloutError(f"--from {source}: {path} is not a rollout report: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("hosts"), list):
+        raise RolloutError(f"--from {source}: {path} is not a rollout report (no host rows)")
+    return path, doc
+
+
+def select_hosts(doc: dict[str, Any], only: Sequence[str], inventory_hosts: Sequence[str],
+                 source: str) -> list[str]:
+    """The hosts of a report whose result is one of `only`, as they are in the inventory now."""
+    chosen = [r["host"] for r in doc["hosts"] if isinstance(r, dict) and r.get("result") in only]
+    gone = [h for h in chosen if h not in inventory_hosts]
+    if gone:
+        raise RolloutError(f"--from {source}: {', '.join(gone)} not in the inventory (now)")
+    return chosen
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -258,15 +383,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="override a setting for every host, as pyinfra's --data")
     ap.add_argument("--limit", default="", help="comma-separated hosts: roll out to these only")
     ap.add_argument("--deploy", default=DEFAULT_DEPLOY, help=f"deploy file (default {DEFAULT_DEPLOY})")
-    ap.add_argument("--json", dest="json_file", help="also write the fleet report as JSON to this file")
+    ap.add_argument("--json", dest="json_file",
+                    help="write the fleet report as JSON to this file (default: a new file under "
+                         "$XDG_STATE_HOME/freetoken-infra/rollouts/, printed at the end)")
+    ap.add_argument("--from", dest="from_report", metavar="REPORT",
+                    help="catch up: roll out to the hosts of this earlier report (a file, or 'last' for "
+                         "the newest under $XDG_STATE_HOME/freetoken-infra/rollouts/) whose result is one "
+                         "of --only; its --batches, --max-fail-pct and --data apply unless given again")
+    ap.add_argument("--only", metavar="RESULT,...",
+                    help=f"with --from: the results to catch up (default {DEFAULT_ONLY}; any of "
+                         f"{', '.join(r.replace(' ', '-') for r in RESULTS)})")
+    # option -> (its default, its key in a report): a catch-up reuses the report's
+    defaults = {"batches": (DEFAULT_BATCHES, "batches_spec"), "max_fail_pct": (0.0, "max_fail_pct"),
+                "data": ([], "data")}
+    ap.set_defaults(batches=None, max_fail_pct=None, data=None)
     args = ap.parse_args(argv)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    source: Optional[Path] = None
     try:
+        if args.only and not args.from_report:
+            raise RolloutError("--only needs --from REPORT (the rollout report whose hosts to catch up)")
+        if args.from_report:
+            source, earlier = load_report(args.from_report)
+            for key, (_, doc_key) in defaults.items():  # its batches and gates, unless given again
+                if getattr(args, key) is None and earlier.get(doc_key) is not None:
+                    setattr(args, key, earlier[doc_key])
+        for key, (value, _) in defaults.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
         if not 0 <= args.max_fail_pct <= 100:
             raise RolloutError(f"--max-fail-pct {args.max_fail_pct:g}: give a percentage from 0 to 100")
         sizes = parse_batch_sizes(args.batches)
         hosts = load_hosts(args.inventory, parse_data(args.data), split(args.limit))
+        if source is not None:
+            only = parse_only(args.only or DEFAULT_ONLY)
+            chosen = select_hosts(earlier, only, hosts, args.from_report)
+            print(f"--> catch-up of {source}: {', '.join(chosen) or 'no host'} "
+                  f"({' or '.join(only)} there)", flush=True)
+            if not chosen:
+                print("nothing to catch up", flush=True)
+                return EXIT_OK
+            hosts = chosen
         batches = plan_batches(hosts, sizes, split(args.canary))
+        report_path = Path(args.json_file) if args.json_file else default_report_path()
     except RolloutError as exc:
         print(f"rollout: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -278,12 +437,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("\n" + format_fleet_report(rows), flush=True)
     if stopped:
         print(f"rollout stopped: {stopped}", flush=True)
-    if args.json_file:
-        doc = {"inventory": args.inventory, "batches": batches, "stopped": stopped, "hosts": rows}
-        Path(args.json_file).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    if stopped:
-        return EXIT_STOPPED
-    return EXIT_OK if all(r["result"] == RESULT_OK for r in rows) else EXIT_FAILED
+    status = exit_status(rows, stopped)
+    doc = {"inventory": args.inventory, "batches": batches, "stopped": stopped, "hosts": rows,
+           # what a catch-up (--from) reuses: the options as given
+           "batches_spec": args.batches, "max_fail_pct": args.max_fail_pct, "data": list(args.data),
+           "caught_up_from": str(source) if source else None, "summary": fleet_counts(rows),
+           "exit_status": status, "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_report(report_path, doc)
+    print(f"report: {report_path}", flush=True)
+    behind = [k for k in (RESULT_PARKED, RESULT_FAILED, RESULT_NOT_RUN)
+              if any(r["result"] == k for r in rows)]
+    if behind:
+        only = ",".join(dict.fromkeys([*parse_only(DEFAULT_ONLY), *behind])).replace(" ", "-")
+        print(f"catch up later: python -m freetoken_infra.rollout {args.inventory} "
+              f"--only {only} --from {report_path}", flush=True)
+    print(f"exit status {status}: {exit_meaning(status)}", flush=True)
+    return status
 
 
 if __name__ == "__main__":

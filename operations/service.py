@@ -17,6 +17,7 @@ from pyinfra.operations import files
 from facts.files import FileText
 from freetoken_infra.core.launch import LaunchPlan, engine_command
 from freetoken_infra.core.settings import Settings
+from operations import preview
 from operations.model import check_argv, unit_command, unit_word
 
 UNIT_PATH = "/etc/systemd/system/freetoken.service"
@@ -141,7 +142,10 @@ def api_key(settings: Settings):
         )
         return
     content = f"{KEY_VAR}={key_from_controller(settings)}\n"
-    yield from files.put._inner(src=io.StringIO(content), dest=path, user="root", group="root", mode="600")
+    if preview.diff_wanted():  # --diff: whether the key changes, never its value
+        preview.log_env_diff(path, host.get_fact(FileText, path=path), content)
+    yield from preview.put_without_pyinfra_diff(
+        src=io.StringIO(content), dest=path, user="root", group="root", mode="600")
 
 
 @operation()
@@ -154,13 +158,20 @@ def unit(settings: Settings, plan: LaunchPlan):
     + plan: the launch plan (freetoken_infra.core.launch.derive_plan)
     """
     env = engine_environment(settings)
-    if host.get_fact(FileText, path=env_path(settings)) != env:
-        yield from files.put._inner(
+    current_env = host.get_fact(FileText, path=env_path(settings))
+    text = engine_unit(settings, plan)
+    current_unit = host.get_fact(FileText, path=UNIT_PATH)
+    # --diff: both files' diffs before the first command (pyinfra's change detection stops at
+    # the first), the environment's with secret values masked
+    preview.log_env_diff(env_path(settings), current_env, env)
+    preview.log_diff(UNIT_PATH, None if current_unit is None else preview.text_lines(current_unit),
+                     preview.text_lines(text))
+    if current_env != env:
+        yield from preview.put_without_pyinfra_diff(
             src=io.StringIO(env), dest=env_path(settings), user="root", group="root", mode="600"
         )
     else:
         yield from files.file._inner(path=env_path(settings), user="root", group="root", mode="600")
-    text = engine_unit(settings, plan)
-    if host.get_fact(FileText, path=UNIT_PATH) != text:
-        yield from files.put._inner(src=io.StringIO(text), dest=UNIT_PATH, mode="644")
+    if current_unit != text:
+        yield from preview.put_without_pyinfra_diff(src=io.StringIO(text), dest=UNIT_PATH, mode="644")
         yield "systemctl daemon-reload"

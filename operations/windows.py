@@ -19,6 +19,7 @@ from pyinfra.operations import files, server
 from facts.files import FileBytes
 from facts.windows_tasks import ScheduledTaskExists
 from facts.windows import decode_ini_bytes, windows_exe
+from operations import preview
 
 
 def merge_ini(original: bytes | None, section: str, values: Mapping[str, str]) -> bytes:
@@ -83,7 +84,10 @@ def ini_values(path: str, section: str, values: Mapping[str, str]):
     if current is not None and merged == current:
         host.noop(f"{path} [{section}] already holds {', '.join(values)}")
         return
-    yield from files.put._inner(src=io.BytesIO(merged), dest=path)
+    # --diff: the decoded text (pyinfra's own diff takes the bytes for UTF-8; .wslconfig may be UTF-16)
+    preview.log_diff(path, None if current is None else preview.text_lines(decode_ini_bytes(current)),
+                     preview.text_lines(decode_ini_bytes(merged)))
+    yield from preview.put_without_pyinfra_diff(src=io.BytesIO(merged), dest=path)
 
 
 @operation()

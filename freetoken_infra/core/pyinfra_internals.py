@@ -2,8 +2,8 @@
 
 pyinfra's public API has no hook for three things we need: reading many facts in one round
 trip (facts/batch.py: how pyinfra normalises a fact call, and the Host methods that run
-something), validating settings before the CLI connects (config.py: the CLI's connect
-step), and telling pyinfra's own host data keys from ours (settings: the connectors'
+something), validating the inventory and the settings before the CLI connects (config.py: the CLI's
+inventory loader and connect step), and telling pyinfra's own host data keys from ours (settings: the connectors'
 ``data_meta``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
 every one against the installed pyinfra and fails naming the internal when a release changes
 it. pyproject.toml allows only the pyinfra releases those tests passed on.
@@ -69,21 +69,28 @@ def unwrap_context(obj: Any) -> Any:
     return getter() if callable(getter) and getter() is not None else obj
 
 
-def wrap_cli_connect(make: Callable[[Callable[[State], Any]], Callable[[State], Any]],
-                     marker: str) -> bool:
-    """Replace the CLI's ``connect_all`` (``pyinfra_cli.cli`` imports it by name) with
-    ``make(connect_all)``, once per process (``marker``: an attribute ``make`` sets on its
-    result). False when this pyinfra's CLI has no such name to wrap."""
-    import pyinfra.api.connect
+def wrap_cli(name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], marker: str) -> bool:
+    """Replace the CLI's ``name`` (``connect_all`` or ``make_inventory``, which
+    ``pyinfra_cli.cli`` imports by name from pyinfra.api.connect / pyinfra_cli.inventory) with
+    ``make(original)``, once per process (``marker``: an attribute ``make`` sets on its result).
+    False when this pyinfra's CLI has no such name to wrap."""
     import pyinfra_cli.cli
 
-    current = getattr(pyinfra_cli.cli, "connect_all", None)
+    current = getattr(pyinfra_cli.cli, name, None)
     if getattr(current, marker, False):
         return True
-    if current is not pyinfra.api.connect.connect_all:
+    if current is None or current is not _cli_originals().get(name):
         return False
-    pyinfra_cli.cli.connect_all = make(current)
+    setattr(pyinfra_cli.cli, name, make(current))
     return True
+
+
+def _cli_originals() -> dict[str, Any]:
+    import pyinfra.api.connect
+    import pyinfra_cli.inventory
+
+    return {"connect_all": pyinfra.api.connect.connect_all,
+            "make_inventory": pyinfra_cli.inventory.make_inventory}
 
 
 def _params(func: Callable[..., Any]) -> list[str]:
@@ -103,12 +110,14 @@ def _check_host_methods() -> None:
         assert callable(getattr(host, name)), name
 
 
-def _check_cli_connect_all() -> None:
-    import pyinfra.api.connect
+def _check_cli_wraps() -> None:
     import pyinfra_cli.cli
 
-    assert hasattr(pyinfra_cli.cli, "connect_all")
-    assert _params(pyinfra.api.connect.connect_all) == ["state"]
+    originals = _cli_originals()
+    for name, original in originals.items():
+        assert getattr(pyinfra_cli.cli, name, None) is original, name
+    assert _params(originals["connect_all"]) == ["state"]
+    assert _params(originals["make_inventory"])[0] == "inventory"
 
 
 def _check_connector_keys() -> None:
@@ -127,7 +136,7 @@ def _check_context_proxy() -> None:
 INTERNALS: dict[str, Callable[[], None]] = {
     "pyinfra.api.facts._handle_fact_kwargs(state, host, cls, args, kwargs)": _check_handle_fact_kwargs,
     "pyinfra.api.host.Host.get_fact / run_shell_command / put_file / get_file": _check_host_methods,
-    "pyinfra_cli.cli.connect_all (imported by name from pyinfra.api.connect)": _check_cli_connect_all,
+    "pyinfra_cli.cli.connect_all / make_inventory (imported by name)": _check_cli_wraps,
     "connectors' data_meta and pyinfra.api.arguments.CONNECTOR_ARGUMENT_KEYS": _check_connector_keys,
     "pyinfra.context proxies' _get_module()": _check_context_proxy,
 }

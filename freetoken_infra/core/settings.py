@@ -410,12 +410,9 @@ class Settings(BaseModel):
 # Keys pyinfra itself reads from host data: connector settings and global
 # operation arguments. They are not ours to validate.
 def _pyinfra_keys() -> set[str]:
-    from pyinfra.api.connectors import get_all_connectors
+    from freetoken_infra.core.pyinfra_internals import connector_data_keys
 
-    keys: set[str] = set()
-    for connector in get_all_connectors().values():  # type: ignore[no-untyped-call]
-        keys.update(getattr(connector, "data_meta", {}) or {})
-    return keys
+    return connector_data_keys()
 
 
 class SettingsError(Exception):

@@ -3,7 +3,7 @@ it, converging batches with the pyinfra CLI over real SSH.
 
 In order (the tests share the fleet's state):
 1. a rollout to ws1..ws3 plus a host nobody answers for: the canary and the batch converge,
-   the report lists every host, the unreachable one and the refused ws3 are failed with why;
+   the report lists every host, the unreachable one is parked and ws3 refused, each with why;
 2. the same rollout again changes nothing;
 3. a canary upgraded to the broken engine 0.2.3 (the wheelhouse stand-in's) fails its health
    gate, is rolled back to 0.2.1 and serves again; the rollout stops and the other hosts are
@@ -74,10 +74,10 @@ def first(sim_fleet, workdir):
     return rollout(workdir, "--batches", "1,100%", inventory=str(inventory))
 
 
-def test_rollout_reports_every_host_and_fails_the_unreachable_one(sim_fleet, first):
+def test_rollout_reports_every_host_and_parks_the_unreachable_one(sim_fleet, first):
     run, doc = first
     out = run.stdout
-    assert run.returncode == 1, out[-5000:]  # hosts failed, but the rollout ran to its end
+    assert run.returncode == 4, out[-5000:]  # no host failed, one is parked; the rollout ran to its end
     assert doc["batches"] == [["ws1"], ["ws2", "ws3", GONE[0]]] and doc["stopped"] is None
     r = rows(doc)
     assert set(r) == {"ws1", "ws2", "ws3", GONE[0]}
@@ -91,16 +91,16 @@ def test_rollout_reports_every_host_and_fails_the_unreachable_one(sim_fleet, fir
         assert r[host]["model"] == "nvidia/Qwen3.6-35B-A3B-NVFP4@main"
         assert r[host]["tokens_per_s"] > 0 and r[host]["restart_pending"] in (True, False)
         assert chat(sim_fleet, host, api_key(sim_fleet, host))["choices"][0]["message"]["content"]
-    assert r["ws3"]["result"] == "failed"
+    assert r["ws3"]["result"] == "refused"
     assert r["ws3"]["reason"].startswith("refused at preflight:") and "wsl_version" in r["ws3"]["reason"]
     assert r["ws3"]["wsl_version"] == sim_fleet.hosts["ws3"].profile["wsl_version"]
-    assert r[GONE[0]]["result"] == "failed" and r[GONE[0]]["reason"].startswith("unreachable:"), r[GONE[0]]
+    assert r[GONE[0]]["result"] == "parked" and r[GONE[0]]["reason"].startswith("unreachable:"), r[GONE[0]]
     # the printed table: a line per host with its state
     table = out[out.index("== fleet report =="):]
     for host, row in r.items():
         line = next(line for line in table.splitlines() if line.startswith(host + " "))
         assert f"{row['result']}: {row['reason']}" in line
-    assert "4 host(s): 2 ok, 2 failed, 0 not run" in table
+    assert "4 host(s): 2 ok, 1 parked, 1 refused, 0 failed, 0 not run" in table
 
 
 def test_rerunning_a_finished_rollout_changes_nothing(sim_fleet, first, workdir):
@@ -115,8 +115,9 @@ def test_rerunning_a_finished_rollout_changes_nothing(sim_fleet, first, workdir)
         assert (r[host]["result"], r[host]["reason"], r[host]["changes"]) == ("ok", "no change", 0), r[host]
         assert r[host]["health"] == "ok" and r[host]["tokens_per_s"] > 0
         assert engine_pid(sim_fleet, host) == pids[host]
-    assert r["ws3"]["result"] == "failed"
+    assert r["ws3"]["result"] == "refused"
     assert r["ws3"]["reason"].startswith("refused at preflight:") and "gpu_memory" in r["ws3"]["reason"], r["ws3"]
+    assert run.returncode == 5, run.stdout[-5000:]  # every reached host ok or refused, none parked
     for host, snap in before.items():
         assert harness.snapshot_diff(snap, snapshot(sim_fleet, host)) == [], host
 

@@ -4,6 +4,7 @@ of the health gate (the gate script against the engine stand-in; only systemctl 
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -18,8 +19,10 @@ from facts.engine import EngineInstallInfo
 from facts.restart import RestartPending, parse_restart_pending_output
 from freetoken_infra import report
 from freetoken_infra.report import format_fleet_report, host_row, read_records
+from freetoken_infra import rollout as rollout_mod
 from freetoken_infra.rollout import (
-    RolloutError, batch_size, batch_stops, connect_errors, parse_batch_sizes, plan_batches, pyinfra_argv,
+    BatchRun, RolloutError, batch_size, batch_stops, exit_status, load_report, parse_batch_sizes,
+    parse_only, plan_batches, pyinfra_argv, select_hosts,
 )
 from freetoken_infra.core.settings import Settings
 from operations import engine
@@ -71,18 +74,25 @@ def test_canary_allows_no_failure_later_batches_their_percentage():
     assert batch_stops(2, 1, 10, 0) is not None        # default: any failure stops
 
 
+def test_parked_hosts_stop_nothing_but_a_canary_needs_a_host_that_converged():
+    # a parked host (unreachable, nothing done) is no failure; percentages are of reached hosts
+    assert batch_stops(0, 0, 2, 0, parked=1) is None
+    assert batch_stops(1, 0, 4, 0, parked=3) is None
+    assert batch_stops(1, 1, 4, 50, parked=2) is None    # 1 of 2 reached = 50%: allowed
+    why = batch_stops(1, 1, 4, 40, parked=2)
+    assert "1 of 2 reached host(s) failed (50%" in why
+    # a canary of parked or refused hosts proved nothing: the rollout stops and says so
+    why = batch_stops(0, 0, 1, 0, parked=1)
+    assert why == "the canary had no reachable host (1 of 1 parked): it proved nothing"
+    assert "refused at preflight" in batch_stops(0, 0, 2, 0, parked=1, ok=0)
+    assert batch_stops(0, 0, 2, 0, parked=0, ok=1) is None  # one refused beside one ok
+
+
 def test_each_batch_runs_the_pyinfra_cli_with_one_limit_per_host():
     argv = pyinfra_argv("inventories/fleet.py", "deploys/freetoken.py", ["ws2", "ws3"], ["engine_version=0.2.2"])
     assert Path(argv[0]).name == "pyinfra"
     assert argv[1:] == ["-y", "--data", "engine_version=0.2.2", "inventories/fleet.py", "deploys/freetoken.py",
                         "--limit", "ws2", "--limit", "ws3"]
-
-
-def test_connect_errors_are_read_per_host_from_pyinfra_output():
-    out = ("\x1b[1m[ws1]\x1b[0m Connected\n"
-           "[ws9] \x1b[31mCould not connect (No route to host)\x1b[0m\n"
-           "[ws2] Connected\n")
-    assert connect_errors(out, ["ws1", "ws2", "ws9"]) == {"ws9": "Could not connect (No route to host)"}
 
 
 # ---------------------------------------------------------------------------- inventories
@@ -166,8 +176,11 @@ def test_rows_of_failed_hosts_say_why():
     refused = host_row("ws3", [{"host": "ws3", "observed": {
         **OBSERVED, "blockers": ["wsl_version", "gpu_memory"], "health": None, "last_gate": None}},
         {"host": "ws3", "finished": {"failed": True, "changes": 0}}])
-    assert refused["result"] == "failed"
+    assert refused["result"] == "refused"
     assert refused["reason"] == "refused at preflight: wsl_version, gpu_memory"
+    # nothing was done on it: no model, health, tok/s or restart of ours to show (issue 15)
+    assert (refused["model"], refused["health"], refused["tokens_per_s"]) == (None, "-", None)
+    assert refused["restart_pending"] is None and refused["wsl_version"] == "2.7.13"
 
     rolled = host_row("ws1", [
         {"host": "ws1", "observed": {**OBSERVED, "engine_version": "0.2.3"}},
@@ -193,9 +206,11 @@ def test_rows_of_failed_hosts_say_why():
 
     assert host_row("ws9", [], no_result="no result (exit 1)")["reason"] == "no result (exit 1)"
     unreachable = host_row("ws9", [], unreachable="Could not connect (timed out)")
-    assert unreachable["result"] == "failed"
+    assert unreachable["result"] == "parked"
     assert unreachable["reason"] == "unreachable: Could not connect (timed out)"
     assert unreachable["health"] == "-" and unreachable["restart_pending"] is None
+    # connected but recorded nothing: a failure, not parked
+    assert host_row("ws9", [], no_result="no result (exit 1)")["result"] == "failed"
 
     skipped = host_row("ws4", [], not_run="rollout stopped: the canary failed")
     assert (skipped["result"], skipped["reason"]) == ("not run", "rollout stopped: the canary failed")
@@ -217,9 +232,9 @@ def test_fleet_table_has_every_column_and_a_summary():
     assert "NVIDIA GeForce RTX 5060 Ti" in ws1 and "16 GB" in ws1 and "2.7.13" in ws1
     assert "24.2" in ws1 and "ok: 2 change(s)" in ws1
     assert "23.9*" in next(line for line in lines if line.startswith("ws2 "))
-    assert "failed: unreachable: Could not connect (timed out)" in text
+    assert "parked: unreachable: Could not connect (timed out)" in text
     assert "not run: rollout stopped: x" in text
-    assert "4 host(s): 2 ok, 1 failed, 1 not run" in text
+    assert "4 host(s): 2 ok, 1 parked, 0 refused, 0 failed, 1 not run" in text
     assert text.rstrip().endswith("did not run again)")
     json.dumps(rows)  # the --json document is these rows
 
@@ -372,3 +387,256 @@ def test_without_a_previous_version_the_failure_is_plain(blue_green):
     assert "rolled back" not in str(info.value)
     assert os.readlink(base / "active") == str(base / "0.2.3")
     assert not any("ln -sfn" in c for c in host.commands)
+
+
+# ---------------------------------------------------------------------------- parked, catch-up (issue 15)
+def _row(name: str, result: str) -> dict:
+    if result == "parked":
+        return host_row(name, [], unreachable="Could not connect (Connection refused)")
+    if result == "refused":
+        return host_row(name, [{"host": name, "observed": {**OBSERVED, "blockers": ["wsl_version"]}}])
+    failed = result == "failed"
+    return host_row(name, [{"host": name, "observed": OBSERVED},
+                           {"host": name, "op_error": "CUDA: toolkit packages"} if failed else {"host": name},
+                           {"host": name, "finished": {"failed": failed, "changes": 1}}])
+
+
+def fake_runner(results: dict[str, str], ran: list[list[str]]):
+    def run(index, hosts, inventory, deploy, data, out):
+        ran.append(list(hosts))
+        return BatchRun(list(hosts), 0, [_row(h, results[h]) for h in hosts])
+    return run
+
+
+def test_a_parked_host_stops_nothing_and_each_batch_ends_with_why(capsys):
+    import io
+    results = {"ws1": "ok", "ws2": "parked", "ws3": "refused", "ws4": "ok"}
+    ran: list[list[str]] = []
+    out = io.StringIO()
+    rows, stopped = rollout_mod.rollout("inv.py", [["ws1"], ["ws2"], ["ws3", "ws4"]], out=out,
+                                        run=fake_runner(results, ran))
+    assert stopped is None and ran == [["ws1"], ["ws2"], ["ws3", "ws4"]]
+    assert [r["result"] for r in rows] == ["ok", "parked", "refused", "ok"]
+    text = out.getvalue()
+    assert "--> rollout batch 2 ended: no host ok" in text
+    assert ("    ws2 parked: unreachable: Could not connect (Connection refused); nothing was done on it "
+            "(catch it up when it is back)") in text
+    assert "    ws3 refused: refused at preflight: wsl_version; nothing was changed on it" in text
+    assert "--> rollout batch 3 ended: ws4 ok" in text
+    assert exit_status(rows, stopped) == rollout_mod.EXIT_PARKED
+
+
+def test_a_canary_that_reached_no_host_stops_the_rollout():
+    import io
+    ran: list[list[str]] = []
+    out = io.StringIO()
+    rows, stopped = rollout_mod.rollout("inv.py", [["ws1"], ["ws2"]], out=out,
+                                        run=fake_runner({"ws1": "parked", "ws2": "ok"}, ran))
+    assert ran == [["ws1"]] and "no reachable host" in stopped
+    assert [r["result"] for r in rows] == ["parked", "not run"]
+    assert exit_status(rows, stopped) == rollout_mod.EXIT_STOPPED
+
+
+def test_exit_status_tells_parked_refused_and_failed_apart():
+    status = lambda *results: exit_status([_row(f"h{i}", r) for i, r in enumerate(results)], None)  # noqa: E731
+    assert status("ok", "ok") == 0
+    assert status("ok", "parked", "refused") == rollout_mod.EXIT_PARKED == 4
+    assert status("ok", "refused") == rollout_mod.EXIT_REFUSED == 5
+    assert status("ok", "parked", "failed") == rollout_mod.EXIT_FAILED == 1
+    assert exit_status([_row("h", "ok")], "the canary failed") == rollout_mod.EXIT_STOPPED
+
+
+def test_catch_up_selects_the_hosts_of_an_earlier_report(tmp_path):
+    doc = {"hosts": [_row("ws1", "ok"), _row("ws2", "parked"), _row("ws3", "refused"), _row("ws4", "failed"),
+                     host_row("ws5", [], not_run="rollout stopped: x")]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    loaded_path, loaded = load_report(str(path))
+    assert loaded_path == path and loaded == json.loads(json.dumps(doc))
+    hosts = ["ws1", "ws2", "ws3", "ws4", "ws5"]
+    assert select_hosts(loaded, parse_only("parked,failed"), hosts, "r.json") == ["ws2", "ws4"]
+    assert select_hosts(loaded, parse_only("parked, not-run"), hosts, "r.json") == ["ws2", "ws5"]
+    assert select_hosts(loaded, parse_only("refused"), hosts, "r.json") == ["ws3"]
+    with pytest.raises(RolloutError) as info:
+        select_hosts(loaded, ["parked"], ["ws1"], "r.json")
+    assert "ws2 not in the inventory" in str(info.value)
+    for bad in ("", "parkd", "ok,broken"):
+        with pytest.raises(RolloutError) as info:
+            parse_only(bad)
+        assert "--only" in str(info.value) and "parked" in str(info.value)
+    (tmp_path / "bad.json").write_text("{")
+    for source in (str(tmp_path / "bad.json"), str(tmp_path / "none.json")):
+        with pytest.raises(RolloutError):
+            load_report(source)
+
+
+def test_every_rollout_writes_its_report_where_from_last_finds_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    with pytest.raises(RolloutError) as info:
+        rollout_mod.newest_report()
+    assert "no rollout report" in str(info.value)
+    first = rollout_mod.default_report_path(now=0)
+    assert first == tmp_path / "state" / "freetoken-infra" / "rollouts" / "rollout-19700101T000000Z.json"
+    rollout_mod.write_report(first, {"hosts": []})
+    second = rollout_mod.default_report_path(now=0)  # same second: a new name, never overwritten
+    assert second.name == "rollout-19700101T000000Z-2.json"
+    rollout_mod.write_report(second, {"hosts": [_row("ws2", "parked")]})
+    os.utime(first, (1, 1))
+    assert rollout_mod.newest_report() == second
+    assert not list(second.parent.glob(".*.tmp"))
+
+
+# ---------------------------------------------------------------------------- the CLI on this machine
+def _run_rollout(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-m", "freetoken_infra.rollout", *args], cwd=ROOT, capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, env=env, timeout=600)
+    print(run.stdout[-8000:], run.stderr[-3000:], sep="\n")
+    return run
+
+
+def test_rollout_here_parks_an_unreachable_host_refuses_this_one_and_catches_up(tmp_path):
+    """The real rollout CLI on this machine (not WSL: refused at preflight, nothing changed) and a
+    host nothing answers for (127.0.0.1 on a closed port: parked); the report is written without
+    --json, and the catch-up from it runs the parked host only."""
+    from tests.loopback import free_port
+
+    inv = tmp_path / "inventory.py"
+    inv.write_text('hosts = ["@local", ("ghost", {"ssh_hostname": "127.0.0.1", '
+                   f'"ssh_port": {free_port()}, "ssh_user": "nobody"}})]\n')
+    # one batch: a canary of a refused host alone would stop the rollout (it proved nothing)
+    run = _run_rollout([str(inv), "--batches", "2"], tmp_path)
+    out = run.stdout
+    assert run.returncode == 4, out + run.stderr
+    assert "pyinfra error" not in out and "Traceback" not in out + run.stderr
+    reports = list((tmp_path / "state" / "freetoken-infra" / "rollouts").glob("rollout-*.json"))
+    assert len(reports) == 1 and f"report: {reports[0]}" in out
+    doc = json.loads(reports[0].read_text())
+    r = {row["host"]: row for row in doc["hosts"]}
+    assert r["@local"]["result"] == "refused" and "wsl2" in r["@local"]["reason"]
+    assert r["ghost"]["result"] == "parked" and r["ghost"]["reason"].startswith("unreachable: ")
+    assert doc["exit_status"] == 4 and doc["batches_spec"] == "2" and doc["stopped"] is None
+    table = out[out.index("== fleet report =="):]
+    local = next(line for line in table.splitlines() if line.startswith("@local "))
+    # nothing was done on either host: the columns of what the deploy does say "-"
+    cells = local.split("  refused:")[0].split()
+    assert cells[-4:] == ["-", "-", "-", "-"], local   # model, health, tok/s, restart
+    assert "2 host(s): 0 ok, 1 parked, 1 refused, 0 failed, 0 not run" in table
+    assert "    @local refused: refused at preflight: " in out
+    assert "    ghost parked: unreachable: " in out
+    assert f"--only parked,failed --from {reports[0]}" in out
+    assert out.rstrip().endswith("exit status 4: every reached host converged or was refused; "
+                                 "some hosts are parked (unreachable)")
+
+    again = _run_rollout([str(inv), "--only", "parked,failed", "--from", "last"], tmp_path)
+    assert again.returncode == 4, again.stdout + again.stderr
+    assert f"--> catch-up of {reports[0]}: ghost (parked or failed there)" in again.stdout
+    assert "--> rollout plan: canary: ghost" in again.stdout
+    later = max((tmp_path / "state" / "freetoken-infra" / "rollouts").glob("rollout-*.json"),
+                key=lambda p: p.stat().st_mtime)
+    assert [row["host"] for row in json.loads(later.read_text())["hosts"]] == ["ghost"]
+    assert "--limit @local" not in again.stdout
+
+    bad = _run_rollout([str(inv), "--only", "parked"], tmp_path)
+    assert bad.returncode == 2 and "--only needs --from" in bad.stderr
+
+
+def test_a_refused_last_host_ends_with_a_plain_line_not_a_pyinfra_error(tmp_path):
+    """The deploy on this machine (not WSL): its only host stops at preflight, and the run ends
+    with one plain line of why and exit status 1, not ``pyinfra error in .../preflight.py``."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "-y", "@local", "deploys/freetoken.py"],
+                         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "pyinfra error" not in out and "Traceback" not in out and "preflight.py" not in out, out
+    # the last line but pyinfra's own "Disconnecting" (stdout and stderr interleave either way)
+    last = [line for line in out.splitlines() if line.strip() and "Disconnecting" not in line][-1]
+    assert last.startswith("--> no host left to go on: the last one, @local, stopped at preflight "
+                           "(preflight blockers: wsl2"), last
+    assert last.endswith("nothing was changed on any host; the findings above say what to do")
+
+
+# ---------------------------------------------------------------------------- preview (--dry --diff)
+PREVIEW_DEPLOY = '''
+import os
+from freetoken_infra.core.settings import Settings
+from operations import service, windows
+settings = Settings(config_dir=os.environ["FT_CONFIG_DIR"], api_key_source="env:FT_PREVIEW_KEY")
+windows.ini_values(name="wslconfig", path=os.environ["FT_WSLCONFIG"], section="wsl2",
+                   values=settings.wslconfig_values())
+service.api_key(name="key", settings=settings)
+'''
+
+
+def test_dry_diff_shows_the_changed_wslconfig_line_and_never_a_secret(tmp_path):
+    """``pyinfra --dry --diff`` on this machine: a UTF-16 .wslconfig (as Notepad writes it) whose
+    memory differs shows exactly that line; the API key file that would change shows that it
+    changes, masked; nothing is written."""
+    from operations.windows import merge_ini
+
+    wanted = Settings().wslconfig_values()
+    wslconfig = tmp_path / ".wslconfig"
+    wslconfig.write_bytes(merge_ini(b"\xff\xfe" + "# mine\r\n[wsl2]\r\n".encode("utf-16-le"), "wsl2",
+                                    {**wanted, "memory": "16GB"}))
+    config_dir = tmp_path / "etc"
+    config_dir.mkdir()
+    (config_dir / "api-key.env").write_text("FREETOKEN_API_KEY=old-secret-7d1e\n")
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (wslconfig, config_dir / "api-key.env")}
+    deploy = tmp_path / "preview.py"
+    deploy.write_text(PREVIEW_DEPLOY)
+    env = {**os.environ, "FT_CONFIG_DIR": str(config_dir), "FT_WSLCONFIG": str(wslconfig),
+           "FT_PREVIEW_KEY": "new-secret-51ab", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "--dry", "--diff", "@local", str(deploy)],
+                         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, timeout=300)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", run.stdout + run.stderr)
+    print(out)
+    assert run.returncode == 0, out
+    assert f"Will modify {wslconfig}" in out
+    changed = [line.strip() for line in out.splitlines() if re.match(r"\s+[-+] ", line)]
+    assert changed == ["- memory=16GB", "+ memory=24GB",
+                       "- FREETOKEN_API_KEY=********", "+ FREETOKEN_API_KEY=******** (changed)"], changed
+    assert "secret-7d1e" not in out and "secret-51ab" not in out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in before} == before
+
+
+def test_environment_lines_are_masked_but_a_change_still_shows():
+    from operations.preview import mask_env_lines
+
+    text = "HF_TOKEN=hf_abc\nPIP_INDEX_URL=https://me:pw123@mirror.lan/simple\nLOG_LEVEL=info\n"
+    assert mask_env_lines(text) == ["HF_TOKEN=********\n", "PIP_INDEX_URL=https://me:********@mirror.lan/simple\n",
+                                    "LOG_LEVEL=info\n"]
+    assert mask_env_lines("HF_TOKEN=b\nAPI_KEY=k\n", before="HF_TOKEN=a\n") == [
+        "HF_TOKEN=******** (changed)\n", "API_KEY=******** (new)\n"]
+    assert mask_env_lines("HF_TOKEN=a\n", before="HF_TOKEN=a\n") == ["HF_TOKEN=********\n"]
+
+
+def test_a_run_that_reaches_no_host_says_so_plainly(tmp_path):
+    """pyinfra could connect to none of the run's hosts (a batch of PCs that are off): one plain
+    line and exit status 1, not ``pyinfra error in .../config.py line N: No hosts remaining!``."""
+    from tests.loopback import free_port
+
+    inv = tmp_path / "inventory.py"
+    inv.write_text(f'hosts = [("ghost", {{"ssh_hostname": "127.0.0.1", "ssh_port": {free_port()}, '
+                   '"ssh_user": "nobody"})]\n')
+    run = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "-y", str(inv), "deploys/freetoken.py"],
+                         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "pyinfra error" not in out and "Traceback" not in out, out
+    assert ("--> no host could be reached (ghost; pyinfra's errors are above); nothing was done on any host"
+            in out), out
+
+
+def test_an_unreachable_host_is_parked_from_the_structured_record(tmp_path, monkeypatch):
+    """config.py registers report.ConnectRecorder under $FREETOKEN_RUN_RECORD: pyinfra's
+    connection error is a record, so the row needs no console text to be parked."""
+    monkeypatch.setenv(report.RECORD_ENV, str(tmp_path / "run.jsonl"))
+    report.ConnectRecorder.host_connect_error(None, type("H", (), {"name": "ws2"})(),
+                                              OSError("Could not connect (timed out)\nmore"))
+    records = read_records(str(tmp_path / "run.jsonl"))
+    assert records == {"ws2": [{"host": "ws2", "unreachable": "Could not connect (timed out)"}]}
+    row = host_row("ws2", records["ws2"])
+    assert (row["result"], row["reason"]) == ("parked", "unreachable: Could not connect (timed out)")
+    assert row["restart_pending"] is None and row["health"] == "-"
