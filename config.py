@@ -55,7 +55,7 @@ def _validate_then_connect(connect_all):
                        "nothing was done on any host", err=True)
             raise SystemExit(1) from None
 
-    connect_all_after_validation.validates_settings = True
+    connect_all_after_validation.validates_settings = True  # type: ignore[attr-defined]
     return connect_all_after_validation
 
 
@@ -86,7 +86,7 @@ def _load_inventory_or_say_why(make_inventory):
             raise CliError(f"inventory {inventory}: no hosts; no host was contacted")
         return loaded
 
-    make_inventory_checked.checks_inventory = True
+    make_inventory_checked.checks_inventory = True  # type: ignore[attr-defined]
     return make_inventory_checked
 
 

@@ -81,7 +81,8 @@ def wrap_cli(name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
         return True
     if current is None or current is not _cli_originals().get(name):
         return False
-    setattr(pyinfra_cli.cli, name, make(current))
+    assert callable(current)
+    setattr(pyinfra_cli.cli, name, make(current))  # current is the original, checked above
     return True
 
 

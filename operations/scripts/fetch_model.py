@@ -56,16 +56,21 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import TYPE_CHECKING, Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-try:  # uploaded beside this script on the target
-    import manifest as manifest_rules
-    import quant
-except ImportError:  # run from a checkout of the project
-    sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-    from freetoken_infra.core import manifest as manifest_rules  # type: ignore[no-redef]
-    from freetoken_infra.core import quant  # type: ignore[no-redef]
+if TYPE_CHECKING:  # the same modules, as the type checker finds them in the checkout
+    from freetoken_infra.core import manifest as manifest_rules
+    from freetoken_infra.core import quant
+else:
+    try:  # uploaded beside this script on the target
+        import manifest as manifest_rules
+        import quant
+    except ImportError:  # run from a checkout of the project
+        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+        from freetoken_infra.core import manifest as manifest_rules
+        from freetoken_infra.core import quant
 
 MANIFEST = manifest_rules.MANIFEST_NAME
 PARTIAL_DIR = manifest_rules.PARTIAL_DIR
@@ -311,7 +316,7 @@ class Status:
     def __init__(self, path: str | None, repo: str):
         self.path = path
         self.lock = threading.Lock()
-        self.doc = {
+        self.doc: dict[str, Any] = {
             "state": "checking", "repo": repo, "commit": None, "bytes_total": 0,
             "bytes_missing_at_start": 0, "bytes_done": 0, "bytes_transferred": 0,
             "bytes_hashed": 0, "files_total": 0, "files_trusted": 0, "rate_bps": 0.0,

@@ -43,14 +43,18 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-try:  # uploaded beside this script on the target
-    import manifest as manifest_rules
-except ImportError:  # run from a checkout of the project
-    sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-    from freetoken_infra.core import manifest as manifest_rules  # type: ignore[no-redef]
+if TYPE_CHECKING:  # the same module, as the type checker finds it in the checkout
+    from freetoken_infra.core import manifest as manifest_rules
+else:
+    try:  # uploaded beside this script on the target
+        import manifest as manifest_rules
+    except ImportError:  # run from a checkout of the project
+        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+        from freetoken_infra.core import manifest as manifest_rules
 
 
 TOKEN_HEADER = "X-FreeToken-Cache-Token"
@@ -253,6 +257,7 @@ class CacheServer:
                     self._accept()
                     continue
                 conn = key.fileobj
+                assert isinstance(conn, socket.socket)
                 _, address = self.waiting.pop(conn)
                 self.selector.unregister(conn)
                 self.pool.submit(self._serve_one, conn, address)
