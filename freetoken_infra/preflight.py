@@ -21,9 +21,11 @@ from facts.gpu_memory import GpuMemoryProbe
 from facts.init import InitSystem
 from facts.model import ModelDirectory
 from facts.resources import HostResources
-from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
+from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import rules
+from freetoken_infra.layout import DEFAULT_DRIVE_ROOT, WSLCONFIG_NAME
+from freetoken_infra.wsl_ini import drive_root
 from freetoken_infra.report import findings_table, fleet_summary
 from freetoken_infra.settings import Settings, SettingsError, validate_inventory
 
@@ -49,6 +51,15 @@ def fleet_settings(state) -> dict[str, Settings]:
     return _settings_checked[key]
 
 
+def windows_profile(host, wslconf) -> WindowsProfileInfo:
+    """The Windows profile, looked for under wsl.conf's ``[automount] root`` (``/mnt/`` unless
+    the user moved the drives, e.g. ``root = /``: C: at ``/c``)."""
+    root = drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
+    if root == DEFAULT_DRIVE_ROOT:
+        return host.get_fact(WindowsUserProfile)  # the batched (prefetched) form
+    return host.get_fact(WindowsUserProfile, drive_root=root)
+
+
 def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Observations:
     """Read the host (facts only; nothing is changed).
 
@@ -71,9 +82,10 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
     health = host.get_fact(engine_health[0], **engine_health[1])
     if health.status == "ok":
         probe_gpu_memory = False
-    profile = host.get_fact(WindowsUserProfile) if kernel.kind == "wsl2" else None
+    wslconf = host.get_fact(WslConfFile)
+    profile = windows_profile(host, wslconf) if kernel.kind == "wsl2" else None
     wslconfig = (
-        host.get_fact(WslConfigFile, path=f"{profile.path}/.wslconfig")
+        host.get_fact(WslConfigFile, path=f"{profile.path}/{WSLCONFIG_NAME}")
         if profile is not None and profile.path
         else None
     )
@@ -85,7 +97,7 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         gpus=gpus,
         cuda=host.get_fact(CudaToolchain, cuda_home=settings.cuda_home),
         resources=host.get_fact(HostResources, path=settings.model_dir),
-        wslconf=host.get_fact(WslConfFile),
+        wslconf=wslconf,
         windows_profile=profile,
         wslconfig=wslconfig,
         gpu_memory=gpu_memory,

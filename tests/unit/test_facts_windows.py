@@ -95,10 +95,13 @@ def test_report_wslconfig():
 
 
 def test_bom_comments_case_and_duplicates():
+    """WSL's reading: the first of two keys wins (a later one is only warned about), `;` is no
+    comment (that line is skipped in .wslconfig), names match whatever their case."""
     data = b"\xef\xbb\xbf# user comment\r\n[WSL2]\r\nMemory = 16GB\r\n; old\r\nmemory=24GB\r\n[Experimental]\r\nautoMemoryReclaim=gradual\r\n"
     info = parse_ini("x", data)
     assert info.error is None
-    assert info.sections == {"wsl2": {"memory": "24GB"}, "experimental": {"automemoryreclaim": "gradual"}}
+    assert info.sections == {"wsl2": {"memory": "16GB"}, "experimental": {"automemoryreclaim": "gradual"}}
+    assert info.problems == ("line 4: invalid key: a key starts with a letter a-z",)
 
 
 def test_utf16_notepad_file():
@@ -106,9 +109,11 @@ def test_utf16_notepad_file():
     assert info.sections == {"boot": {"systemd": "true"}}
 
 
-def test_broken_ini():
-    info = parse_ini("/etc/wsl.conf", b"systemd=true\n[boot\n")
-    assert info.exists and info.sections == {} and info.error
+def test_broken_wsl_conf_is_read_up_to_its_first_bad_line():
+    info = parse_ini("/etc/wsl.conf", b"systemd=true\n[boot\nsystemd=true\n")
+    assert info.exists and info.sections == {} and info.error is None
+    assert info.ini is not None and info.ini.stopped_at == 2
+    assert info.problems[0].startswith("line 2: expected ']'")
 
 
 def test_ini_output_absent_and_present():
