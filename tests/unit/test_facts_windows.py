@@ -202,3 +202,25 @@ def test_autostart_runs_schtasks_from_system32_and_names_the_host_without_it(tmp
     proc = subprocess.run(["sh", "-c", on_this_machine(command, tmp_path / "none")], capture_output=True,
                           text=True, env=LINUX_PATH)
     assert proc.returncode == 1 and "host ws1" in proc.stderr and "schtasks.exe" in proc.stderr
+
+
+def test_profile_found_under_a_moved_automount_root(tmp_path):
+    """`[automount] root = /` (or any root): cmd.exe is looked for in System32 under that root
+    and run from the C: drive there; no /mnt/c is assumed."""
+    from facts.windows import system32
+
+    root = f"{tmp_path}/"
+    folder = Path(system32(root))
+    folder.mkdir(parents=True)
+    (folder / "cmd.exe").write_text(
+        f"#!/bin/sh\n[ \"$(pwd)\" = '{tmp_path}/c' ] || exit 3\ncat '{FIX / 'cmd-echo-userprofile.crlf'}'\n")
+    (folder / "cmd.exe").chmod(0o755)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "wslpath").write_text(f'#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo {tmp_path}/c/Users/dev\n')
+    (tools / "wslpath").chmod(0o755)
+    fact = WindowsUserProfile()
+    info = fact.process(run_sh(fact.command(drive_root=root), env={"PATH": f"{tools}:/usr/bin:/bin"}))
+    assert (info.path, info.error) == (f"{tmp_path}/c/Users/dev", None), info
+    missing = fact.process(run_sh(fact.command(drive_root=f"{tmp_path}/none/"), env={"PATH": f"{tools}:/usr/bin:/bin"}))
+    assert missing.path is None and "cmd.exe not found" in missing.error
