@@ -145,7 +145,8 @@ def check_systemd(obs: Observations) -> Finding:
         )
     # WSL's reading of the file: first occurrence wins, keys before any header and everything
     # after a line that stops WSL's parser are ignored (freetoken_infra/wsl_ini.py).
-    enabled = obs.wslconf.ini is not None and wsl_ini.same_value(obs.wslconf.ini.value("boot", "systemd"), "true")
+    ini = obs.wslconf.ini
+    enabled = ini is not None and wsl_ini.same_value(ini.value("boot", "systemd"), "true")
     if enabled:
         return Finding(
             "systemd", "block",

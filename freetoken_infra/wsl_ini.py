@@ -417,7 +417,10 @@ def merge_parsed(ini: WslIniFile, section: str, values: Mapping[str, str],
                  original: bytes | None = None) -> MergeResult:
     """:func:`merge` on a file already parsed (``original``: its bytes, when at hand)."""
     dialect = ini.dialect
-    raw = original if original is not None else (b"" if ini.error else encode(ini.text, ini.encoding, dialect))
+    if original is not None:
+        raw = original
+    else:
+        raw = b"" if ini.error else encode(ini.text, ini.encoding, dialect)
     if ini.error:
         return MergeResult(raw, problem=IniProblem(1, ini.error))
     text, nl = ini.text, ini.newline
@@ -497,7 +500,8 @@ def merge_parsed(ini: WslIniFile, section: str, values: Mapping[str, str],
     wrong = [k for k, v in values.items() if not same_value(check.value(section, k), v)]
     if wrong:  # never write a file WSL would not read as asked
         line = check.stopped_at or 1
-        return MergeResult(raw, problem=IniProblem(line, f"after the merge WSL would not read {', '.join(wrong)}"))
+        return MergeResult(raw, problem=IniProblem(
+            line, f"after the merge WSL would not read {', '.join(wrong)}"))
     return MergeResult(data, tuple(changed), None, tuple(notes))
 
 
@@ -509,7 +513,8 @@ class _Unsafe(Exception):
 
 def differences(ini: WslIniFile, section: str, values: Mapping[str, str]) -> dict[str, str | None]:
     """``{key: value WSL reads now}`` for each key whose reading differs from ``values``."""
-    return {k: ini.value(section, k) for k, want in values.items() if not same_value(ini.value(section, k), want)}
+    return {k: ini.value(section, k) for k, want in values.items()
+            if not same_value(ini.value(section, k), want)}
 
 
 def wsl_reads(data: bytes | None, dialect: Dialect, section: str, values: Mapping[str, str]) -> bool:

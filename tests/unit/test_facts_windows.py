@@ -217,10 +217,12 @@ def test_profile_found_under_a_moved_automount_root(tmp_path):
     (folder / "cmd.exe").chmod(0o755)
     tools = tmp_path / "bin"
     tools.mkdir()
-    (tools / "wslpath").write_text(f'#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo {tmp_path}/c/Users/dev\n')
+    (tools / "wslpath").write_text(
+        f'#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo {tmp_path}/c/Users/dev\n')
     (tools / "wslpath").chmod(0o755)
     fact = WindowsUserProfile()
     info = fact.process(run_sh(fact.command(drive_root=root), env={"PATH": f"{tools}:/usr/bin:/bin"}))
     assert (info.path, info.error) == (f"{tmp_path}/c/Users/dev", None), info
-    missing = fact.process(run_sh(fact.command(drive_root=f"{tmp_path}/none/"), env={"PATH": f"{tools}:/usr/bin:/bin"}))
+    env = {"PATH": f"{tools}:/usr/bin:/bin"}
+    missing = fact.process(run_sh(fact.command(drive_root=f"{tmp_path}/none/"), env=env))
     assert missing.path is None and "cmd.exe not found" in missing.error

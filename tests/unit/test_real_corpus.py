@@ -33,15 +33,18 @@ WSLCONFIG_FILES: dict[str, dict[str, dict[str, str]]] = {
         "wsl2": {"memory": "8GB", "processors": "4", "localhostforwarding": "true", "safemode": "false",
                  "swap": "0", "pagereporting": "true", "guiapplications": "true", "debugconsole": "false",
                  "nestedvirtualization": "true", "vmidletimeout": "60000", "dnsproxy": "true",
-                 "networkingmode": "mirrored", "firewall": "true", "dnstunneling": "true", "autoproxy": "true",
+                 "networkingmode": "mirrored", "firewall": "true", "dnstunneling": "true",
+                 "autoproxy": "true",
                  "defaultvhdsize": "1TB"},
-        "experimental": {"automemoryreclaim": "dropCache", "sparsevhd": "false", "besteffortdnsparsing": "false",
+        "experimental": {"automemoryreclaim": "dropCache", "sparsevhd": "false",
+                         "besteffortdnsparsing": "false",
                          "dnstunnelingipaddress": "10.255.255.254", "initialautoproxytimeout": "1000",
                          "hostaddressloopback": "false"}},
     "wslconfig-no-section-wsl11540.ini": {},
     "wslconfig-experimental-only-docs1967.ini": {"experimental": {"networkingmode": "mirrored"}},
     "wslconfig-wsl2-networking-luckyyyyy79.ini": {
-        "wsl2": {"dnstunneling": "true", "firewall": "true", "autoproxy": "true", "networkingmode": "mirrored"},
+        "wsl2": {"dnstunneling": "true", "firewall": "true", "autoproxy": "true",
+                 "networkingmode": "mirrored"},
         "experimental": {"automemoryreclaim": "gradual", "sparsevhd": "true"}},
     "wslconfig-experimental-networking-wsl11090.ini": {
         "wsl2": {"memory": "4G"},
@@ -53,7 +56,8 @@ WSLCONFIG_FILES: dict[str, dict[str, dict[str, str]]] = {
     "wslconfig-experimental-autoproxy-wsl10583.ini": {"experimental": {
         "networkingmode": "mirrored", "dnstunneling": "true", "firewall": "true", "autoproxy": "true"}},
     "wslconfig-experimental-reclaim-wsl10794.ini": {"experimental": {
-        "automemoryreclaim": "gradual", "networkingmode": "mirrored", "dnstunneling": "true", "firewall": "true",
+        "automemoryreclaim": "gradual", "networkingmode": "mirrored", "dnstunneling": "true",
+        "firewall": "true",
         "autoproxy": "true"}},
     "wslconfig-wsl2-mirrored-wsl1350.ini": {"wsl2": {
         "networkingmode": "mirrored", "firewall": "true", "dnstunneling": "true", "autoproxy": "true"}},
@@ -85,12 +89,14 @@ WSLCONF_FILES: dict[str, tuple[dict[str, dict[str, str]], bool, str]] = {
     "wsl-conf-automount-root-metadata-wsl4774.conf": (
         {"automount": {"root": "/", "options": "metadata"}}, False, "/c"),
     "wsl-conf-automount-root-uid-wsl4774.conf": (
-        {"automount": {"root": "/", "enabled": "true", "options": "uid=1000,gid=1000,umask=022,fmask=11,metadata"}},
+        {"automount": {"root": "/", "enabled": "true",
+                       "options": "uid=1000,gid=1000,umask=022,fmask=11,metadata"}},
         False, "/c"),
     "wsl-conf-automount-root-wsl3155.conf": ({"automount": {"root": "/"}}, False, "/c"),
     "wsl-conf-automount-windir-wsl3597.conf": (
         {"automount": {"enabled": "true", "root": "/windir/"}}, False, "/windir/c"),
-    "wsl-conf-automount-options-wsl6258.conf": ({"automount": {"options": "metadata,case=dir"}}, False, "/mnt/c"),
+    "wsl-conf-automount-options-wsl6258.conf": (
+        {"automount": {"options": "metadata,case=dir"}}, False, "/mnt/c"),
     "wsl-conf-automount-disabled-wsl7906.conf": ({"automount": {"enabled": "false"}}, False, "/mnt/c"),
     "wsl-conf-boot-systemd-centos23.conf": ({"boot": {"systemd": "true"}}, True, "/mnt/c"),
 }
@@ -180,7 +186,8 @@ def test_wslconfig_merge_of_new_values_keeps_every_other_line(name):
     assert kept == before  # every other line is still there (a superseded duplicate commented out)
     for section, values in WSLCONFIG_FILES[name].items():
         for key, value in values.items():
-            if not (section in ("wsl2", "experimental") and key in ("memory", "networkingmode", "vmidletimeout")):
+            managed = key in ("memory", "networkingmode", "vmidletimeout")
+            if not (section in ("wsl2", "experimental") and managed):
                 assert after.sections()[section][key] == value
 
 

@@ -104,7 +104,8 @@ def test_drive_root():
 
 
 def test_value_already_right_in_wsls_reading_is_not_rewritten():
-    data = b"[wsl2]\nmemory=24GB # mine\nprocessors = \"8\"\nswap=4gb\r\nlocalhostForwarding=True\nvmIdleTimeout=0\n"
+    data = (b"[wsl2]\nmemory=24GB # mine\nprocessors = \"8\"\nswap=4gb\r\n"
+            b"localhostForwarding=True\nvmIdleTimeout=0\n")
     result = merge(data, WSLCONFIG, "wsl2", WANT)
     assert result.data == data and result.changed == () and not result.writes
 
@@ -112,7 +113,8 @@ def test_value_already_right_in_wsls_reading_is_not_rewritten():
 def test_only_the_differing_value_changes_comment_and_spacing_stay():
     data = b"# mine\r\n[wsl2]\r\nMemory = 16GB   # half my RAM\r\nguiApplications=false\r\n"
     result = merge(data, WSLCONFIG, "wsl2", {"memory": "24GB", "swap": "4GB"})
-    assert result.data == b"# mine\r\n[wsl2]\r\nMemory = 24GB   # half my RAM\r\nguiApplications=false\r\nswap=4GB\r\n"
+    assert result.data == (b"# mine\r\n[wsl2]\r\nMemory = 24GB   # half my RAM\r\n"
+                           b"guiApplications=false\r\nswap=4GB\r\n")
     assert result.changed == ("memory", "swap")
 
 
