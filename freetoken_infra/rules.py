@@ -187,8 +187,12 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
         f"{key}={seen if seen is not None else '<unset>'} (want {want[key]})"
         for key, seen in wsl_ini.differences(ini, "wsl2", want).items()
     ]
+    mode = ini.first("wsl2", "networkingMode")
+    # The networking mode WSL runs with, and where it reads it (WSL 2.0 read [experimental]).
+    seen_mode = f"; networkingMode={mode.value} ([{mode.section}] line {mode.line})" if mode else ""
     if not differ:
-        return Finding("wslconfig", "pass", ".wslconfig [wsl2] matches the settings (as WSL reads it)")
+        return Finding("wslconfig", "pass",
+                       ".wslconfig [wsl2] matches the settings (as WSL reads it)" + seen_mode)
     plan = wsl_ini.merge_parsed(ini, "wsl2", want)
     if plan.problem is not None:
         return Finding(
@@ -197,7 +201,7 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
             "then " + RESTART_REMEDY,
         )
     return Finding(
-        "wslconfig", "warn", ".wslconfig differs: " + ", ".join(differ),
+        "wslconfig", "warn", ".wslconfig differs: " + ", ".join(differ) + seen_mode,
         "the deploy merges these keys into .wslconfig (keeping yours); then " + RESTART_REMEDY,
         deploy_fixes=True,
     )

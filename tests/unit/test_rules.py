@@ -317,7 +317,8 @@ def test_networking_mode_where_wsl_2_0_read_it_counts():
     data = b"[wsl2]\nmemory=24GB\nprocessors=8\nswap=4GB\nlocalhostForwarding=true\nvmIdleTimeout=0\n" \
            b"[experimental]\nnetworkingMode=mirrored\n"
     settings = Settings(wslconfig_networking_mode="mirrored")
-    assert finding("wslconfig", healthy(wslconfig=parse_ini(WSLCONFIG_PATH, data)), settings).status == "pass"
+    f = finding("wslconfig", healthy(wslconfig=parse_ini(WSLCONFIG_PATH, data)), settings)
+    assert f.status == "pass" and "networkingMode=mirrored ([experimental] line 8)" in f.evidence
 
 
 def test_wslconfig_keys_before_any_section_are_not_counted():
