@@ -14,7 +14,9 @@ from typing import Literal
 from pyinfra.api import FactBase
 
 from ._output import b64decode_lines, parse_int, section_map
-from .windows import windows_exe
+from freetoken_infra.layout import DEFAULT_DRIVE_ROOT
+
+from .windows import system32, windows_exe
 
 # --------------------------------------------------------------------------- kernel
 
@@ -191,13 +193,14 @@ class WslVersion(FactBase[WslVersionInfo]):
     an inbox WSL too old to know ``--version``; ``unavailable`` means neither tool answered.
     """
 
-    def command(self) -> str:
+    def command(self, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
+        """+ drive_root: wsl.conf's ``[automount] root`` (where System32's wsl.exe is)."""
         return (
             "if command -v wslinfo >/dev/null 2>&1; then "
             "V=$(wslinfo --wsl-version 2>&1); R=$?; "
             "echo '@@ft:wslinfo'; printf '%s\\n' \"$V\"; echo \"@@ft:wslinfo-rc $R\"; "
             "case \"$R:$V\" in 0:[0-9]*.[0-9]*) exit 0;; esac; fi; "
-            f"{windows_exe('W', 'wsl.exe')}; "
+            f"{windows_exe('W', 'wsl.exe', system32(drive_root))}; "
             "if [ -n \"$W\" ]; then "
             "echo '@@ft:wsl.exe'; "
             # The exit status rides behind the raw bytes (see split_exit_status).

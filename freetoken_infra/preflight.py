@@ -51,13 +51,17 @@ def fleet_settings(state) -> dict[str, Settings]:
     return _settings_checked[key]
 
 
-def windows_profile(host, wslconf) -> WindowsProfileInfo:
-    """The Windows profile, looked for under wsl.conf's ``[automount] root`` (``/mnt/`` unless
-    the user moved the drives, e.g. ``root = /``: C: at ``/c``)."""
+def on_windows_drive(host, fact, wslconf):
+    """``fact`` (a fact that runs a Windows program) looked for under wsl.conf's ``[automount]
+    root`` (``/mnt/`` unless the user moved the drives, e.g. ``root = /``: C: at ``/c``)."""
     root = drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
     if root == DEFAULT_DRIVE_ROOT:
-        return host.get_fact(WindowsUserProfile)  # the batched (prefetched) form
-    return host.get_fact(WindowsUserProfile, drive_root=root)
+        return host.get_fact(fact)  # the batched (prefetched) form
+    return host.get_fact(fact, drive_root=root)
+
+
+def windows_profile(host, wslconf) -> WindowsProfileInfo:
+    return on_windows_drive(host, WindowsUserProfile, wslconf)
 
 
 def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Observations:
@@ -92,7 +96,7 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
     gpu_memory = host.get_fact(GpuMemoryProbe) if probe_gpu_memory and gpus.gpus else None
     return rules.Observations(
         kernel=kernel,
-        wsl=host.get_fact(WslVersion),
+        wsl=on_windows_drive(host, WslVersion, wslconf),
         init=host.get_fact(InitSystem),
         gpus=gpus,
         cuda=host.get_fact(CudaToolchain, cuda_home=settings.cuda_home),
