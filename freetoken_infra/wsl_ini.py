@@ -271,14 +271,13 @@ class _Parser:
                 else:
                     raise _Invalid("invalid key: a key starts with a letter a-z")
             except _Invalid as bad:
-                self.line = line
                 self.problems.append(IniProblem(line, bad.message))
                 if self.dialect == WSLCONF:
                     self.problems.append(IniProblem(
                         line, "WSL stops reading /etc/wsl.conf at this line: it ignores the rest"))
                     stopped = line
                     break
-                self.i = start
+                # WSL skips the rest of the line it is on (after a continuation: the later line).
                 self.end_line()
         return WslIniFile(
             self.dialect, self.text, encoding, tuple(self.entries), tuple(self.headers),

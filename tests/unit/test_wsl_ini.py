@@ -39,6 +39,11 @@ def test_line_continuation():
     assert values(b"[wsl2]\nkernelCommandLine = a \\\n b\n") == {"wsl2": {"kernelcommandline": "a  b"}}
 
 
+def test_an_invalid_continued_line_is_skipped_to_its_last_line():
+    ini = parse(b"[wsl2]\nkernelCommandLine = a \\\n b \\q c\nmemory=4GB\n", WSLCONFIG)
+    assert ini.sections() == {"wsl2": {"memory": "4GB"}} and [p.line for p in ini.problems] == [2]
+
+
 def test_keys_before_the_first_section_are_ignored_not_an_error():
     ini = parse(b"memory=1GB\nsystemd=true\n[wsl2]\nswap=0\n", WSLCONFIG)
     assert ini.sections() == {"wsl2": {"swap": "0"}} and ini.problems == ()
