@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal, Mapping
 
 Dialect = Literal["wslconfig", "wslconf"]
 Encoding = Literal["utf-8", "utf-8-sig", "utf-16-le"]
@@ -516,16 +516,8 @@ def differences(ini: WslIniFile, section: str, values: Mapping[str, str]) -> dic
             if not same_value(ini.value(section, k), want)}
 
 
-def wsl_reads(data: bytes | None, dialect: Dialect, section: str, values: Mapping[str, str]) -> bool:
-    """True when WSL already reads every one of ``values`` in ``[section]``."""
-    return not differences(parse(data, dialect), section, values)
-
-
 def drive_root(wslconf: WslIniFile) -> str:
     """Where WSL mounts Windows drives (``[automount] root``, default ``/mnt/``), ending in ``/``."""
     root = wslconf.value("automount", "root") or "/mnt/"
     return root if root.endswith("/") else root + "/"
 
-
-def unreadable_lines(ini: WslIniFile) -> Sequence[IniProblem]:
-    return ini.problems
