@@ -226,3 +226,19 @@ def test_profile_found_under_a_moved_automount_root(tmp_path):
     env = {"PATH": f"{tools}:/usr/bin:/bin"}
     missing = fact.process(run_sh(fact.command(drive_root=f"{tmp_path}/none/"), env=env))
     assert missing.path is None and "cmd.exe not found" in missing.error
+
+
+def test_preflight_asks_for_windows_programs_under_wsl_confs_automount_root():
+    from facts.wsl import WslVersion
+    from freetoken_infra.preflight import on_windows_drive
+
+    class Host:
+        def get_fact(self, fact, **kwargs):
+            return fact, kwargs
+
+    moved = parse_ini("/etc/wsl.conf", b"[automount]\nroot = / # drives at /c\n")
+    for fact in (WindowsUserProfile, WslVersion):
+        assert on_windows_drive(Host(), fact, moved) == (fact, {"drive_root": "/"})
+        # The default root keeps the batched (prefetched) form of the fact.
+        default = parse_ini("/etc/wsl.conf", b"[boot]\nsystemd=true\n")
+        assert on_windows_drive(Host(), fact, default) == (fact, {})
