@@ -40,6 +40,8 @@ class GpuReport:
     cuda_version: str | None
     smi_path: str | None
     error: str | None
+    # The table header's driver version ("Driver Version:", or "KMD Version:" from the 600s on).
+    driver_version: str | None = None
 
 
 def _unavailable(value: str) -> bool:
@@ -108,10 +110,53 @@ def parse_query_csv(text: str) -> tuple[tuple[GpuInfo, ...], str | None]:
     return tuple(gpus), error
 
 
+# The plain table's header: "NVIDIA-SMI 580.82.10   Driver Version: 581.29   CUDA Version: 13.0"; from
+# the 600 series on "KMD Version: 610.43.02   CUDA UMD Version: 13.3" (nvidia-smi docs: Driver
+# Version and CUDA Version deprecated in favour of KMD Version and CUDA UMD Version).
+_CUDA_RE = re.compile(r"CUDA (?:UMD )?Version:\s*(\d+(?:\.\d+)*)")
+_DRIVER_RE = re.compile(r"(?:Driver|KMD) Version:\s*(\d+(?:\.\d+)*)")
+# A GPU's first two rows in the table: "|   0  NVIDIA GeForce RTX 4090   On  | ..." then
+# "|  0%   38C    P8   16W / 450W |   1528MiB / 24564MiB | ...".
+_TABLE_GPU_RE = re.compile(r"^\s*\|\s+(\d+)\s+(.+?)\s+(?:On|Off|WDDM|TCC)\s+\|")
+_TABLE_MEM_RE = re.compile(r"\|\s*(\d+)MiB\s*/\s*(\d+)MiB\s*\|")
+
+
+@dataclass(frozen=True)
+class TableGpu:
+    """A GPU as the plain table shows it (names longer than the column end in ``...``)."""
+
+    index: int
+    name: str
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+
+
 def parse_cuda_version(table: str) -> str | None:
-    """The ``CUDA Version: 13.0`` of the plain ``nvidia-smi`` table header."""
-    match = re.search(r"CUDA Version:\s*(\d+(?:\.\d+)*)", table)
+    """The driver's CUDA version from the plain ``nvidia-smi`` table header (either label)."""
+    match = _CUDA_RE.search(table)
     return match.group(1) if match else None
+
+
+def parse_driver_version(table: str) -> str | None:
+    """The driver version from the table header (``Driver Version:`` or ``KMD Version:``)."""
+    match = _DRIVER_RE.search(table)
+    return match.group(1) if match else None
+
+
+def parse_table_gpus(table: str) -> tuple[TableGpu, ...]:
+    """Each GPU row of the plain table with the memory on the row below it."""
+    lines = table.splitlines()
+    gpus: list[TableGpu] = []
+    for number, line in enumerate(lines):
+        match = _TABLE_GPU_RE.match(line)
+        if not match:
+            continue
+        memory = _TABLE_MEM_RE.search(lines[number + 1]) if number + 1 < len(lines) else None
+        gpus.append(TableGpu(
+            int(match.group(1)), match.group(2).strip(),
+            int(memory.group(1)) if memory else None, int(memory.group(2)) if memory else None,
+        ))
+    return tuple(gpus)
 
 
 def parse_nvidia_smi_output(lines: list[str]) -> GpuReport:
@@ -125,7 +170,7 @@ def parse_nvidia_smi_output(lines: list[str]) -> GpuReport:
     gpus, error = parse_query_csv(query)
     if error and query_rc not in (0, None):
         error = f"{error} (exit {query_rc})"
-    return GpuReport(gpus, parse_cuda_version(table), smi_path, error)
+    return GpuReport(gpus, parse_cuda_version(table), smi_path, error, parse_driver_version(table))
 
 
 class NvidiaGpus(FactBase[GpuReport]):

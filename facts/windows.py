@@ -4,14 +4,22 @@ configuration files (``%UserProfile%\\.wslconfig`` read by Windows at VM start, 
 
 from __future__ import annotations
 
-import configparser
 from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
+from freetoken_infra.core import wsl_ini
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, drive_path
+from freetoken_infra.core.wsl_ini import WslIniFile
+
 from ._output import b64decode_lines, parse_int, quote, section_map
 
-WINDOWS_SYSTEM32 = "/mnt/c/Windows/System32"
+WINDOWS_SYSTEM32 = f"{drive_path(DEFAULT_DRIVE_ROOT)}/Windows/System32"
+
+
+def system32(drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
+    """``C:\\Windows\\System32`` under the automount root (wsl.conf ``[automount] root``)."""
+    return f"{drive_path(drive_root)}/Windows/System32"
 
 
 def windows_exe(var: str, exe: str, system32: str = WINDOWS_SYSTEM32) -> str:
@@ -57,8 +65,9 @@ def parse_user_profile_output(lines: list[str]) -> WindowsProfileInfo:
     secs = section_map(lines)
     if "no-cmd" in secs:
         return WindowsProfileInfo(None, None, "cmd.exe not found (no Windows interop)")
-    if "no-mnt-c" in secs:
-        return WindowsProfileInfo(None, None, "/mnt/c is not mounted")
+    if "no-drive-c" in secs:
+        where = secs["no-drive-c"][0] or "the C: drive"
+        return WindowsProfileInfo(None, None, f"{where} is not mounted (wsl.conf [automount])")
     if "cmd" not in secs:
         return WindowsProfileInfo(None, None, "no output")
     raw = b64decode_lines(secs["cmd"][1])
@@ -81,18 +90,24 @@ def parse_user_profile_output(lines: list[str]) -> WindowsProfileInfo:
 class WindowsUserProfile(FactBase[WindowsProfileInfo]):
     """
     Returns ``WindowsProfileInfo``: the Windows user profile (``C:\\Users\\dev``) and its WSL
-    path (``/mnt/c/Users/dev``), where ``.wslconfig`` lives.
+    path (``/mnt/c/Users/dev``, or ``/c/Users/dev`` under ``[automount] root = /``), where
+    ``.wslconfig`` lives.
 
-    Runs ``cmd.exe`` from ``/mnt/c``: from a Linux cwd cmd.exe warns about UNC paths.
+    + drive_root: wsl.conf's ``[automount] root`` (``wsl_ini.drive_root``; default ``/mnt/``)
+
+    ``cmd.exe`` is found on PATH or in System32 under the drive root, and runs from the C: drive
+    (from a Linux cwd cmd.exe warns about UNC paths); ``wslpath -u`` turns its answer into the
+    distro's path, so no ``/mnt/c`` is assumed.
     """
 
-    def command(self) -> str:
+    def command(self, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
+        drive_c = quote(drive_path(drive_root))
         return (
-            f"{windows_exe('C', 'cmd.exe')}; "
+            f"{windows_exe('C', 'cmd.exe', system32(drive_root))}; "
             "if [ -z \"$C\" ]; then echo '@@ft:no-cmd'; "
-            "elif ! [ -d /mnt/c ]; then echo '@@ft:no-mnt-c'; "
+            f"elif ! [ -d {drive_c} ]; then echo '@@ft:no-drive-c' {drive_c}; "
             "else "
-            "P=$(cd /mnt/c && \"$C\" /c echo %UserProfile% 2>/dev/null </dev/null); "
+            f"P=$(cd {drive_c} && \"$C\" /c echo %UserProfile% 2>/dev/null </dev/null); "
             "echo '@@ft:cmd'; printf '%s\\n' \"$P\" | base64; "
             "if command -v wslpath >/dev/null 2>&1; then "
             "Q=$(wslpath -u \"$(printf '%s' \"$P\" | tr -d '\\r\\n')\" 2>&1); R=$?; "
@@ -113,43 +128,39 @@ class WindowsUserProfile(FactBase[WindowsProfileInfo]):
 
 @dataclass(frozen=True)
 class IniFileInfo:
+    """A ``.wslconfig`` or ``/etc/wsl.conf`` as WSL reads it (``freetoken_infra.core.wsl_ini``).
+
+    ``sections``: ``{section: {key: value}}`` in lower case, first occurrence winning, keys
+    before the first header left out; ``problems``: the lines WSL warns about or skips;
+    ``error``: the file could not be read or decoded (WSL reads no key from it).
+    """
+
     path: str
     exists: bool
     sections: dict[str, dict[str, str]] = field(default_factory=dict)
     error: str | None = None
+    ini: WslIniFile | None = None
+    problems: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Built from plain sections (tests, callers without the bytes): the file WSL would read
+        # them from, so that every reader goes through one parser.
+        if self.ini is None and self.exists and self.error is None:
+            text = "".join(
+                f"[{name}]\n" + "".join(f"{k}={wsl_ini.format_value(v)}\n" for k, v in keys.items())
+                for name, keys in self.sections.items()
+            )
+            object.__setattr__(self, "ini", wsl_ini.parse(text.encode("utf-8"), dialect_of(self.path)))
 
 
-def decode_ini_bytes(data: bytes) -> str:
-    """Decode an INI file: UTF-8 (BOM tolerated) or UTF-16 with BOM (Notepad's "Unicode")."""
-    if data.startswith(b"\xff\xfe") or data.startswith(b"\xfe\xff"):
-        return data.decode("utf-16")
-    return data.decode("utf-8-sig")
+def dialect_of(path: str) -> wsl_ini.Dialect:
+    return wsl_ini.WSLCONF if path == WSL_CONF else wsl_ini.WSLCONFIG
 
 
-def parse_ini(path: str, data: bytes) -> IniFileInfo:
-    """Parse WSL-style INI bytes; section names and keys are lower-cased (WSL ignores case)."""
-    try:
-        text = decode_ini_bytes(data)
-    except UnicodeDecodeError as exc:
-        return IniFileInfo(path, True, {}, f"not valid UTF-8/UTF-16: {exc}")
-    parser = configparser.ConfigParser(
-        interpolation=None,
-        strict=False,
-        comment_prefixes=("#", ";"),
-        inline_comment_prefixes=None,
-        delimiters=("=",),
-        default_section="\x00no-default",
-    )
-    try:
-        parser.read_string(text.replace("\r\n", "\n").replace("\r", "\n"), source=path)
-    except configparser.Error as exc:
-        return IniFileInfo(path, True, {}, f"{type(exc).__name__}: {exc}".strip())
-    sections: dict[str, dict[str, str]] = {}
-    for name in parser.sections():
-        target = sections.setdefault(name.strip().lower(), {})
-        for key, value in parser.items(name, raw=True):
-            target[key.strip().lower()] = (value or "").strip()
-    return IniFileInfo(path, True, sections, None)
+def parse_ini(path: str, data: bytes, dialect: wsl_ini.Dialect | None = None) -> IniFileInfo:
+    """Parse the bytes of ``path`` the way WSL does (``/etc/wsl.conf``: the Linux side's rules)."""
+    ini = wsl_ini.parse(data, dialect or dialect_of(path))
+    return IniFileInfo(path, True, ini.sections(), ini.error, ini, tuple(str(p) for p in ini.problems))
 
 
 def parse_ini_output(path: str, lines: list[str]) -> IniFileInfo:
@@ -200,7 +211,7 @@ class WslConfFile(FactBase[IniFileInfo]):
     Returns ``IniFileInfo`` for the distro's ``/etc/wsl.conf``.
     """
 
-    path = "/etc/wsl.conf"
+    path = WSL_CONF
 
     def command(self) -> str:
         return _ini_command(self.path)

@@ -14,7 +14,9 @@ from typing import Literal
 from pyinfra.api import FactBase
 
 from ._output import b64decode_lines, parse_int, section_map
-from .windows import windows_exe
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT
+
+from .windows import system32, windows_exe
 
 # --------------------------------------------------------------------------- kernel
 
@@ -89,12 +91,38 @@ def decode_wsl_exe_output(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+# `wsl.exe --version` prints its package version on its first line, labelled in the Windows
+# display language, with an ASCII or a full-width colon: "WSL version: 2.7.13.0", "WSL-Version:",
+# "Version WSL :", "Versión de WSL:", "Wersja podsystemu WSL:", "WSL 版本: ", "WSL 版本： "
+# (every localisation in microsoft/WSL localization/strings/*/Resources.resw,
+# MessagePackageVersions, has "WSL" in the label).
+_LABELLED_VERSION_RE = re.compile(r"(?P<label>[^:：]*WSL[^:：]*?)\s*[:：]\s*(?P<version>\d+(?:\.\d+)+)\s*")
+
+
 def first_version(text: str) -> tuple[int, ...] | None:
-    """The first dotted number in ``text`` (labels are localised, so never match on them)."""
+    """The first dotted number in ``text``; only for ``wslinfo``-like bare answers."""
     match = _VERSION_RE.search(text)
     if not match:
         return None
     return tuple(int(part) for part in match.group(1).split("."))
+
+
+def labelled_version(text: str) -> tuple[tuple[int, ...] | None, str]:
+    """``(version, line)`` from the first line of ``wsl.exe --version`` that is not a warning.
+
+    Warnings WSL prints before it (``wsl: ...``, e.g. about a .wslconfig key) are skipped; the
+    line after them must be the labelled WSL version, else None: a dotted number anywhere else
+    (the kernel, Windows, a banner) is never taken for the WSL version.
+    """
+    for line in text.splitlines():
+        stripped = line.strip().lstrip("\ufeff")
+        if not stripped or stripped.lower().startswith("wsl:"):
+            continue
+        match = _LABELLED_VERSION_RE.fullmatch(stripped)
+        if match is None:
+            return None, stripped
+        return tuple(int(part) for part in match.group("version").split(".")), stripped
+    return None, ""
 
 
 def parse_wslinfo(text: str, rc: int | None) -> tuple[int, ...] | None:
@@ -113,9 +141,12 @@ def parse_wsl_exe_version(data: bytes, rc: int | None) -> WslVersionInfo:
         # The shell could not execute it (interop disabled: "Exec format error").
         return WslVersionInfo("unavailable", None, "wsl.exe", detail or f"wsl.exe exit {rc}")
     if rc == 0:
-        version = first_version(text)
+        version, line = labelled_version(text)
         if version is not None:
             return WslVersionInfo("ok", version, "wsl.exe", detail)
+        if line:
+            return WslVersionInfo("unavailable", None, "wsl.exe",
+                                  f"first line is not a labelled WSL version: {line[:200]}")
         return WslVersionInfo("unavailable", None, "wsl.exe", detail or "empty output")
     if text:
         # The inbox WSL of older Windows builds: usage text, non-zero exit.
@@ -162,13 +193,14 @@ class WslVersion(FactBase[WslVersionInfo]):
     an inbox WSL too old to know ``--version``; ``unavailable`` means neither tool answered.
     """
 
-    def command(self) -> str:
+    def command(self, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
+        """+ drive_root: wsl.conf's ``[automount] root`` (where System32's wsl.exe is)."""
         return (
             "if command -v wslinfo >/dev/null 2>&1; then "
             "V=$(wslinfo --wsl-version 2>&1); R=$?; "
             "echo '@@ft:wslinfo'; printf '%s\\n' \"$V\"; echo \"@@ft:wslinfo-rc $R\"; "
             "case \"$R:$V\" in 0:[0-9]*.[0-9]*) exit 0;; esac; fi; "
-            f"{windows_exe('W', 'wsl.exe')}; "
+            f"{windows_exe('W', 'wsl.exe', system32(drive_root))}; "
             "if [ -n \"$W\" ]; then "
             "echo '@@ft:wsl.exe'; "
             # The exit status rides behind the raw bytes (see split_exit_status).

@@ -20,9 +20,11 @@ from facts.gpu_memory import GpuMemoryProbe
 from facts.init import InitSystem
 from facts.model import ModelDirectory
 from facts.resources import HostResources
-from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
+from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import rules
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSLCONFIG_NAME
+from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.report import findings_table, fleet_summary
 from freetoken_infra.core.layout import HostLayout
 from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
@@ -49,6 +51,19 @@ def fleet_settings(state) -> dict[str, Settings]:
     return _settings_checked[key]
 
 
+def on_windows_drive(host, fact, wslconf):
+    """``fact`` (a fact that runs a Windows program) looked for under wsl.conf's ``[automount]
+    root`` (``/mnt/`` unless the user moved the drives, e.g. ``root = /``: C: at ``/c``)."""
+    root = drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
+    if root == DEFAULT_DRIVE_ROOT:
+        return host.get_fact(fact)  # the batched (prefetched) form
+    return host.get_fact(fact, drive_root=root)
+
+
+def windows_profile(host, wslconf) -> WindowsProfileInfo:
+    return on_windows_drive(host, WindowsUserProfile, wslconf)
+
+
 def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Observations:
     """Read the host (facts only; nothing is changed).
 
@@ -71,21 +86,22 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
     health = host.get_fact(engine_health[0], **engine_health[1])
     if health.status == "ok":
         probe_gpu_memory = False
-    profile = host.get_fact(WindowsUserProfile) if kernel.kind == "wsl2" else None
+    wslconf = host.get_fact(WslConfFile)
+    profile = windows_profile(host, wslconf) if kernel.kind == "wsl2" else None
     wslconfig = (
-        host.get_fact(WslConfigFile, path=f"{profile.path}/.wslconfig")
+        host.get_fact(WslConfigFile, path=f"{profile.path}/{WSLCONFIG_NAME}")
         if profile is not None and profile.path
         else None
     )
     gpu_memory = host.get_fact(GpuMemoryProbe) if probe_gpu_memory and gpus.gpus else None
     return rules.Observations(
         kernel=kernel,
-        wsl=host.get_fact(WslVersion),
+        wsl=on_windows_drive(host, WslVersion, wslconf),
         init=host.get_fact(InitSystem),
         gpus=gpus,
         cuda=host.get_fact(CudaToolchain, cuda_home=settings.cuda_home),
         resources=host.get_fact(HostResources, path=settings.model_dir),
-        wslconf=host.get_fact(WslConfFile),
+        wslconf=wslconf,
         windows_profile=profile,
         wslconfig=wslconfig,
         gpu_memory=gpu_memory,

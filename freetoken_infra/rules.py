@@ -36,6 +36,7 @@ from freetoken_infra.core.launch import (
 from facts.wsl import WslKernelInfo, WslVersionInfo
 from freetoken_infra.core.quant import QuantSummary, unsupported_expert_schemes
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core import wsl_ini
 
 Status = Literal["pass", "warn", "block"]
 
@@ -43,6 +44,7 @@ GiB = 1024**3
 GB = 1000**3
 MIN_COMPUTE = (8, 0)  # freetoken.md: Ampere or newer
 REQUIRED_NVCC_MAJOR = 13  # freetoken.md: nvcc's major must equal torch's CUDA major
+SYSTEMD_ON = {"systemd": "true"}  # /etc/wsl.conf [boot]: systemd as PID 1 (the engine is a unit)
 RESTART_REMEDY = "restart required: run `wsl.exe --shutdown` from Windows, then re-run the deploy"
 
 
@@ -124,20 +126,39 @@ def check_wsl_version(settings: Settings, obs: Observations) -> Finding:
     )
 
 
+def _wslconf_systemd_plan(obs: Observations) -> Optional[wsl_ini.MergeResult]:
+    """What the deploy's merge of `[boot] systemd=true` into /etc/wsl.conf would do."""
+    if not obs.wslconf.exists:
+        return None
+    ini = obs.wslconf.ini or wsl_ini.parse(b"", wsl_ini.WSLCONF)
+    return wsl_ini.merge_parsed(ini, "boot", SYSTEMD_ON)
+
+
 def check_systemd(obs: Observations) -> Finding:
     i = obs.init
     if i.systemd_up:
         return Finding("systemd", "pass", f"PID 1 is systemd, system {i.system_state}")
-    boot = obs.wslconf.sections.get("boot", {}) if obs.wslconf.exists else {}
     if i.systemd_pid1:
         return Finding(
             "systemd", "block", f"systemd is PID 1 but the system is '{i.system_state}'",
             "see `systemctl --failed`; wait for boot to finish and re-run",
         )
-    if boot.get("systemd", "").strip().lower() == "true":
+    # WSL's reading of the file: first occurrence wins, keys before any header and everything
+    # after a line that stops WSL's parser are ignored (freetoken_infra/core/wsl_ini.py).
+    ini = obs.wslconf.ini
+    enabled = ini is not None and wsl_ini.same_value(ini.value("boot", "systemd"), "true")
+    if enabled:
         return Finding(
             "systemd", "block",
             f"PID 1 is {i.pid1 or 'unknown'}; /etc/wsl.conf already enables systemd", RESTART_REMEDY,
+        )
+    plan = _wslconf_systemd_plan(obs)
+    if plan is not None and plan.problem is not None:
+        return Finding(
+            "systemd", "block",
+            f"PID 1 is {i.pid1 or 'unknown'}; /etc/wsl.conf {plan.problem}",
+            "fix that line of /etc/wsl.conf by hand (the deploy writes nothing to a file it cannot "
+            "merge safely), then re-run",
         )
     return Finding(
         "systemd", "block", f"PID 1 is {i.pid1 or 'unknown'}, not systemd (the engine runs as a systemd unit)",
@@ -155,16 +176,32 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
             "wslconfig", "warn", f"Windows profile not found ({err})",
             "enable interop (`[interop] enabled=true`) or set %UserProfile%\\.wslconfig by hand",
         )
-    current = obs.wslconfig.sections.get("wsl2", {}) if obs.wslconfig and obs.wslconfig.exists else {}
+    want = settings.wslconfig_values()
+    present = obs.wslconfig is not None and obs.wslconfig.exists and obs.wslconfig.ini is not None
+    ini = obs.wslconfig.ini if present and obs.wslconfig is not None else None
+    if ini is None:
+        ini = wsl_ini.parse(b"", wsl_ini.WSLCONFIG)
+    # As WSL reads the file: inline comments, quotes, escapes, the first of duplicate keys, and
+    # keys WSL 2.0 read under [experimental] (networkingMode) all count.
     differ = [
-        f"{key}={current.get(key.lower(), '<unset>')} (want {want})"
-        for key, want in settings.wslconfig_values().items()
-        if current.get(key.lower(), "").strip().lower() != want.lower()
+        f"{key}={seen if seen is not None else '<unset>'} (want {want[key]})"
+        for key, seen in wsl_ini.differences(ini, "wsl2", want).items()
     ]
+    mode = ini.first("wsl2", "networkingMode")
+    # The networking mode WSL runs with, and where it reads it (WSL 2.0 read [experimental]).
+    seen_mode = f"; networkingMode={mode.value} ([{mode.section}] line {mode.line})" if mode else ""
     if not differ:
-        return Finding("wslconfig", "pass", ".wslconfig [wsl2] matches the settings")
+        return Finding("wslconfig", "pass",
+                       ".wslconfig [wsl2] matches the settings (as WSL reads it)" + seen_mode)
+    plan = wsl_ini.merge_parsed(ini, "wsl2", want)
+    if plan.problem is not None:
+        return Finding(
+            "wslconfig", "warn", f".wslconfig differs ({', '.join(differ)}) and {plan.problem}",
+            "the deploy leaves this file unchanged: fix that line by hand (or set the keys yourself); "
+            "then " + RESTART_REMEDY,
+        )
     return Finding(
-        "wslconfig", "warn", ".wslconfig differs: " + ", ".join(differ),
+        "wslconfig", "warn", ".wslconfig differs: " + ", ".join(differ) + seen_mode,
         "the deploy merges these keys into .wslconfig (keeping yours); then " + RESTART_REMEDY,
         deploy_fixes=True,
     )

@@ -8,9 +8,9 @@ reports "restart required" whenever `ini_values` changes one of them.
 from __future__ import annotations
 
 import io
+import shlex
 from typing import Mapping
 
-from configupdater import ConfigUpdater
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.api.exceptions import OperationError
@@ -18,55 +18,43 @@ from pyinfra.operations import files, server
 
 from facts.files import FileBytes
 from facts.windows_tasks import ScheduledTaskExists
-from facts.windows import decode_ini_bytes, windows_exe
+from facts.windows import dialect_of, system32, windows_exe
+from freetoken_infra.core import wsl_ini
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, drive_path
 from operations import preview
 
 
-def merge_ini(original: bytes | None, section: str, values: Mapping[str, str]) -> bytes:
-    """Set `values` in `[section]`, keeping every comment, key and blank line of the
-    user's file, its encoding (UTF-8 or UTF-16 with BOM) and its line endings.
+def merge_ini(original: bytes | None, section: str, values: Mapping[str, str],
+              dialect: wsl_ini.Dialect = wsl_ini.WSLCONFIG) -> bytes:
+    """The bytes after setting `values` in `[section]` as WSL reads them (wsl_ini.merge):
+    the original bytes when WSL already reads them, or when the file cannot be merged safely."""
+    return wsl_ini.merge(original, dialect, section, values).data
 
-    Keys match case-insensitively (WSL ignores case) and keep the user's spelling.
-    """
-    raw = original or b""
-    text = decode_ini_bytes(raw)
-    crlf = "\r\n" in text
-    updater = ConfigUpdater(space_around_delimiters=False)
-    updater.read_string(text.replace("\r\n", "\n"))
-    if not updater.has_section(section):
-        if updater.sections() or text.strip():
-            # Keep a blank line between the user's last section and ours.
-            if not text.endswith("\n\n"):
-                updater.read_string(str(updater).rstrip("\n") + "\n\n")
-        updater.add_section(section)
-    sect = updater[section]
-    for key, value in values.items():
-        sect[key] = value
-    out = str(updater)
-    if not out.endswith("\n"):
-        out += "\n"
-    if crlf:
-        out = out.replace("\n", "\r\n")
-    if raw.startswith(b"\xff\xfe"):
-        return b"\xff\xfe" + out.encode("utf-16-le")
-    if raw.startswith(b"\xef\xbb\xbf"):
-        return b"\xef\xbb\xbf" + out.encode("utf-8")
-    return out.encode("utf-8")
+
+def ini_plan(path: str, section: str, values: Mapping[str, str]) -> wsl_ini.MergeResult:
+    """What `ini_values` would do to `path` (read with the file's own WSL dialect)."""
+    return wsl_ini.merge(host.get_fact(FileBytes, path=path), dialect_of(path), section, values)
 
 
 def ini_needs_change(path: str, section: str, values: Mapping[str, str]) -> bool:
-    current = host.get_fact(FileBytes, path=path)
-    return current is None or merge_ini(current, section, values) != current
+    return ini_plan(path, section, values).writes
 
 
 @operation()
 def ini_values(path: str, section: str, values: Mapping[str, str]):
     """
-    Set keys of one section of an INI file, keeping the rest of the file as it is.
+    Make WSL read `values` in one section of `.wslconfig` or `/etc/wsl.conf`, keeping the rest
+    of the file byte for byte (freetoken_infra.core.wsl_ini: WSL's own parsing rules).
 
-    + path: the file (created when missing)
+    + path: the file (created when missing); ``/etc/wsl.conf`` is read with the Linux side's
+      rules, any other path as Windows reads ``.wslconfig``
     + section: the section name, e.g. ``wsl2``
-    + values: key -> value; other keys, comments and sections are kept
+    + values: key -> value; a key WSL already reads as wanted (``memory=24GB # mine``) is left
+      as it is; other keys, comments and sections are kept
+
+    A file that cannot be merged safely (e.g. a wsl.conf line that makes WSL stop reading before
+    the place the key would go) is left unchanged, with the line in the message; the preflight
+    reports it as a finding.
 
     **Example:**
 
@@ -80,14 +68,19 @@ def ini_values(path: str, section: str, values: Mapping[str, str]):
         )
     """
     current = host.get_fact(FileBytes, path=path)
-    merged = merge_ini(current, section, values)
-    if current is not None and merged == current:
-        host.noop(f"{path} [{section}] already holds {', '.join(values)}")
+    dialect = dialect_of(path)
+    plan = wsl_ini.merge(current, dialect, section, values)
+    if plan.problem is not None:
+        host.noop(f"{path} left unchanged, it cannot be merged safely: {plan.problem}")
+        return
+    if not plan.changed:
+        host.noop(f"{path} [{section}] already holds {', '.join(values)} as WSL reads it")
         return
     # --diff: the decoded text (pyinfra's own diff takes the bytes for UTF-8; .wslconfig may be UTF-16)
-    preview.log_diff(path, None if current is None else preview.text_lines(decode_ini_bytes(current)),
-                     preview.text_lines(decode_ini_bytes(merged)))
-    yield from preview.put_without_pyinfra_diff(src=io.BytesIO(merged), dest=path)
+    before = None if current is None else wsl_ini.decode(current, dialect)[0]
+    preview.log_diff(path, None if before is None else preview.text_lines(before),
+                     preview.text_lines(wsl_ini.decode(plan.data, dialect)[0]))
+    yield from preview.put_without_pyinfra_diff(src=io.BytesIO(plan.data), dest=path)
 
 
 @operation()
@@ -111,10 +104,12 @@ def windows_autostart(task_name: str, distro: str):
     yield from server.shell._inner(commands=[autostart_command(host.name, task_name, distro)])
 
 
-def autostart_command(host_name: str, task_name: str, distro: str) -> str:
+def autostart_command(host_name: str, task_name: str, distro: str,
+                      drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
     """``schtasks.exe /Create`` for the logon task, found on PATH or in System32."""
+    drive_c = drive_path(drive_root)
     return (
-        f"cd /mnt/c && {windows_exe('S', 'schtasks.exe')}; "
+        f"cd {shlex.quote(drive_c)} && {windows_exe('S', 'schtasks.exe', system32(drive_root))}; "
         f"if [ -z \"$S\" ]; then echo 'host {host_name}: windows_autostart: schtasks.exe is neither "
         "on PATH nor in C:\\Windows\\System32 (is WSL interop enabled?)' >&2; exit 1; fi; "
         f"\"$S\" /Create /F /SC ONLOGON /TN '{task_name}' /TR 'wsl.exe -d {distro} --exec /bin/true'"

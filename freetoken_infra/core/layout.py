@@ -38,6 +38,18 @@ DEPLOY_STATE_DIR = "/var/lib/freetoken-deploy"
 
 KEY_VAR = "FREETOKEN_API_KEY"
 
+# The Windows side, seen from the distro. wsl.conf's `[automount] root` moves the drives
+# (`root = /` puts C: at /c); the default is /mnt/ (WslDistributionConfig.cpp in microsoft/WSL).
+WSL_CONF = "/etc/wsl.conf"
+WSLCONFIG_NAME = ".wslconfig"  # in %UserProfile%
+DEFAULT_DRIVE_ROOT = "/mnt/"
+
+
+def drive_path(drive_root: str, letter: str = "c") -> str:
+    """The WSL path of a Windows drive under the automount root: ``/mnt/c``, ``/c``."""
+    root = drive_root if drive_root.endswith("/") else drive_root + "/"
+    return f"{root}{letter.lower()}"
+
 # What the deploy, the rules and the report say when a Windows-side change needs the WSL VM
 # restarted (pitfall 4A: .wslconfig and wsl.conf are read only when the VM boots).
 RESTART_MESSAGE = "restart required: run `wsl.exe --shutdown` from Windows"

@@ -55,12 +55,12 @@ ENGINE_ERROR_RE = re.compile(
     r"\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d(?:\|pid=\d+)?\|FrontendAPI(?:\|core\|rank=\d+)?\]\x1b\[0m "
     r"\x1b\[31mERROR   \x1b\[0m (?P<message>.*)")
 TORCH_OOM = (r"(?:torch\.(?:cuda\.)?)?OutOfMemoryError: CUDA out of memory\. "
-             r"|RuntimeError: CUDA error: out of memory")
+             r"|RuntimeError: CUDA error: out of memory|RuntimeError: CUDA out of memory\. ")
 LOAD_OOM_RE = re.compile(r"Backend supervisor: (?P<oom>(?:%s).*)" % TORCH_OOM)
 WORKER_DIED_RE = re.compile(r"Backend supervisor: backend worker freetoken-TP[0-9]+-scheduler\b.* exited\b")
 # The last line of a Python traceback starts the line (column 0, "torch.OutOfMemoryError: ...").
-TRACEBACK_OOM_RE = re.compile(r"(?:torch\.(?:cuda\.)?OutOfMemoryError: CUDA out of memory\. "
-                              r"|RuntimeError: CUDA error: out of memory).*")
+# PyTorch before 1.13 raised the allocator's OOM as RuntimeError (tests/fixtures/real).
+TRACEBACK_OOM_RE = re.compile(r"(?:%s).*" % TORCH_OOM)
 # The supervisor polls its workers every second; a traceback older than this whose death record
 # never came belongs to no death.
 PENDING_OOM_S = 120

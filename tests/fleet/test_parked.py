@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from facts.windows import decode_ini_bytes
+from freetoken_infra.core import wsl_ini
 from tests.fleet import harness
 from tests.fleet.client import PYINFRA, ROOT, api_key, chat, engine_pid
 
@@ -151,7 +151,7 @@ def test_the_catch_up_converges_only_the_parked_host(sim_fleet, caught_up, workd
 def wslconfig_line(fleet, host: str, key: str) -> str:
     """The `key` line of the host's .wslconfig, as the user's file spells it."""
     data = fleet.run(host, "base64 -w0 /mnt/c/Users/*/.wslconfig", check=True).stdout
-    text = decode_ini_bytes(base64.b64decode(data))
+    text = wsl_ini.decode(base64.b64decode(data), wsl_ini.WSLCONFIG)[0]
     return next(line.strip() for line in text.splitlines() if line.split("=")[0].strip().lower() == key)
 
 

@@ -112,3 +112,20 @@ def test_command_with_fake_nvidia_smi(tmp_path):
     report = NvidiaGpus().process(run_sh(NvidiaGpus().command(), env=dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin")))
     assert report.smi_path == str(smi) and report.cuda_version == "13.0"
     assert report.gpus[0].compute_cap == (12, 0)
+
+
+# ---- the 600-series header: "KMD Version:" / "CUDA UMD Version:" (nvidia-smi docs deprecate
+# "Driver Version" and "CUDA Version"); both forms read the same.
+
+def test_kmd_header_gives_driver_and_cuda_version():
+    table = (FIX / "nvidia-smi-610-rtx5070-laptop-kmd-mistralrs2287.txt").read_text()
+    lines = ["@@ft:path /usr/bin/nvidia-smi", "@@ft:query",
+             "0, NVIDIA GeForce RTX 5070 Laptop GPU, 12.0, 12227, 273, 11954, 610.43.02", "@@ft:query-rc 0",
+             "@@ft:table", *table.splitlines(), "@@ft:table-rc 0"]
+    report = parse_nvidia_smi_output(lines)
+    assert report.cuda_version == "13.3" and report.driver_version == "610.43.02"
+
+
+def test_old_header_gives_driver_and_cuda_version():
+    report = parse_nvidia_smi_output(smi_lines("nvidia-smi-query-5060ti.csv", 0, "nvidia-smi-5060ti.txt"))
+    assert report.cuda_version == "13.0" and report.driver_version == "581.29"

@@ -95,10 +95,13 @@ def test_report_wslconfig():
 
 
 def test_bom_comments_case_and_duplicates():
+    """WSL's reading: the first of two keys wins (a later one is only warned about), `;` is no
+    comment (that line is skipped in .wslconfig), names match whatever their case."""
     data = b"\xef\xbb\xbf# user comment\r\n[WSL2]\r\nMemory = 16GB\r\n; old\r\nmemory=24GB\r\n[Experimental]\r\nautoMemoryReclaim=gradual\r\n"
     info = parse_ini("x", data)
     assert info.error is None
-    assert info.sections == {"wsl2": {"memory": "24GB"}, "experimental": {"automemoryreclaim": "gradual"}}
+    assert info.sections == {"wsl2": {"memory": "16GB"}, "experimental": {"automemoryreclaim": "gradual"}}
+    assert info.problems == ("line 4: invalid key: a key starts with a letter a-z",)
 
 
 def test_utf16_notepad_file():
@@ -106,9 +109,11 @@ def test_utf16_notepad_file():
     assert info.sections == {"boot": {"systemd": "true"}}
 
 
-def test_broken_ini():
-    info = parse_ini("/etc/wsl.conf", b"systemd=true\n[boot\n")
-    assert info.exists and info.sections == {} and info.error
+def test_broken_wsl_conf_is_read_up_to_its_first_bad_line():
+    info = parse_ini("/etc/wsl.conf", b"systemd=true\n[boot\nsystemd=true\n")
+    assert info.exists and info.sections == {} and info.error is None
+    assert info.ini is not None and info.ini.stopped_at == 2
+    assert info.problems[0].startswith("line 2: expected ']'")
 
 
 def test_ini_output_absent_and_present():
@@ -197,3 +202,43 @@ def test_autostart_runs_schtasks_from_system32_and_names_the_host_without_it(tmp
     proc = subprocess.run(["sh", "-c", on_this_machine(command, tmp_path / "none")], capture_output=True,
                           text=True, env=LINUX_PATH)
     assert proc.returncode == 1 and "host ws1" in proc.stderr and "schtasks.exe" in proc.stderr
+
+
+def test_profile_found_under_a_moved_automount_root(tmp_path):
+    """`[automount] root = /` (or any root): cmd.exe is looked for in System32 under that root
+    and run from the C: drive there; no /mnt/c is assumed."""
+    from facts.windows import system32
+
+    root = f"{tmp_path}/"
+    folder = Path(system32(root))
+    folder.mkdir(parents=True)
+    (folder / "cmd.exe").write_text(
+        f"#!/bin/sh\n[ \"$(pwd)\" = '{tmp_path}/c' ] || exit 3\ncat '{FIX / 'cmd-echo-userprofile.crlf'}'\n")
+    (folder / "cmd.exe").chmod(0o755)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "wslpath").write_text(
+        f'#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo {tmp_path}/c/Users/dev\n')
+    (tools / "wslpath").chmod(0o755)
+    fact = WindowsUserProfile()
+    info = fact.process(run_sh(fact.command(drive_root=root), env={"PATH": f"{tools}:/usr/bin:/bin"}))
+    assert (info.path, info.error) == (f"{tmp_path}/c/Users/dev", None), info
+    env = {"PATH": f"{tools}:/usr/bin:/bin"}
+    missing = fact.process(run_sh(fact.command(drive_root=f"{tmp_path}/none/"), env=env))
+    assert missing.path is None and "cmd.exe not found" in missing.error
+
+
+def test_preflight_asks_for_windows_programs_under_wsl_confs_automount_root():
+    from facts.wsl import WslVersion
+    from freetoken_infra.preflight import on_windows_drive
+
+    class Host:
+        def get_fact(self, fact, **kwargs):
+            return fact, kwargs
+
+    moved = parse_ini("/etc/wsl.conf", b"[automount]\nroot = / # drives at /c\n")
+    for fact in (WindowsUserProfile, WslVersion):
+        assert on_windows_drive(Host(), fact, moved) == (fact, {"drive_root": "/"})
+        # The default root keeps the batched (prefetched) form of the fact.
+        default = parse_ini("/etc/wsl.conf", b"[boot]\nsystemd=true\n")
+        assert on_windows_drive(Host(), fact, default) == (fact, {})

@@ -202,3 +202,40 @@ def test_version_command_wslinfo_ok_skips_wsl_exe(tmp_path):
     lines = run_sh(WslVersion().command(), env=env)
     assert "@@ft:wsl.exe" not in lines
     assert WslVersion().process(lines).version == (2, 7, 13)
+
+
+# ---- `wsl.exe --version` is read from its labelled first line, never from the first dotted number.
+# Every localisation of MessagePackageVersions in microsoft/WSL localization/strings/*/Resources.resw
+# (the first line's label; zh-TW with a full-width colon).
+LOCALISED_LABELS = [
+    "Verze WSL: ", "WSL-version: ", "WSL-Version: ", "WSL version: ", "Versión de WSL: ", "WSL-versio: ",
+    "Version WSL : ", "WSL-verzió: ", "Versione WSL: ", "WSL バージョン: ", "WSL 버전: ", "WSL-versjon: ",
+    "WSL-versie: ", "Wersja podsystemu WSL: ", "Versão do WSL: ", "Versão WSL: ", "Версия WSL: ",
+    "WSL sürümü: ", "WSL 版本: ", "WSL 版本： ",
+]
+
+
+@pytest.mark.parametrize("label", LOCALISED_LABELS)
+def test_every_localised_first_line(label):
+    text = f"{label}2.7.13.0\r\nKernel: 6.6.87.2-1\r\nWindows: 10.0.26100.6899\r\n"
+    info = parse_wsl_exe_version(text.encode("utf-16-le"), 0)
+    assert (info.status, info.version) == ("ok", (2, 7, 13, 0))
+
+
+def test_a_banner_line_is_never_the_wsl_version():
+    # A dotted number before the labelled line (here a Windows build in a banner) used to be
+    # taken for the WSL version.
+    text = "Microsoft Windows [Version 10.0.19045.3393]\r\nWSL version: 2.7.13.0\r\n"
+    info = parse_wsl_exe_version(text.encode("utf-16-le"), 0)
+    assert info.status == "unavailable" and info.version is None
+    assert "not a labelled WSL version" in info.detail
+
+
+def test_warnings_before_the_version_are_skipped():
+    # WSL prints its .wslconfig warnings ("wsl: ...", stderr, merged by the fact) first.
+    text = ("wsl: Unknown key 'wsl2.a' in C:\\Users\\u\\.wslconfig:21\r\n"
+            "wsl: Duplicated config key 'experimental.networkingMode' in C:\\Users\\u\\.wslconfig:4 "
+            "(Conflicting key: 'wsl2.networkingMode' in C:\\Users\\u\\.wslconfig:2)\r\n"
+            "WSL version: 2.7.13.0\r\nKernel version: 6.6.87.2-1\r\n")
+    info = parse_wsl_exe_version(text.encode("utf-16-le"), 0)
+    assert (info.status, info.version) == ("ok", (2, 7, 13, 0))

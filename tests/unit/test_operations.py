@@ -10,6 +10,7 @@ from freetoken_infra.core.settings import DRIVER_PACKAGE_GLOBS, Settings
 from operations.cuda import pin_text, sources_line
 from operations.engine import pip_conf
 from operations.service import engine_environment, engine_unit
+from freetoken_infra.core.wsl_ini import WSLCONF
 from operations.windows import merge_ini
 
 USER_FILE = b"# my own settings - keep this comment\r\n[wsl2]\r\nMemory=16GB\r\nguiApplications=false\r\n"
@@ -39,9 +40,9 @@ def test_utf16_notepad_file_stays_utf16():
 
 
 def test_wsl_conf_gets_a_boot_section_beside_the_users():
-    merged = merge_ini(b"[network]\nhostname=ws1\n", "boot", {"systemd": "true"})
+    merged = merge_ini(b"[network]\nhostname=ws1\n", "boot", {"systemd": "true"}, WSLCONF)
     assert merged == b"[network]\nhostname=ws1\n\n[boot]\nsystemd=true\n"
-    assert merge_ini(None, "boot", {"systemd": "true"}) == b"[boot]\nsystemd=true\n"
+    assert merge_ini(None, "boot", {"systemd": "true"}, WSLCONF) == b"[boot]\nsystemd=true\n"
 
 
 def test_pin_blocks_every_driver_package_and_nothing_we_install():

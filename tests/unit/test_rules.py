@@ -297,3 +297,44 @@ def test_declared_hardware_profile_must_match_the_gpu():
 def test_tripped_guard_is_reported():
     f = finding("guard", healthy(guard_state={"tripped": True, "reason": "swap 2.6 GB > 2.0 GB", "time": "t"}))
     assert f.status == "warn" and "swap 2.6 GB" in f.evidence
+
+
+# --- .wslconfig / wsl.conf as WSL reads them (freetoken_infra/core/wsl_ini.py) ---------------------
+
+from facts.windows import parse_ini  # noqa: E402
+
+WSLCONFIG_PATH = "/mnt/c/Users/dev/.wslconfig"
+
+
+def test_wslconfig_with_inline_comments_and_quotes_equal_to_the_settings_passes():
+    data = (b"[wsl2]   # mine\r\nmemory = \"24GB\"   # limit\r\nprocessors=8 # cores\r\nswap=4GB\r\n"
+            b"localhostForwarding = \"true\"\r\nvmIdleTimeout=0 # never\r\n")
+    f = finding("wslconfig", healthy(wslconfig=parse_ini(WSLCONFIG_PATH, data)))
+    assert f.status == "pass", f.evidence
+
+
+def test_networking_mode_where_wsl_2_0_read_it_counts():
+    data = b"[wsl2]\nmemory=24GB\nprocessors=8\nswap=4GB\nlocalhostForwarding=true\nvmIdleTimeout=0\n" \
+           b"[experimental]\nnetworkingMode=mirrored\n"
+    settings = Settings(wslconfig_networking_mode="mirrored")
+    f = finding("wslconfig", healthy(wslconfig=parse_ini(WSLCONFIG_PATH, data)), settings)
+    assert f.status == "pass" and "networkingMode=mirrored ([experimental] line 8)" in f.evidence
+
+
+def test_wslconfig_keys_before_any_section_are_not_counted():
+    data = b"memory=24GB\nprocessors=8\nswap=4GB\nlocalhostForwarding=true\nvmIdleTimeout=0\n"
+    f = finding("wslconfig", healthy(wslconfig=parse_ini(WSLCONFIG_PATH, data)))
+    assert f.status == "warn" and f.deploy_fixes and "memory=<unset>" in f.evidence
+
+
+def test_systemd_key_before_any_section_is_not_enabled_and_the_deploy_fixes_it():
+    obs = healthy(init=InitInfo("init", None), wslconf=parse_ini("/etc/wsl.conf", b"systemd=true\n# [boot]\n"))
+    f = finding("systemd", obs)
+    assert (f.status, f.deploy_fixes) == ("block", True)
+
+
+def test_wsl_conf_that_cannot_be_merged_is_a_blocker_naming_the_line():
+    data = b"[network]\nhostname=ws1\n; not a comment for WSL\n"
+    f = finding("systemd", healthy(init=InitInfo("init", None), wslconf=parse_ini("/etc/wsl.conf", data)))
+    assert (f.status, f.deploy_fixes) == ("block", False)
+    assert "line 3" in f.evidence and "by hand" in f.remedy

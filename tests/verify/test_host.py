@@ -20,6 +20,8 @@ from facts.init import InitSystem
 from facts.model_manifest import ModelManifest
 from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslVersion
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSLCONFIG_NAME
+from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.core.launch import derive_plan
 from freetoken_infra.core.settings import DRIVER_PACKAGE_RE
 from operations.cuda import PIN_FILE
@@ -60,22 +62,31 @@ def test_systemd_is_pid_1(facts):
 
 
 def test_wslconfig_holds_the_configured_values(facts, settings):
-    profile = facts.get(WindowsUserProfile)
+    # As WSL reads the file (freetoken_infra/core/wsl_ini.py): inline comments and quotes removed, the
+    # first of duplicate keys, networkingMode also in WSL 2.0's [experimental] place. The profile
+    # is looked for under wsl.conf's [automount] root (C: at /c with `root = /`).
+    wslconf = facts.get(WslConfFile)
+    root = drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
+    profile = facts.get(WindowsUserProfile) if root == DEFAULT_DRIVE_ROOT else \
+        facts.get(WindowsUserProfile, drive_root=root)
     assert profile.path, f"no Windows user profile: {profile.error}"
-    ini = facts.get(WslConfigFile, path=f"{profile.path}/.wslconfig")
-    assert ini.exists and not ini.error, f"{ini.path}: {ini.error or 'missing'}"
-    seen = ini.sections.get("wsl2", {})
-    wrong = {key: (seen.get(key.lower()), value) for key, value in settings.wslconfig_values().items()
-             if not _same(seen.get(key.lower()), value)}
+    ini = facts.get(WslConfigFile, path=f"{profile.path}/{WSLCONFIG_NAME}")
+    assert ini.exists and not ini.error and ini.ini is not None, f"{ini.path}: {ini.error or 'missing'}"
+    wrong = {key: (ini.ini.value("wsl2", key), value) for key, value in settings.wslconfig_values().items()
+             if not _same(ini.ini.value("wsl2", key), value)}
     assert not wrong, f"{ini.path} [wsl2]: " + ", ".join(
         f"{k}={have!r} (want {want!r})" for k, (have, want) in wrong.items())
+    twice = [key for key in settings.wslconfig_values() if len(ini.ini.duplicates("wsl2", key)) > 1]
+    assert not twice, f"{ini.path}: WSL warns about duplicated keys {', '.join(twice)}"
 
 
 def test_wsl_conf_boots_systemd(facts):
     ini = facts.get(WslConfFile)
-    assert ini.exists and not ini.error, f"/etc/wsl.conf: {ini.error or 'missing'}"
-    value = ini.sections.get("boot", {}).get("systemd")
-    assert _same(value, "true"), f"/etc/wsl.conf [boot] systemd={value!r} (want 'true')"
+    assert ini.exists and not ini.error and ini.ini is not None, f"/etc/wsl.conf: {ini.error or 'missing'}"
+    value = ini.ini.value("boot", "systemd")
+    assert _same(value, "true"), (
+        f"/etc/wsl.conf [boot] systemd={value!r} as WSL reads it (want 'true')"
+        + (f"; {'; '.join(ini.problems)}" if ini.problems else ""))
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -1,13 +1,41 @@
 # STAND-IN support module (not a real Windows tool): shared helpers of the Windows stand-ins
 # (wsl.exe, cmd.exe, schtasks.exe, wslinfo, wslpath). Reads the simulated host's profile from
 # $FREETOKEN_SIM_DIR/profile.json (default /.sim/profile.json) and records calls under the
-# simulated C: drive ($FREETOKEN_SIM_DRIVE_C, default /mnt/c) in .sim/, where tests read them.
+# simulated C: drive ($FREETOKEN_SIM_DRIVE_C, default: where /etc/wsl.conf's [automount] root puts
+# it, /mnt/c unless moved) in .sim/, where tests read them.
 import json
 import os
+import re
 import time
 
 SIM_DIR = os.environ.get("FREETOKEN_SIM_DIR", "/.sim")
-DRIVE_C = os.environ.get("FREETOKEN_SIM_DRIVE_C", "/mnt/c")
+
+
+def drive_root(path="/etc/wsl.conf"):
+    """Where WSL mounts the drives: wsl.conf's `[automount] root`, default /mnt/ (ending in /).
+
+    The stand-in's own small reading (one `[automount]` section, `root = VALUE`, quotes and an
+    inline comment dropped), enough for the simulated hosts; the deploy reads the file with
+    freetoken_infra/core/wsl_ini.py."""
+    section, root = "", "/mnt/"
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                header = re.fullmatch(r"\[([A-Za-z][A-Za-z0-9]*)\]\s*(#.*)?", line)
+                if header:
+                    section = header.group(1).lower()
+                    continue
+                match = re.fullmatch(r"root\s*=\s*\"?([^\"#]*?)\"?\s*(#.*)?", line, re.I)
+                if section == "automount" and match and match.group(1):
+                    root = match.group(1)
+                    break
+    except OSError:
+        pass
+    return root if root.endswith("/") else root + "/"
+
+
+DRIVE_C = os.environ.get("FREETOKEN_SIM_DRIVE_C") or drive_root() + "c"
 CALLS_DIR = os.path.join(DRIVE_C, ".sim")
 
 
