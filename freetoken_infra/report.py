@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 
 from pyinfra.api.state import BaseStateCallback
 
+from freetoken_infra.layout import HostLayout
 from freetoken_infra.rules import Finding
 
 _MARK = {"pass": "pass", "warn": "WARN", "block": "BLOCK"}
@@ -65,8 +66,8 @@ RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN = "ok", "failed", "not run"
 
 def last_gate_path(settings) -> str:
     """Where the health gate leaves its last result on the host (decode tok/s for a report
-    when a later run had nothing to re-check)."""
-    return f"{settings.state_dir}/health-gate.json"
+    when a later run had nothing to re-check): root's own state directory."""
+    return HostLayout.of(settings).last_gate_file
 
 
 def record(host_name: str, **fields: Any) -> None:
