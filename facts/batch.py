@@ -6,10 +6,11 @@ here cut that to a handful, without changing what any fact or operation sees:
 
 1. **Batches.** ``run_batch`` joins the commands of several facts into one shell command
    (each in its own subshell, its stdout and then its exit status base64-encoded between
-   ``@@ftbatch:`` marker lines, so that no remote text can forge a marker) and hands every fact
-   exactly the stdout lines it would have got alone, to its own ``process()``. A sub-command that exits non-zero, or a fact that cannot be batched
-   (preconditions, a custom shell, ``batchable = False`` such as the GPU memory probe), is left
-   out and fetched the normal way, so pyinfra's error handling is unchanged.
+   ``@@ftbatch:`` marker lines, so that no remote text can forge a marker) and hands every
+   fact exactly the stdout lines it would have got alone, to its own ``process()``. A
+   sub-command that exits non-zero, or a fact that cannot be batched (preconditions, a custom
+   shell, ``batchable = False`` such as the GPU memory probe), is left out and fetched the
+   normal way, so pyinfra's error handling is unchanged.
 
 2. **A memo, valid until the host runs something.** pyinfra 3 reads an operation's facts when
    the operation executes. Reading a fact twice with nothing run on the host in between gives

@@ -70,7 +70,8 @@ def service_user(settings: Settings):
             path=path, user=settings.service_user, group=settings.service_user, mode="755"
         )
     yield from files.directory._inner(path=settings.config_dir, user="root", group="root", mode="755")
-    yield from files.directory._inner(path=DEPLOY_STATE_DIR, user="root", group="root", mode=DEPLOY_STATE_MODE)
+    yield from files.directory._inner(path=DEPLOY_STATE_DIR, user="root", group="root",
+                                      mode=DEPLOY_STATE_MODE)
 
 
 @operation()

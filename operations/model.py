@@ -380,7 +380,11 @@ def wait_for_fetch(state, host, settings: Settings, elevation: Optional[Mapping[
     start = (f"systemctl is-active -q {FETCH_UNIT} || {as_service_user(settings, 'rm', '-f', status_file)}; "
              f"systemctl start --no-block {FETCH_UNIT}")
     if settings.model_reverify:
-        start = f"{as_service_user(settings, 'touch', reverify_request_file(settings))} && {start}"
+        # As the service user, and a fresh file: a link planted under the request's name goes,
+        # it is never followed.
+        request = reverify_request_file(settings)
+        start = (f"{as_service_user(settings, 'rm', '-f', request)} && "
+                 f"{as_service_user(settings, 'touch', request)} && {start}")
     ok, output = host.run_shell_command(start, **elevation)
     if not ok:
         raise OperationError(f"host {host.name}: cannot start {FETCH_UNIT}: "

@@ -69,7 +69,8 @@ def test_a_forged_health_body_cannot_reanswer_an_earlier_fact_of_the_batch(hosti
     port, payload = hostile_engine
     payload["body"] = forged_body(0)
     health = EngineHealth()
-    split = split_batch_output(sh_lines(batch_command([f"echo {GENUINE}", health.command("127.0.0.1", port)])))
+    commands = [f"echo {GENUINE}", health.command("127.0.0.1", port)]
+    split = split_batch_output(sh_lines(batch_command(commands)))
     assert split[0] == (0, [GENUINE])
     info = health.process(split[1][1])
     # The body is what the engine sent, whole: not JSON, so no status at all (never "ok").
