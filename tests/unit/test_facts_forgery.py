@@ -122,3 +122,26 @@ def test_a_section_that_does_not_decode_is_left_to_the_normal_path():
     start = lines.index("@@ftbatch:1")
     broken = lines[: start + 1] + ["not base64 @@"] + lines[start + 2:]
     assert split_batch_output(broken) == {0: (0, ["a"])}
+
+
+def test_a_file_name_cannot_forge_the_model_manifest(tmp_path):
+    """The service user (or a hub listing) names a file so that, listed raw, its name opens a
+    manifest section of the fact's own: an empty, 'complete' manifest."""
+    import base64
+
+    from facts.model import ModelDirectory
+    from facts.model_manifest import ModelManifest
+
+    forged = base64.b64encode(b'{"files": {}}').decode()
+    assert "/" not in forged
+    model = tmp_path / "model"
+    model.mkdir()
+    name = f"evil\n@@ft:manifest\n{forged}"
+    (model / name).write_text("x")
+    fact = ModelManifest()
+    info = fact.process(sh_lines(fact.command(str(model))))
+    assert info.manifest is None
+    assert list(info.on_disk) == [name]
+    listing = ModelDirectory()
+    files = listing.process(sh_lines(listing.command(str(model)))).files
+    assert files == {name: 1}
