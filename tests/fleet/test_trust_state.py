@@ -56,6 +56,10 @@ def test_roots_state_directory_is_roots_and_outside_the_engines_reach(sim_fleet,
     guard_unit = sim_fleet.run(HOST, "systemctl cat freetoken-guard.service", check=True).stdout
     assert f"ReadWritePaths=-{DEPLOY_STATE_DIR}" in guard_unit
     assert f"ReadWritePaths=-{LAYOUT.state_dir}\n" not in guard_unit
+    sim_fleet.run(HOST, f"rm -f {LAYOUT.guard_textfile} && systemctl start freetoken-guard.service",
+                  check=True)
+    prom = sim_fleet.run(HOST, f"cat {LAYOUT.guard_textfile}", check=True).stdout
+    assert "freetoken_guard_swap_used_bytes" in prom
 
 
 def test_links_planted_by_the_service_user_aim_nothing_root_does(sim_fleet, converged):
