@@ -58,6 +58,15 @@ def b64decode_lines(lines: list[str]) -> bytes | None:
         return None
 
 
+def nul_records(lines: list[str]) -> list[str]:
+    """The NUL-terminated records of base64 text (``find -printf '...\\0' | base64``): names
+    that may hold any byte but NUL, newlines included. Undecodable text gives no records."""
+    data = b64decode_lines(lines)
+    if not data:
+        return []
+    return [r.decode("utf-8", "surrogateescape") for r in data.split(b"\0") if r]
+
+
 def parse_int(text: str | None) -> int | None:
     if text is None:
         return None

@@ -5,11 +5,12 @@ converge paid ~75 SSH round trips per host (benchmark: ``bench/converge.py``). T
 here cut that to a handful, without changing what any fact or operation sees:
 
 1. **Batches.** ``run_batch`` joins the commands of several facts into one shell command
-   (each in its own subshell, its stdout between ``@@ftbatch:`` marker lines, its exit status
-   after it) and hands every fact exactly the stdout lines it would have got alone, to its own
-   ``process()``. A sub-command that exits non-zero, or a fact that cannot be batched
-   (preconditions, a custom shell, ``batchable = False`` such as the GPU memory probe), is left
-   out and fetched the normal way, so pyinfra's error handling is unchanged.
+   (each in its own subshell, its stdout and then its exit status base64-encoded between
+   ``@@ftbatch:`` marker lines, so that no remote text can forge a marker) and hands every
+   fact exactly the stdout lines it would have got alone, to its own ``process()``. A
+   sub-command that exits non-zero, or a fact that cannot be batched (preconditions, a custom
+   shell, ``batchable = False`` such as the GPU memory probe), is left out and fetched the
+   normal way, so pyinfra's error handling is unchanged.
 
 2. **A memo, valid until the host runs something.** pyinfra 3 reads an operation's facts when
    the operation executes. Reading a fact twice with nothing run on the host in between gives
@@ -29,6 +30,8 @@ here cut that to a handful, without changing what any fact or operation sees:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import importlib
 import json
@@ -45,8 +48,9 @@ from pyinfra.api.facts import FactBase, ShortFactBase
 BATCH_MARKER = "@@ftbatch:"
 ENV_SWITCH = "FREETOKEN_FACT_BATCH"
 MAX_LEARNED = 300
-# Connector arguments that make a request unfit to remember (secrets, environments).
-_NEVER_WRITTEN = ("_sudo_password", "_su_password", "_env")
+# Connector arguments that make a request unfit to remember (secrets, environments, what an
+# operation feeds a command on stdin); any other argument named like a password too.
+_NEVER_WRITTEN = ("_sudo_password", "_su_password", "_env", "_stdin")
 # pyinfra's own sentinel for "the fact's required command is missing" (pyinfra.api.facts).
 _MISSING = "__pyinfra_missing_command__"
 
@@ -56,43 +60,64 @@ _MISSING = "__pyinfra_missing_command__"
 def batch_command(commands: list[str]) -> str:
     """One shell command running each of ``commands`` in its own subshell.
 
-    Output: for each command ``i``, a line ``@@ftbatch:i``, the command's stdout, then
-    ``\\n@@ftbatch:rc i STATUS`` (the newline ends an unterminated last line; the parser drops
-    the blank line it adds to a terminated one).
+    Output: for each command ``i``, a line ``@@ftbatch:i``, then base64 lines of what the
+    command printed followed by ``\n@@ftbatch:rc STATUS\n`` (encoded with it), then a line
+    ``@@ftbatch:end i``. Everything a command prints travels encoded: a fact's output may hold
+    text the host does not control (a ``/health`` body, journal lines, file names), and no byte
+    of it can end its own section or forge another fact's (base64 has no ``@`` and no newline
+    of its own making). The status line comes after the command ended, so it is always the
+    last line of the decoded text.
     """
     parts = []
     for index, command in enumerate(commands):
         parts.append(
-            f"echo '{BATCH_MARKER}{index}'; ( {command}\n) </dev/null; "
-            f"printf '\\n{BATCH_MARKER}rc {index} %s\\n' \"$?\""
+            f"echo '{BATCH_MARKER}{index}'; "
+            f"( ( {command}\n) </dev/null; printf '\\n{BATCH_MARKER}rc %s\\n' \"$?\" ) | base64; "
+            f"echo '{BATCH_MARKER}end {index}'"
         )
     return "; ".join(parts) + "; true"
+
+
+def _decoded_section(encoded: list[str]) -> tuple[int | None, list[str]] | None:
+    """``(status, stdout lines)`` from one command's base64 section; None when it is broken."""
+    try:
+        text = base64.b64decode("".join(line.strip() for line in encoded), validate=True).decode("utf-8")
+    except (binascii.Error, ValueError):  # UnicodeDecodeError is a ValueError
+        return None
+    body, sep, tail = text.rpartition(f"\n{BATCH_MARKER}rc ")
+    if not sep or not tail.endswith("\n") or "\n" in tail[:-1]:
+        return None
+    try:
+        status: int | None = int(tail.strip())
+    except ValueError:
+        status = None
+    # The lines pyinfra gives for the command alone: split at "\n", no empty line after a
+    # final newline (pyinfra.connectors.util.read_buffer strips each line's "\n" only).
+    lines = body.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return status, lines
 
 
 def split_batch_output(lines: list[str]) -> dict[int, tuple[int | None, list[str]]]:
     """``index -> (exit status, stdout lines as pyinfra would give them for the command alone)``.
 
-    A command whose status line never came (the batch was cut short) is absent.
+    A command whose section never ended (the batch was cut short) or does not decode is absent.
     """
     out: dict[int, tuple[int | None, list[str]]] = {}
     current: Optional[int] = None
-    body: list[str] = []
+    encoded: list[str] = []
     for line in lines:
-        if line.startswith(BATCH_MARKER + "rc "):
-            parts = line[len(BATCH_MARKER) + 3:].split()
-            if current is not None and len(parts) == 2 and parts[0] == str(current):
-                if body and body[-1] == "":
-                    body = body[:-1]  # the newline batch_command printed before the status
-                try:
-                    status: int | None = int(parts[1])
-                except ValueError:
-                    status = None
-                out[current] = (status, body)
-            current, body = None, []
+        if line.startswith(BATCH_MARKER + "end "):
+            if current is not None and line[len(BATCH_MARKER) + 4:].strip() == str(current):
+                section = _decoded_section(encoded)
+                if section is not None:
+                    out[current] = section
+            current, encoded = None, []
         elif line.startswith(BATCH_MARKER) and line[len(BATCH_MARKER):].isdigit():
-            current, body = int(line[len(BATCH_MARKER):]), []
+            current, encoded = int(line[len(BATCH_MARKER):]), []
         elif current is not None:
-            body.append(line)
+            encoded.append(line)
     return out
 
 
@@ -113,11 +138,16 @@ class FactRequest:
         return json.dumps([_class_path(self.cls), list(self.fact_kwargs), list(self.executor)],
                           sort_keys=True, default=repr)
 
-    def to_json(self) -> Optional[dict]:
-        """The request as remembered on the controller; None for one that is not plain data or
-        carries what must never be written down (a password, an environment)."""
+    def to_json(self, one_off: Iterable[Any] = ()) -> Optional[dict]:
+        """The request as remembered on the controller; None for one that is not plain data,
+        carries what must never be written down (a password, an environment, stdin), or whose
+        arguments hold one of ``one_off`` (this run's ``--data`` values: a path given for one
+        run is not a question for the next)."""
         executor = dict(self.executor)
-        if any(executor.get(k) for k in _NEVER_WRITTEN):
+        if any(executor.get(k) for k in _NEVER_WRITTEN) or any(
+                "password" in k and v for k, v in executor.items()):
+            return None
+        if _holds_any(dict(self.fact_kwargs), list(one_off)):
             return None
         doc = {"fact": _class_path(self.cls), "kwargs": dict(self.fact_kwargs),
                "executor": dict(self.executor)}
@@ -142,6 +172,36 @@ class FactRequest:
         if not isinstance(kwargs, dict) or not isinstance(executor, dict):
             return None
         return cls(fact_cls, tuple(sorted(kwargs.items())), tuple(sorted(executor.items())))
+
+
+def _holds_any(value: Any, needles: list[Any]) -> bool:
+    """Whether ``value`` (nested lists and dicts) holds one of ``needles``: a string needle as
+    a part of a string, any other needle (a number) as an equal value."""
+    if isinstance(value, dict):
+        return any(_holds_any(v, needles) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_any(v, needles) for v in value)
+    for needle in needles:
+        if isinstance(needle, str):
+            if isinstance(value, str) and needle in value:
+                return True
+        elif value == needle and type(value) is type(needle):
+            return True
+    return False
+
+
+def one_off_values(host) -> list[Any]:
+    """This run's ``--data KEY=VALUE`` values (pyinfra's override data): strings of two or more
+    characters and numbers; booleans say nothing about a request."""
+    inventory = getattr(host, "inventory", None)
+    data = inventory.get_override_data() if inventory is not None else {}
+    values: list[Any] = []
+    for value in (data or {}).values():
+        if isinstance(value, str) and len(value) >= 2:
+            values.append(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            values.append(value)
+    return values
 
 
 def _class_path(cls: type) -> str:
@@ -254,7 +314,17 @@ def _load_learned(path: Path) -> list[dict]:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    return [d for d in doc if isinstance(d, dict)] if isinstance(doc, list) else []
+    if not isinstance(doc, list):
+        return []
+    # A list an older version wrote may hold what is never written now: it is not used.
+    return [d for d in doc if isinstance(d, dict) and not _unfit(d)]
+
+
+def _unfit(doc: dict) -> bool:
+    executor = doc.get("executor")
+    return not isinstance(executor, dict) or any(
+        executor.get(k) for k in _NEVER_WRITTEN) or any(
+        "password" in str(k) and v for k, v in executor.items())
 
 
 def _save_learned(memo: _Memo) -> None:
@@ -328,7 +398,7 @@ def _get_fact(self, name_or_cls, *args, **kwargs):
         with _reading(memo):
             return _original_get_fact(self, name_or_cls, *args, **kwargs)
     request = make_request(state, self, name_or_cls, args, kwargs)
-    doc = request.to_json()
+    doc = request.to_json(one_off_values(self))
     if doc is not None and doc not in memo.learned:
         memo.learned.append(doc)
         _save_learned(memo)

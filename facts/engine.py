@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from ._output import MARKER, parse_int, quote, sections
+from ._output import MARKER, b64decode_lines, parse_int, quote, sections
 
 # --------------------------------------------------------------------------- install
 
@@ -96,9 +96,11 @@ class EngineHealthInfo:
 
 
 # python3 is always on the targets; urllib with proxies disabled (http_proxy in the
-# environment must not capture a loopback health check).
+# environment must not capture a loopback health check). The body is the engine's text, not
+# ours: it travels base64-encoded (``@@ft:body``) and an error text JSON-encoded, so that no
+# line of it can pass for a marker, here or in a batch.
 HEALTH_SCRIPT = r"""
-import sys, urllib.request, urllib.error
+import base64, json, sys, urllib.request, urllib.error
 url = sys.argv[1]
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 try:
@@ -107,10 +109,10 @@ try:
 except urllib.error.HTTPError as e:
     code, body = e.code, e.read()
 except Exception as e:
-    print("@@ft:unreachable %s: %s" % (type(e).__name__, getattr(e, "reason", e)))
+    print("@@ft:unreachable " + json.dumps("%s: %s" % (type(e).__name__, getattr(e, "reason", e))))
     sys.exit(0)
 print("@@ft:http %d" % code)
-print(body.decode("utf-8", "replace"))
+print("@@ft:body " + base64.b64encode(body).decode("ascii"))
 """
 
 
@@ -150,14 +152,28 @@ def parse_health_body(http_status: int | None, body: str) -> EngineHealthInfo:
 
 
 def parse_health_output(lines: list[str]) -> EngineHealthInfo:
-    for index, line in enumerate(lines):
-        if line.startswith(MARKER + "unreachable"):
+    """The ``EngineHealth`` command's output: ``@@ft:http CODE`` then ``@@ft:body BASE64``, or
+    ``@@ft:unreachable "JSON text"``, or ``@@ft:no-python``. Anything else is not ours (the
+    interpreter's own traceback) and is never read as a marker."""
+    http_status = None
+    for line in lines:
+        if line.startswith(MARKER + "unreachable "):
+            try:
+                why = json.loads(line[len(MARKER + "unreachable "):])
+            except ValueError:
+                why = None
             return EngineHealthInfo(False, None, None, None, None, None, None, None,
-                                    line[len(MARKER + "unreachable"):].strip() or "unreachable")
+                                    str(why) if why else "unreachable")
         if line.startswith(MARKER + "no-python"):
             return EngineHealthInfo(False, None, None, None, None, None, None, None, "python3 not found")
         if line.startswith(MARKER + "http "):
-            return parse_health_body(parse_int(line.split()[1]), "\n".join(lines[index + 1:]))
+            http_status = parse_int(line.split()[1])
+        elif line.startswith(MARKER + "body") and http_status is not None:
+            raw = b64decode_lines([line[len(MARKER + "body"):]])
+            if raw is None:
+                return EngineHealthInfo(True, None, None, None, None, None, None, None,
+                                        "the /health body did not arrive intact (bad base64)", http_status)
+            return parse_health_body(http_status, raw.decode("utf-8", "replace"))
     return EngineHealthInfo(False, None, None, None, None, None, None, None, "no output")
 
 

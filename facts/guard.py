@@ -41,7 +41,7 @@ class GuardState(FactBase[dict | None]):
     "samples": {...}}``), None when the guard has not stopped the engine since the last deploy
     (no file), or ``{"tripped": False, "error": ...}`` when the file is unreadable or broken.
 
-    + state_file: e.g. ``/var/lib/freetoken/guard-state.json``
+    + state_file: e.g. ``/var/lib/freetoken-deploy/guard-state.json``
     """
 
     def command(self, state_file: str) -> str:

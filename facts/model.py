@@ -13,7 +13,7 @@ from pyinfra.api import FactBase
 
 from freetoken_infra.core.quant import QuantSummary, summarize_quant
 
-from ._output import MARKER, b64decode_lines, parse_int, quote, sections
+from ._output import MARKER, b64decode_lines, nul_records, parse_int, quote, sections
 
 __all__ = ["ModelDirInfo", "ModelDirectory", "QuantSummary", "parse_model_dir_output", "summarize_quant"]
 
@@ -51,8 +51,10 @@ def parse_model_dir_output(path: str, lines: list[str]) -> ModelDirInfo:
         if name == "dir":
             exists = True
             path = path or arg
-            for line in body:
-                size, sep, rel = line.partition("\t")
+        elif name == "names0":
+            # NUL-terminated records, base64 over the wire: file names are the hub's text.
+            for record in nul_records(body):
+                size, sep, rel = record.partition("\t")
                 if sep and parse_int(size) is not None:
                     files[rel] = int(size)
         elif name == "absent":
@@ -87,9 +89,9 @@ class ModelDirectory(FactBase[ModelDirInfo]):
     def command(self, path: str) -> str:
         self._path = path
         return (
-            f"P={quote(path)}; if [ -d \"$P\" ]; then echo \"{MARKER}dir $P\"; "
+            f"P={quote(path)}; if [ -d \"$P\" ]; then echo \"{MARKER}dir $P\"; echo '{MARKER}names0'; "
             "find -L \"$P\" -mindepth 1 -maxdepth 2 \\( -type d -name '.*' -prune \\) "
-            "-o -type f -printf '%s\\t%P\\n' 2>/dev/null; "
+            "-o -type f -printf '%s\\t%P\\0' 2>/dev/null | base64; "
             "for F in config.json hf_quant_config.json; do "
             f"if [ -f \"$P/$F\" ]; then echo \"{MARKER}json $F\"; base64 < \"$P/$F\"; fi; done; "
             f"else echo \"{MARKER}absent $P\"; fi; true"

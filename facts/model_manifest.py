@@ -14,7 +14,7 @@ from pyinfra.api import FactBase
 
 from freetoken_infra.core import manifest
 
-from ._output import MARKER, b64decode_lines, quote, sections
+from ._output import MARKER, b64decode_lines, nul_records, quote, sections
 
 MANIFEST_NAME = manifest.MANIFEST_NAME
 
@@ -47,9 +47,11 @@ def parse_model_manifest_output(path: str, lines: list[str]) -> ModelManifestInf
                 manifest = doc
             else:
                 error = f"{path}/{MANIFEST_NAME} is unreadable"
-        elif name == "files":
-            for line in body:
-                size, _, rest = line.partition("\t")
+        elif name == "files0":
+            # NUL-terminated records, base64 over the wire: a file name is the hub's (or the
+            # service user's) text and may hold a newline or a marker line.
+            for record in nul_records(body):
+                size, _, rest = record.partition("\t")
                 mtime, _, rel = rest.partition("\t")
                 try:
                     on_disk[rel] = (int(size), int(Decimal(mtime) * 1_000_000_000))
@@ -72,10 +74,10 @@ class ModelManifest(FactBase[ModelManifestInfo]):
         d = quote(model_dir)
         m = quote(f"{model_dir}/{MANIFEST_NAME}")
         return (
-            f"if [ -f {m} ]; then echo '{MARKER}manifest'; base64 < {m}; fi; "
-            f"if [ -d {d} ]; then echo '{MARKER}files'; "
-            f"find {d} -path {quote(model_dir + '/.partial')} -prune -o -type f -printf '%s\\t%T@\\t%P\\n'; "
-            "fi; true"
+            f"if [ -f {m} ] && [ ! -L {m} ]; then echo '{MARKER}manifest'; base64 < {m}; fi; "
+            f"if [ -d {d} ]; then echo '{MARKER}files0'; "
+            f"find {d} -path {quote(model_dir + '/.partial')} -prune -o -type f -printf '%s\\t%T@\\t%P\\0' "
+            "| base64; fi; true"
         )
 
     @staticmethod

@@ -18,7 +18,11 @@ from pyinfra.operations import files, server
 
 from facts.engine import EngineInstall
 from facts.files import FileText
+from freetoken_infra.core.layout import DEPLOY_STATE_DIR, DEPLOY_STATE_MODE
 from freetoken_infra.core.settings import Settings
+
+
+PIP_CONF_MODE = "600"
 
 
 def pip_conf(settings: Settings) -> str:
@@ -52,7 +56,9 @@ def previous_version(installed, settings: Settings) -> str | None:
 def service_user(settings: Settings):
     """
     The engine's system user and its directories: state (model, kernel caches) owned
-    by it, configuration owned by root.
+    by it, configuration and root's own state (``DEPLOY_STATE_DIR``: the gate's last result,
+    the guard's state) owned by root, so that nothing root writes sits where the engine can
+    plant a link.
 
     + settings: the host's Settings (service_user, state_dir, cache_dir, config_dir)
     """
@@ -65,6 +71,8 @@ def service_user(settings: Settings):
             path=path, user=settings.service_user, group=settings.service_user, mode="755"
         )
     yield from files.directory._inner(path=settings.config_dir, user="root", group="root", mode="755")
+    yield from files.directory._inner(path=DEPLOY_STATE_DIR, user="root", group="root",
+                                      mode=DEPLOY_STATE_MODE)
 
 
 @operation()
@@ -92,8 +100,14 @@ def environment(settings: Settings, version: str | None = None, activate: bool =
     if not host.get_fact(File, path=f"{venv}/pyvenv.cfg"):
         yield from files.directory._inner(path=settings.engine_base_dir, mode="755")
         yield f"python3 -m venv {shlex.quote(venv)}"
-    if host.get_fact(FileText, path=f"{venv}/pip.conf") != pip_conf(settings):
-        yield from files.put._inner(src=io.StringIO(pip_conf(settings)), dest=f"{venv}/pip.conf", mode="644")
+    # 0600 root: an index URL may carry credentials (user:password@), which must be readable by
+    # root's pip only; pip reads the file, so they are never in an argument either.
+    conf = f"{venv}/pip.conf"
+    if host.get_fact(FileText, path=conf) != pip_conf(settings):
+        yield from files.put._inner(src=io.StringIO(pip_conf(settings)), dest=conf,
+                                    user="root", group="root", mode=PIP_CONF_MODE)
+    else:
+        yield from files.file._inner(path=conf, user="root", group="root", mode=PIP_CONF_MODE)
     has_ninja = host.get_fact(File, path=f"{venv}/bin/ninja")
     if installed.versions.get(version) != version or not has_ninja:
         # pip reads <venv>/pip.conf, so mirrors apply without arguments.

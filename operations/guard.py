@@ -13,6 +13,7 @@ from io import StringIO
 from pyinfra.api import operation
 from pyinfra.operations import files, systemd
 
+from freetoken_infra.core.layout import DEPLOY_STATE_DIR, HostLayout
 from freetoken_infra.core.settings import Settings
 from operations.model import unit_command, unit_word
 
@@ -25,13 +26,14 @@ _LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "script
 
 
 def guard_state_file(settings: Settings) -> str:
-    """Written by the guard when it stops the engine; read by the ``GuardState`` fact."""
-    return f"{settings.state_dir}/guard-state.json"
+    """Written by the guard when it stops the engine; read by the ``GuardState`` fact. In root's
+    own directory: the guard runs as root and must never write where the engine can plant a link."""
+    return HostLayout.of(settings).guard_state_file
 
 
 def guard_textfile(settings: Settings) -> str:
     """Samples for node_exporter's textfile collector (``--collector.textfile.directory``)."""
-    return f"{settings.state_dir}/metrics/freetoken.prom"
+    return HostLayout.of(settings).guard_textfile
 
 
 def guard_service_unit(settings: Settings) -> str:
@@ -59,8 +61,9 @@ def guard_service_unit(settings: Settings) -> str:
         "PrivateTmp=yes",
         "ProtectSystem=strict",
         "ProtectHome=read-only",
-        # '-': no failure when the folder is not there yet.
-        f"ReadWritePaths=-{unit_word(settings.state_dir, variables=False)}",
+        # '-': no failure when the folder is not there yet. Root's own folder only, never the
+        # engine's state_dir (the guard is root: a link planted there would aim its writes).
+        f"ReadWritePaths=-{unit_word(DEPLOY_STATE_DIR, variables=False)}",
         "",
     ])
 

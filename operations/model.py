@@ -28,6 +28,7 @@ from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
 from facts.model_manifest import ModelManifest
+from freetoken_infra.core.layout import HostLayout
 from freetoken_infra.core.settings import Settings
 
 FETCH_UNIT = "freetoken-model-fetch.service"
@@ -59,16 +60,26 @@ _REFUSAL_EXIT_CODES = (3, 4)
 
 def fetch_status_dir(settings: Settings) -> str:
     """Owned by the service user: the fetcher rewrites its status file there atomically."""
-    return f"{settings.state_dir}/model-fetch"
+    return HostLayout.of(settings).fetch_status_dir
 
 
 def fetch_status_file(settings: Settings) -> str:
-    return f"{fetch_status_dir(settings)}/status.json"
+    return HostLayout.of(settings).fetch_status_file
 
 
 def reverify_request_file(settings: Settings) -> str:
     """While this file exists the downloader re-hashes every file (``model_reverify``)."""
-    return f"{fetch_status_dir(settings)}/reverify-requested"
+    return HostLayout.of(settings).reverify_request_file
+
+
+def as_service_user(settings: Settings, *argv: str) -> str:
+    """A shell command running ``argv`` as the service user, not as root: what root does in a
+    folder the service user owns (touch the re-verify request, read or remove the fetcher's
+    status) must not follow a link that user planted there to a file of its choosing.
+    ``setpriv`` (util-linux) changes the ids without a PAM session or a login shell."""
+    user = shlex.quote(settings.service_user)
+    return " ".join([f"setpriv --reuid={user} --regid={user} --clear-groups --",
+                     *(shlex.quote(a) for a in argv)])
 
 
 def unit_word(value: str, variables: bool = True) -> str:
@@ -374,7 +385,7 @@ def _probe_command(settings: Settings) -> str:
     return (
         f"systemctl show {FETCH_UNIT} -p ActiveState -p Result -p ExecMainStatus; "
         f"echo jobs=$(systemctl list-jobs --no-legend {FETCH_UNIT} 2>/dev/null | wc -l); "
-        f"cat {shlex.quote(fetch_status_file(settings))} 2>/dev/null || true"
+        f"{as_service_user(settings, 'cat', fetch_status_file(settings))} 2>/dev/null || true"
     )
 
 
@@ -400,10 +411,14 @@ def wait_for_fetch(state, host, settings: Settings, elevation: Optional[Mapping[
     elevation = dict(elevation or {})
     status_file = fetch_status_file(settings)
     # A finished earlier run's status must not be read as this run's result.
-    start = (f"systemctl is-active -q {FETCH_UNIT} || rm -f {shlex.quote(status_file)}; "
+    start = (f"systemctl is-active -q {FETCH_UNIT} || {as_service_user(settings, 'rm', '-f', status_file)}; "
              f"systemctl start --no-block {FETCH_UNIT}")
     if settings.model_reverify:
-        start = f"touch {shlex.quote(reverify_request_file(settings))} && {start}"
+        # As the service user, and a fresh file: a link planted under the request's name goes,
+        # it is never followed.
+        request = reverify_request_file(settings)
+        start = (f"{as_service_user(settings, 'rm', '-f', request)} && "
+                 f"{as_service_user(settings, 'touch', request)} && {start}")
     ok, output = host.run_shell_command(start, **elevation)
     if not ok:
         raise OperationError(f"host {host.name}: cannot start {FETCH_UNIT}: "

@@ -54,6 +54,9 @@ def engine_environment(settings: Settings) -> str:
 def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
     """The unit file, from settings and the launch plan."""
     model_home = settings.model_dir.startswith("/home/")
+    # No '-': a missing key file must stop the start (fail closed), never start an engine that
+    # answers without authentication. Only api_key_source = "none" runs without a key.
+    key_line = "" if settings.api_key_source == "none" else f"EnvironmentFile={key_path(settings)}\n"
     return f"""# Managed by freetoken-infra; local edits are overwritten on the next deploy.
 [Unit]
 Description=FreeToken OpenAI-compatible LLM endpoint ({settings.served_model_name})
@@ -66,8 +69,7 @@ User={settings.service_user}
 Group={settings.service_user}
 WorkingDirectory={settings.state_dir}
 EnvironmentFile={env_path(settings)}
-EnvironmentFile=-{key_path(settings)}
-# The engine never starts on a model whose download did not verify (complete, and every
+{key_line}# The engine never starts on a model whose download did not verify (complete, and every
 # file as it was when its hash was checked).
 ExecStartPre={unit_command(check_argv(settings))}
 ExecStart={unit_command(engine_command(settings, plan))}

@@ -33,8 +33,11 @@ CACHE_SCRIPT = f"{LIB_DIR}/model_cache.py"
 QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
 MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
 
-# Root's own state on the target: never inside the service user's state_dir.
+# Root's own state on the target: never inside the service user's state_dir and outside every
+# unit's ReadWritePaths except the root guard's. Owned by root, mode DEPLOY_STATE_MODE (what is
+# in it is no secret: the gate's last result, the guard's state and samples).
 DEPLOY_STATE_DIR = "/var/lib/freetoken-deploy"
+DEPLOY_STATE_MODE = "755"
 
 KEY_VAR = "FREETOKEN_API_KEY"
 
@@ -101,12 +104,24 @@ class HostLayout:
     def deploy_state_dir(self) -> str:
         return DEPLOY_STATE_DIR
 
-    # --- under state_dir (owned by the service user) -------------------------------------
     @property
     def last_gate_file(self) -> str:
         """The health gate's last result (decode tok/s for a report on a run with nothing
-        to re-check)."""
-        return f"{self.state_dir}/health-gate.json"
+        to re-check). Root writes it, so it lives in root's own directory."""
+        return f"{DEPLOY_STATE_DIR}/health-gate.json"
+
+    @property
+    def guard_state_file(self) -> str:
+        """Written by the guard (root) when it stops the engine; read by the ``GuardState`` fact."""
+        return f"{DEPLOY_STATE_DIR}/guard-state.json"
+
+    @property
+    def guard_textfile(self) -> str:
+        """Samples for node_exporter's textfile collector (``--collector.textfile.directory``),
+        written by the guard (root)."""
+        return f"{DEPLOY_STATE_DIR}/metrics/freetoken.prom"
+
+    # --- under state_dir (owned by the service user): root touches these only as that user --
 
     @property
     def fetch_status_dir(self) -> str:
@@ -121,13 +136,3 @@ class HostLayout:
     def reverify_request_file(self) -> str:
         """While this file exists the downloader re-hashes every file (``model_reverify``)."""
         return f"{self.fetch_status_dir}/reverify-requested"
-
-    @property
-    def guard_state_file(self) -> str:
-        """Written by the guard when it stops the engine; read by the ``GuardState`` fact."""
-        return f"{self.state_dir}/guard-state.json"
-
-    @property
-    def guard_textfile(self) -> str:
-        """Samples for node_exporter's textfile collector (``--collector.textfile.directory``)."""
-        return f"{self.state_dir}/metrics/freetoken.prom"

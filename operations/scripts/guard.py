@@ -333,8 +333,8 @@ def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description="Stop the FreeToken engine when memory runs out.")
     parser.add_argument("--unit", default="freetoken.service")
     parser.add_argument("--swap-limit-gb", type=finite_float, default=2.0)
-    parser.add_argument("--state-file", default="/var/lib/freetoken/guard-state.json")
-    parser.add_argument("--textfile", default="/var/lib/freetoken/metrics/freetoken.prom")
+    parser.add_argument("--state-file", default="/var/lib/freetoken-deploy/guard-state.json")
+    parser.add_argument("--textfile", default="/var/lib/freetoken-deploy/metrics/freetoken.prom")
     parser.add_argument("--meminfo", default="/proc/meminfo")
     parser.add_argument("--journal-position-file", default=None,
                         help="where the journal position is kept (default: beside --state-file)")

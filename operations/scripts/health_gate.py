@@ -52,6 +52,11 @@ CHAT_MAX_TOKENS = 16
 PROMPT = "Reply with one short sentence: are you ready?"
 
 
+# The gate talks to the engine on this host (loopback or the host's own LAN address) only: an
+# http_proxy in the environment must never see the request, which carries the API key.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 class GateFailure(Exception):
     """A phase failed; the message says why (never contains the key)."""
 
@@ -142,7 +147,7 @@ class Gate:
         while True:
             now = time.monotonic()
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                with _OPENER.open(self.url + "/health", timeout=5) as resp:
                     raw = resp.read()
                 doc = json.loads(raw.decode("utf-8", "replace"))
                 if not isinstance(doc, dict):
@@ -185,7 +190,7 @@ class Gate:
         req = urllib.request.Request(self.url + "/v1/chat/completions",
                                      data=json.dumps(body).encode(), headers=headers, method="POST")
         try:
-            return urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S)
+            return _OPENER.open(req, timeout=REQUEST_TIMEOUT_S)
         except urllib.error.HTTPError as exc:
             raise GateFailure(f"POST /v1/chat/completions: {_http_error_text(exc)}") from None
         except (OSError, urllib.error.URLError) as exc:

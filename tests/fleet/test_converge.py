@@ -215,7 +215,8 @@ def test_guard_stops_the_engine_on_an_oom_line_and_records_why(sim_fleet, conver
     time.sleep(2)
     sim_fleet.run(host, "systemctl start freetoken-guard.service", check=True)
     assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() != "active"
-    state = json.loads(sim_fleet.run(host, "cat /var/lib/freetoken/guard-state.json", check=True).stdout)
+    state = json.loads(sim_fleet.run(host, "cat /var/lib/freetoken-deploy/guard-state.json",
+                                     check=True).stdout)
     assert state["tripped"] and "out of memory" in state["reason"].lower()
     assert "freetoken-guard: stopped freetoken.service" in sim_fleet.run(
         host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
@@ -225,7 +226,7 @@ def test_guard_timer_stops_the_engine_when_swap_grows(sim_fleet, converged):
     """Nobody starts the guard here: its timer (every guard_interval_s) must trip on its own."""
     host = "ws1"
     wait_healthy(sim_fleet, host)
-    state_file = "/var/lib/freetoken/guard-state.json"
+    state_file = "/var/lib/freetoken-deploy/guard-state.json"
     assert sim_fleet.run(host, f"test -e {state_file}").returncode != 0
     restarts = sim_fleet.run(host, "systemctl show -p NRestarts --value freetoken.service", check=True).stdout
     # The engine's memory spills into swap and keeps growing (the stand-in's swap fault).
@@ -245,7 +246,7 @@ def test_guard_timer_stops_the_engine_when_swap_grows(sim_fleet, converged):
     assert swap_used_bytes(sim_fleet, host) < DEFAULTS.guard_swap_limit_gb * 1024**3
     log = sim_fleet.run(host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
     assert re.search(r"^freetoken-guard: stopped freetoken\.service: swap", log, re.M), log
-    prom = sim_fleet.run(host, "cat /var/lib/freetoken/metrics/freetoken.prom", check=True).stdout
+    prom = sim_fleet.run(host, "cat /var/lib/freetoken-deploy/metrics/freetoken.prom", check=True).stdout
     assert "freetoken_guard_swap_used_bytes" in prom
 
 
@@ -253,7 +254,7 @@ def test_a_converge_after_the_guard_tripped_brings_the_engine_back(sim_fleet, co
     deploy()
     for host in SERVING:
         wait_healthy(sim_fleet, host)
-        assert sim_fleet.run(host, "test -e /var/lib/freetoken/guard-state.json").returncode != 0
+        assert sim_fleet.run(host, "test -e /var/lib/freetoken-deploy/guard-state.json").returncode != 0
 
 
 def test_rebooted_host_comes_back_healthy(sim_fleet, converged):

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.fleet
 
 GONE = ("ws-gone", "10.213.0.250")  # an address on the bridge where no host lives
 # Written by the guard timer every 30 s on a converged host: its own sampling, not the deploy.
-GUARD_SAMPLES = ("/var/lib/freetoken/metrics/", "/var/lib/freetoken/guard-journal.json")
+GUARD_SAMPLES = ("/var/lib/freetoken-deploy/metrics/", "/var/lib/freetoken-deploy/guard-journal.json")
 
 
 def rollout(tmp_path: Path, *args: str, inventory: str = "inventories/sim.py") -> tuple[subprocess.CompletedProcess, dict]:

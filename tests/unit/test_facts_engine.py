@@ -1,3 +1,4 @@
+import base64
 import http.server
 import json
 import os
@@ -59,9 +60,13 @@ def test_install_missing_base(tmp_path):
 
 # ---- health
 
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
 def test_health_loading():
     body = '{"status": "loading", "phase": "experts", "progress": {"done_bytes": 1024, "total_bytes": 4096}}'
-    info = parse_health_output(["@@ft:http 200", body])
+    info = parse_health_output(["@@ft:http 200", "@@ft:body " + b64(body)])
     assert info.reachable and info.status == "loading" and info.phase == "experts"
     assert (info.done_bytes, info.total_bytes) == (1024, 4096)
 
@@ -77,12 +82,12 @@ def test_health_error():
 
 
 def test_health_broken_json():
-    info = parse_health_output(["@@ft:http 200", "<html>nginx</html>"])
+    info = parse_health_output(["@@ft:http 200", "@@ft:body " + b64("<html>nginx</html>")])
     assert info.reachable and info.status is None and "non-JSON" in info.error
 
 
 def test_health_refused_and_empty():
-    info = parse_health_output(["@@ft:unreachable URLError: [Errno 111] Connection refused"])
+    info = parse_health_output(['@@ft:unreachable "URLError: [Errno 111] Connection refused"'])
     assert not info.reachable and "Connection refused" in info.error
     assert not parse_health_output([]).reachable
     assert not parse_health_output(["@@ft:no-python"]).reachable

@@ -398,7 +398,7 @@ def test_fact_path_with_spaces_and_not_a_dict(tmp_path):
 def test_fact_process_outputs():
     assert parse_guard_state_output(["@@ft:missing"]) is None
     assert parse_guard_state_output([]) == {"tripped": False, "error": "no output from the state probe"}
-    unreadable = parse_guard_state_output(["@@ft:unreadable /var/lib/freetoken/guard-state.json"])
+    unreadable = parse_guard_state_output(["@@ft:unreadable /var/lib/freetoken-deploy/guard-state.json"])
     assert unreadable["tripped"] is False and "not readable" in unreadable["error"]
     ok = parse_guard_state_output(["@@ft:state", "eyJ0cmlwcGVkIjogZmFsc2V9"])  # {"tripped": false}
     assert ok == {"tripped": False}
@@ -420,17 +420,19 @@ def test_service_unit():
     assert exec_start.startswith(f"ExecStart=/usr/bin/python3 {GUARD_SCRIPT} ")
     assert "--unit freetoken.service" in exec_start
     assert "--swap-limit-gb 3.5" in exec_start
-    assert '--state-file "/srv/ft state/guard-state.json"' in exec_start
-    assert '--textfile "/srv/ft state/metrics/freetoken.prom"' in exec_start
-    assert 'ReadWritePaths=-"/srv/ft state"' in unit
+    # The guard is root: it writes only in root's own folder, never in the engine's state_dir.
+    assert "--state-file /var/lib/freetoken-deploy/guard-state.json" in exec_start
+    assert "--textfile /var/lib/freetoken-deploy/metrics/freetoken.prom" in exec_start
+    assert "ReadWritePaths=-/var/lib/freetoken-deploy" in unit
+    assert "/srv/ft state" not in unit
 
 
-def test_service_unit_escapes_systemd_specifiers():
+def test_service_unit_never_names_the_engines_state_dir():
     from operations.guard import guard_service_unit
 
     odd = Settings.model_construct(**{**Settings().model_dump(), "state_dir": "/srv/100%$x"})
     unit = guard_service_unit(odd)
-    assert "/srv/100%%$$x/guard-state.json" in unit
+    assert "/srv/100" not in unit
 
 
 def test_timer_unit():
@@ -448,8 +450,8 @@ def test_default_paths():
     from operations.guard import guard_state_file, guard_textfile
 
     settings = Settings()
-    assert guard_state_file(settings) == "/var/lib/freetoken/guard-state.json"
-    assert guard_textfile(settings) == "/var/lib/freetoken/metrics/freetoken.prom"
+    assert guard_state_file(settings) == "/var/lib/freetoken-deploy/guard-state.json"
+    assert guard_textfile(settings) == "/var/lib/freetoken-deploy/metrics/freetoken.prom"
 
 
 # --------------------------------------------------------------------------- operation
@@ -508,7 +510,7 @@ def converged_files(settings):
         GUARD_SCRIPT: (SCRIPT.read_text(), 755),
         "/etc/systemd/system/freetoken-guard.service": (guard_service_unit(settings), 644),
         "/etc/systemd/system/freetoken-guard.timer": (guard_timer_unit(settings), 644),
-        f"{settings.state_dir}/metrics/freetoken.prom": ("", 644),
+        "/var/lib/freetoken-deploy/metrics/freetoken.prom": ("", 644),
     }
 
 
@@ -522,7 +524,7 @@ def test_operation_on_a_bare_host():
     assert "upload /usr/local/lib/freetoken/guard.py" in cmds
     assert "upload /etc/systemd/system/freetoken-guard.service" in cmds
     assert "upload /etc/systemd/system/freetoken-guard.timer" in cmds
-    assert "mkdir -p /var/lib/freetoken/metrics" in cmds
+    assert "mkdir -p /var/lib/freetoken-deploy/metrics" in cmds
     assert cmds[-3:] == ["systemctl daemon-reload", f"systemctl start {TIMER}", f"systemctl enable {TIMER}"]
 
 
@@ -566,5 +568,6 @@ def test_clear_guard_state():
 
     settings = Settings()
     assert StubHost().commands(clear_guard_state, settings) == []
-    state = {"/var/lib/freetoken/guard-state.json": ("{}", 644)}
-    assert StubHost(state).commands(clear_guard_state, settings) == ["rm -f /var/lib/freetoken/guard-state.json"]
+    state = {"/var/lib/freetoken-deploy/guard-state.json": ("{}", 644)}
+    assert StubHost(state).commands(clear_guard_state, settings) == [
+        "rm -f /var/lib/freetoken-deploy/guard-state.json"]

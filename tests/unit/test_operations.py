@@ -79,7 +79,7 @@ def test_unit_runs_hardened_as_the_service_user_and_never_carries_the_key():
     for line in (
         "User=freetoken", "Restart=on-failure", "RestartForceExitStatus=SIGTERM", "TimeoutStartSec=300",
         "NoNewPrivileges=yes", "DevicePolicy=closed", "DeviceAllow=/dev/dxg rw",
-        "EnvironmentFile=/etc/freetoken/engine.env", "EnvironmentFile=-/etc/freetoken/api-key.env",
+        "EnvironmentFile=/etc/freetoken/engine.env", "EnvironmentFile=/etc/freetoken/api-key.env",
         "ExecStartPre=/usr/bin/python3 /usr/local/lib/freetoken/fetch_model.py --check --repo nvidia/Qwen3.6-35B-A3B-NVFP4 "
         "--revision main --dest /var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia",
         "WantedBy=multi-user.target",
