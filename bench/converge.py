@@ -421,6 +421,30 @@ def print_noop(noop: dict[int, list[Run]], n: int) -> None:
             print(f"      one fact command's round trip: median {statistics.median(per_host):.2f} s, "
                   f"max {max(per_host):.2f}; CPU per host and run: median "
                   f"{statistics.median(cpu) if cpu else 0:.2f} s")
+    ones, alls = noop.get(1), noop.get(n)
+    if ones and alls and n > 1:
+        cores = os.cpu_count() or 1
+        med = statistics.median
+        controller_step = (med(r.cpu_controller for r in alls)
+                           - med(r.cpu_controller for r in ones)) / (n - 1)
+        per_host_cpu = med(v for r in alls for v in r.cpu_hosts.values() if v > 0)
+        needed = med(r.cpu_controller + sum(r.cpu_hosts.values()) for r in alls)
+        print(f"from 1 to {n} hosts: the controller's CPU grows {controller_step:.3f} s per added host; "
+              f"a host's run costs {per_host_cpu:.2f} CPU-s on the host (median); at {n} hosts the run "
+              f"needs {needed:.1f} CPU-s, {needed / cores:.1f} s on this machine's {cores} cores at best, "
+              f"while every simulated host shares them (on real PCs each host's share runs on its own CPU)")
+
+
+def print_parallel(parallel: dict[int, list[Run]], ones: list[Run], n: int) -> None:
+    """The whole fleet's no-op run with pyinfra's --parallel P (at most P hosts at a time)."""
+    if not parallel:
+        return
+    print(f"\n== no-op re-converge of the whole fleet ({n} hosts) with pyinfra --parallel P ==")
+    one = statistics.median(r.wall for r in ones) if ones else None
+    for p, runs in parallel.items():
+        walls = [r.wall for r in runs]
+        print(f"--parallel {p}: {stats(walls)}" + (
+            f"; ratio to 1 host: {statistics.median(walls) / one:.2f}" if one and walls else ""))
 
 
 def print_commands(runs: list[Run]) -> None:
@@ -546,6 +570,9 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="use the fleet that is already up (no first-converge figures)")
     ap.add_argument("--keep-up", action="store_true", help="leave the fleet running at the end")
+    ap.add_argument("--parallel", default="", type=lambda text: [int(x) for x in text.split(",") if x],
+                    help="also re-converge the whole fleet with pyinfra --parallel P, for each P given "
+                         "(e.g. 2,4)")
     ap.add_argument("--profile", action="store_true",
                     help="one more whole-fleet no-op run with the controller under cProfile, and "
                          "ws1's fact batch on the host command by command")
@@ -571,7 +598,12 @@ def main() -> int:
             for _ in range(a.runs):  # interleaved, so load on the shared machine hits all alike
                 for k in sizes:
                     noop[k].append(run_pyinfra(limit_for(k, n)))
+            parallel: dict[int, list[Run]] = {p: [] for p in a.parallel}
+            for _ in range(a.runs if parallel else 0):
+                for p in parallel:
+                    parallel[p].append(run_pyinfra(extra=CACHE_DATA + ("--parallel", str(p))))
             print_noop(noop, n)
+            print_parallel(parallel, noop.get(1) or [], n)
             print_commands(noop[n] if n in noop else noop[sizes[-1]])
             print_slowest_facts(noop[sizes[-1]], a.top)
             if a.profile:
