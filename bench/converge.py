@@ -124,7 +124,7 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
     try:  # the project's batched fact reads (facts/batch.py): one command for many facts
         from facts import batch as fact_batch
     except ImportError:
-        fact_batch = None
+        fact_batch = None  # type: ignore[assignment]
     if fact_batch is not None:
         orig_run_batch = fact_batch.run_batch
 
@@ -397,10 +397,11 @@ def first_converge(n: int) -> None:
 
 def print_noop(noop: dict[int, list[Run]], n: int) -> None:
     print("\n== no-op re-converge (wall time of `pyinfra -y ...`, process start to exit) ==")
-    medians = {}
+    medians: dict[int, float] = {}
     for k, runs in noop.items():
         walls = [r.wall for r in runs]
-        medians[k] = statistics.median(walls) if walls else None
+        if walls:
+            medians[k] = statistics.median(walls)
         print(f"{size_label(k, n)}:\n    {stats(walls)}")
         not_noop = [r.changed() for r in runs if r.changed() != "-"]
         if not_noop:
@@ -504,7 +505,7 @@ def print_controller_profile(n: int, top: int) -> None:
               f"{run.wall:.1f} s with the profiler's overhead, controller CPU {run.cpu_controller:.2f} s) ==")
         st = pstats.Stats(path)
         rows = []
-        for (file, line, func), (_, calls, own, cumulative, _) in st.stats.items():
+        for (file, line, func), (_, calls, own, cumulative, _) in getattr(st, "stats").items():
             where = file.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
             rows.append((own, cumulative, calls, f"{where}:{line} {func}"))
         print("  own s   cum s      calls  function")
