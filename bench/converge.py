@@ -1,13 +1,23 @@
-"""What a converge costs on the simulated fleet (tests/fleet): first converge per host, the no-op
-re-converge of 1, 2 and 3 hosts, the remote commands a no-op re-run sends, and the slowest facts.
+"""What a converge costs on the simulated fleet (tests/fleet): the first converge of one host and of
+the whole fleet through the LAN model cache, the no-op re-converge of growing parts of the fleet
+against one host, where the time goes as the fleet grows, the remote commands a no-op re-run
+sends per host, and the slowest facts.
 
-    sudo .venv/bin/python bench/converge.py [--runs 5] [--keep-up] [--reuse]
+    sudo .venv/bin/python bench/converge.py [--hosts N] [--sizes 1,2,3] [--runs 5] [--keep-up] [--reuse]
 
-Brings the fleet up (harness.up(3)) under harness.exclusive(), converges each host once on its
-own (`--limit wsN`: the first converge, one sample per host), then repeats the no-op re-run
---runs times for each of: ws1 alone (`--limit ws1`), the two serving hosts (`--limit ws1
---limit ws2`) and the whole fleet (no --limit). The whole-fleet figure includes ws3, which the
-preflight refuses by design on every run: a fleet re-run pays for its refused hosts too.
+--hosts N (default FREETOKEN_SIM_HOSTS, else 3): the fleet's size; hosts beyond ws3 repeat the
+healthy profiles (tests/fleet/profiles.py). --sizes: the parts of the fleet re-converged, each k
+meaning ws1..wsk (`--limit` each; k = N is the whole fleet, no --limit); default 1,2,3 for 3
+hosts, else 1, 3, N/2 and N. Every size includes ws3 from k = 3 on, which the preflight refuses
+by design on every run: a fleet re-run pays for its refused hosts too. For every size the line
+`ratio k hosts / 1 host: X` compares medians of wall time.
+
+Every run passes `--data model_cache_host=ws1`: ws1 fetches the model from the hub stand-in and
+serves it to the others (README, "LAN cache"). First converge, n=1 each (it happens once per
+fleet): ws1 alone on a fresh one-host fleet (`harness.up(1)`), then all N hosts at once on a
+fresh N-host fleet, with the bytes the hub stand-in sent over the model's size (target 1.0) and
+the wall time against the one host's; then the memory each converged host costs (PSS, as
+bench/fleet_up.py measures it). Then the no-op re-runs, --runs times per size, interleaved.
 Every re-run must report zero changes (pyinfra's "Grand total"); the bench says so when one
 does not. The fleet is taken down at the end (--keep-up leaves it running; --reuse converges
 an already running fleet instead of bringing a fresh one up, and then skips the first-converge
@@ -18,13 +28,23 @@ child process, started through this file's --pyinfra-hook mode, which counts eve
 SSH connector makes (run_shell_command, put_file, get_file, connect) and times it; a call is
 attributed to the fact being gathered (pyinfra.api.facts._get_fact) or else the operation
 being executed (pyinfra.api.operations._run_host_op). Wall times are the child's, from exec to
-exit (interpreter start and imports included: what a user waits for).
+exit (interpreter start and imports included: what a user waits for). Where the time goes is
+measured, per run: the wall-clock phases of the child (start-up before its first SSH call, the
+span of the connects, of the fact reads, of the operations' commands, and the rest up to its
+exit), the CPU the controller used (the child's rusage) and the CPU the hosts used (the sum of
+utime+stime+cutime+cstime over every process in each host's network namespace, before and after
+the run: commands that ended count through the process that reaped them), against the cores of
+the machine.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -37,8 +57,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 HOOK_FLAG = "--pyinfra-hook"
-SERVING = ("ws1", "ws2")
-ALL = ("ws1", "ws2", "ws3")
+PROFILE_ENV = "FREETOKEN_BENCH_CPROFILE"   # the child profiles the controller into this file
+BATCHES_ENV = "FREETOKEN_BENCH_BATCHES"    # the child records each host's batched fact commands
+# Runs each command of a fact batch on the host on its own, with the CPU (own rusage of its
+# children) and wall time it took; the commands come as JSON on stdin. Facts only observe.
+FACT_COSTS_SCRIPT = r"""
+import json, resource, subprocess, sys, time
+out = []
+for command in json.load(sys.stdin):
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    subprocess.run(["sh", "-c", command], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    out.append([cpu, time.monotonic() - t0])
+print(json.dumps(out))
+"""
+CACHE_HOST = "ws1"
+CACHE_DATA = ("--data", f"model_cache_host={CACHE_HOST}")
+REFUSED = ("ws3",)   # refused at preflight by design (tests/fleet/profiles.py)
 
 
 # --------------------------------------------------------------------------- the child's hook
@@ -87,7 +124,7 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
     try:  # the project's batched fact reads (facts/batch.py): one command for many facts
         from facts import batch as fact_batch
     except ImportError:
-        fact_batch = None
+        fact_batch = None  # type: ignore[assignment]
     if fact_batch is not None:
         orig_run_batch = fact_batch.run_batch
 
@@ -102,6 +139,18 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
 
         fact_batch.run_batch = run_batch
 
+        orig_batch_command = fact_batch.batch_command
+
+        def batch_command(commands):
+            text = orig_batch_command(commands)
+            made[text] = list(commands)
+            return text
+
+        fact_batch.batch_command = batch_command
+    made: dict[str, list[str]] = {}      # a batch's command -> its facts' commands
+    batches: dict[str, list[str]] = {}   # host -> its last batch's facts' commands
+    keep_batches = bool(os.environ.get(BATCHES_ENV))
+
     def counted(method_name: str):
         orig = getattr(SSHConnector, method_name)
 
@@ -109,6 +158,11 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
             name = self.host.name
             kind, label, detail = where(name)
             t0 = time.monotonic()
+            if keep_batches and label.startswith("batch of") and args:
+                command = args[0]
+                text = command.get_masked_value() if hasattr(command, "get_masked_value") else str(command)
+                if text in made:
+                    batches[name] = made[text]
             try:
                 return orig(self, *args, **kwargs)
             finally:
@@ -122,21 +176,56 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
 
     sys.argv = ["pyinfra", *argv]
     rc = 1
+    profile_to = os.environ.get(PROFILE_ENV)
+    profiler = None
+    if profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile(time.process_time)   # CPU, not the waits on the hosts
+        profiler.enable()
     try:
         rc = pyinfra_main()
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
-        Path(out_path).write_text(json.dumps({"calls": calls, "end": time.monotonic() - t_process}))
+        if profiler is not None and profile_to:
+            profiler.disable()
+            profiler.dump_stats(profile_to)
+        Path(out_path).write_text(json.dumps({"calls": calls, "end": time.monotonic() - t_process,
+                                              "batches": batches}))
     return rc or 0
 
 
 # --------------------------------------------------------------------------- the parent
 
 
+def host_cpu_seconds() -> dict[str, float]:
+    """CPU seconds each running simulated host has used: utime+stime+cutime+cstime summed over the
+    processes in its network namespace (a command that ended counts through its reaper)."""
+    from tests.fleet import harness
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name, h in (harness.load_state() or {"hosts": {}})["hosts"].items():
+        r = subprocess.run(["ip", "netns", "pids", h["netns"]], capture_output=True, text=True)
+        total = 0
+        for pid in r.stdout.split():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            total += sum(int(x) for x in fields[11:15])   # utime stime cutime cstime
+        out[name] = total / tick
+    return out
+
+
 class Run:
-    def __init__(self, limit: tuple[str, ...], wall: float, rc: int, output: str, calls: list[dict]):
+    def __init__(self, limit: tuple[str, ...], wall: float, rc: int, output: str, calls: list[dict],
+                 end: float, cpu_controller: float, cpu_hosts: dict[str, float],
+                 batches: dict[str, list[str]] | None = None):
         self.limit, self.wall, self.rc, self.output, self.calls = limit, wall, rc, output, calls
+        self.end, self.cpu_controller, self.cpu_hosts = end, cpu_controller, cpu_hosts
+        self.batches = batches or {}
 
     def changed(self) -> str:
         from tests.fleet.client import parse_grand_total
@@ -144,30 +233,43 @@ class Run:
         total = parse_grand_total(self.output)
         return "?" if total is None else total[1]
 
+    def hosts(self) -> list[str]:
+        return sorted({c["host"] for c in self.calls}, key=natural_key)
 
-def run_pyinfra(limit: tuple[str, ...] = ()) -> Run:
+
+def natural_key(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def run_pyinfra(limit: tuple[str, ...] = (), extra: tuple[str, ...] = CACHE_DATA,
+                env: dict[str, str] | None = None) -> Run:
     from tests.fleet import harness
 
     with tempfile.NamedTemporaryFile(prefix="converge-bench-", suffix=".json", delete=False) as f:
         out = f.name
-    args = ["-y"]
+    args = ["-y", *extra]
     for name in limit:
         args += ["--limit", name]
     args += ["inventories/sim.py", "deploys/freetoken.py"]
+    cpu_before, usage_before = host_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), HOOK_FLAG, out, "--", *args],
         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=3600,
-        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir()), **(env or {})},
     )
     wall = time.monotonic() - t0
+    usage, cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN), host_cpu_seconds()
+    controller = (usage.ru_utime + usage.ru_stime) - (usage_before.ru_utime + usage_before.ru_stime)
+    hosts = {n: cpu_after[n] - cpu_before.get(n, 0.0) for n in cpu_after}
     try:
-        calls = json.loads(Path(out).read_text() or "{}").get("calls", [])
+        doc = json.loads(Path(out).read_text() or "{}")
     except ValueError:
-        calls = []
+        doc = {}
     finally:
         os.unlink(out)
-    return Run(limit, wall, proc.returncode, proc.stdout + proc.stderr, calls)
+    return Run(limit, wall, proc.returncode, proc.stdout + proc.stderr, doc.get("calls", []),
+               doc.get("end", wall), controller, hosts, doc.get("batches"))
 
 
 def stats(values: list[float]) -> str:
@@ -197,62 +299,180 @@ def remote_commands(run: Run, host: str) -> Counter:
                    if c["host"] == host and c["call"] != "connect")
 
 
-def print_first(runs: dict[str, Run]) -> None:
-    print("\n== first converge, one host at a time (--limit wsN; n=1 each: it happens once per fleet) ==")
-    for host, run in runs.items():
-        n = sum(remote_commands(run, host).values())
-        print(f"{host}: {run.wall:7.1f} s  changed ops: {run.changed():>3}  remote commands: {n}"
-              + ("  (refused at preflight, by design)" if host == "ws3" else ""))
+def covered(calls: list[dict]) -> float:
+    """Wall-clock seconds during which at least one of `calls` was in flight."""
+    total, reach = 0.0, None
+    for start, stop in sorted((c["t0"], c["t0"] + c["dt"]) for c in calls):
+        if reach is None or start > reach:
+            total += stop - start
+            reach = stop
+        elif stop > reach:
+            total += stop - reach
+            reach = stop
+    return total
 
 
-def print_noop(noop: dict[str, list[Run]]) -> None:
+def phases(run: Run) -> dict[str, float]:
+    """Where one run's wall time went (seconds): the child's start-up before its first SSH call,
+    the time connects / fact reads / operation commands were in flight (on any host), the rest
+    of the child's life (the deploy code between calls, output, the report), the CPU of the
+    controller and of the hosts."""
+    first = min((c["t0"] for c in run.calls), default=run.end)
+    connect = covered([c for c in run.calls if c["call"] == "connect"])
+    facts = covered([c for c in run.calls if c["kind"] == "fact" and c["call"] != "connect"])
+    ops = covered([c for c in run.calls if c["kind"] == "operation" and c["call"] != "connect"])
+    return {"start-up": first, "connect": connect, "facts": facts, "operations": ops,
+            "rest": max(0.0, run.end - first - covered(run.calls)),
+            "controller CPU": run.cpu_controller, "hosts' CPU": sum(run.cpu_hosts.values())}
+
+
+def median_phases(runs: list[Run]) -> str:
+    per = [phases(r) for r in runs]
+    cores = os.cpu_count() or 1
+    keys = list(per[0]) if per else []
+    text = ", ".join(f"{k} {statistics.median(p[k] for p in per):.2f} s" for k in keys)
+    busy = statistics.median((p["controller CPU"] + p["hosts' CPU"]) / r.wall for p, r in zip(per, runs))
+    return f"{text}; CPU busy {busy:.2f} of {cores} cores"
+
+
+def size_label(k: int, n: int) -> str:
+    what = "whole fleet, no --limit" if k == n else ("ws1" if k == 1 else f"--limit ws1..ws{k}")
+    refused = [h for h in REFUSED if int(h[2:]) <= k]
+    return f"{k} host{'s' if k > 1 else ''} ({what}" + (
+        f"; includes {', '.join(refused)}, refused at preflight by design)" if refused else ")")
+
+
+def limit_for(k: int, n: int) -> tuple[str, ...]:
+    return () if k == n else tuple(f"ws{i}" for i in range(1, k + 1))
+
+
+def upstream_ratio(fleet) -> float:
+    """Bytes the hub stand-in sent since its last reset, over the model's size."""
+    from tests.fleet.client import hub
+    from tests.fleet.standins import hub_repos
+
+    size = sum(len(b) for b in hub_repos.repo_files(hub_repos.SUPPORTED_REPO).values())
+    return sum(hub(fleet, "/_standin/stats")["by_file"].values()) / size
+
+
+def first_converge(n: int) -> None:
+    """ws1 alone on a fresh 1-host fleet, then all n hosts at once on a fresh n-host fleet (left
+    up for the no-op runs); both through the LAN cache setting; prints the figures."""
+    from bench.fleet_up import format_memory, host_memory
+    from tests.fleet import harness
+
+    print("\n== first converge (n=1 each: it happens once per fleet; model_cache_host=ws1) ==")
+    results = []
+    memory: dict[str, tuple[int, int]] = {}
+    for size in (1, n) if n > 1 else (1,):
+        harness.down(quiet=True)
+        fleet = harness.up(size)
+        run = run_pyinfra()
+        results.append((size, run, upstream_ratio(fleet)))
+        memory = host_memory()   # of the last fleet: n hosts
+    for size, run, ratio in results:
+        commands = [sum(remote_commands(run, h).values()) for h in run.hosts()]
+        label = ("1 host  (ws1, a fresh 1-host fleet)" if size == 1
+                 else f"{size} hosts at once (a fresh fleet)")
+        print(f"{label}: {run.wall:7.1f} s  changed ops: {run.changed():>3}  "
+              f"upstream bytes / model size: {ratio:.3f} (target 1.0)  "
+              f"remote commands per host: max {max(commands, default=0)}")
+        print(f"    where the time goes: {median_phases([run])}")
+    if n > 1:
+        one, many = results[0][1], results[-1][1]
+        print(f"ratio first converge {n} hosts / 1 host: {many.wall / one.wall:.2f}")
+        spans = {h: host_span(many, h) or 0.0 for h in many.hosts()}
+        print("    per host, first to last remote call: " + ", ".join(
+            f"{h} {spans[h]:.0f} s" + (" (refused)" if h in REFUSED else "") for h in spans))
+    print(format_memory("converged, engines serving", memory, None))
+    # The run after a first converge still reads some facts one by one: the checksums of files
+    # the first converge created (nothing asked for them while the files did not exist), which
+    # facts/batch.py learns for the runs after it. Shown, not counted among the no-op runs.
+    second = run_pyinfra()
+    counts = [sum(remote_commands(second, h).values()) for h in second.hosts()]
+    print(f"the run right after it (learns what to batch; not counted below): {second.wall:.1f} s, "
+          f"changed ops: {second.changed()}, remote commands per host: max {max(counts, default=0)}, "
+          f"median {statistics.median(counts) if counts else 0:g}")
+
+
+def print_noop(noop: dict[int, list[Run]], n: int) -> None:
     print("\n== no-op re-converge (wall time of `pyinfra -y ...`, process start to exit) ==")
-    labels = {"1": "1 host  (--limit ws1)", "2": "2 hosts (--limit ws1 --limit ws2, the serving hosts)",
-              "3": "3 hosts (whole fleet; includes ws3, refused at preflight by design)"}
-    medians = {}
-    for key, runs in noop.items():
+    medians: dict[int, float] = {}
+    for k, runs in noop.items():
         walls = [r.wall for r in runs]
-        medians[key] = statistics.median(walls) if walls else None
-        print(f"{labels[key]}:\n    {stats(walls)}")
+        if walls:
+            medians[k] = statistics.median(walls)
+        print(f"{size_label(k, n)}:\n    {stats(walls)}")
         not_noop = [r.changed() for r in runs if r.changed() != "-"]
         if not_noop:
             print(f"    WARNING: {len(not_noop)} of these runs changed something (changed ops: "
                   f"{', '.join(not_noop)}): not a no-op; figures are not comparable")
-    if medians.get("1"):
-        for key in ("2", "3"):
-            if medians.get(key):
-                print(f"ratio {key} hosts / 1 host: {medians[key] / medians['1']:.2f}")
-    # Where one host's time goes, from the 1-host runs.
-    ones = noop.get("1") or []
-    if ones:
-        connect = [sum(c["dt"] for c in r.calls if c["call"] == "connect") for r in ones]
-        facts = [sum(c["dt"] for c in r.calls if c["kind"] == "fact" and c["call"] != "connect") for r in ones]
-        ops = [sum(c["dt"] for c in r.calls if c["kind"] == "operation") for r in ones]
-        first = [min((c["t0"] for c in r.calls), default=0.0) for r in ones]
-        print("1 host, where the time goes (medians): "
-              f"start-up before the first SSH call {statistics.median(first):.2f} s, "
-              f"SSH connect {statistics.median(connect):.2f} s, facts {statistics.median(facts):.2f} s, "
-              f"operation commands {statistics.median(ops):.2f} s")
+    if medians.get(1):
+        for k in noop:
+            if k != 1 and medians.get(k):
+                print(f"ratio {k} hosts / 1 host: {medians[k] / medians[1]:.2f}")
+    print("\n== where the time goes as the fleet grows (no-op re-runs, medians; phases are wall-clock "
+          "seconds with a call in flight on any host, CPU in core-seconds) ==")
+    for k, runs in noop.items():
+        print(f"{k:3d} host{'s' if k > 1 else ' '}: {median_phases(runs)}")
+        per_host = [c["dt"] for r in runs for c in r.calls
+                    if c["kind"] == "fact" and c["call"] == "run_shell_command"]
+        cpu = [v for r in runs for h, v in r.cpu_hosts.items() if h in r.hosts()]
+        if per_host:
+            print(f"      one fact command's round trip: median {statistics.median(per_host):.2f} s, "
+                  f"max {max(per_host):.2f}; CPU per host and run: median "
+                  f"{statistics.median(cpu) if cpu else 0:.2f} s")
+    ones, alls = noop.get(1), noop.get(n)
+    if ones and alls and n > 1:
+        cores = os.cpu_count() or 1
+        med = statistics.median
+        controller_step = (med(r.cpu_controller for r in alls)
+                           - med(r.cpu_controller for r in ones)) / (n - 1)
+        per_host_cpu = med(v for r in alls for v in r.cpu_hosts.values() if v > 0)
+        needed = med(r.cpu_controller + sum(r.cpu_hosts.values()) for r in alls)
+        print(f"from 1 to {n} hosts: the controller's CPU grows {controller_step:.3f} s per added host; "
+              f"a host's run costs {per_host_cpu:.2f} CPU-s on the host (median); at {n} hosts the run "
+              f"needs {needed:.1f} CPU-s, {needed / cores:.1f} s on this machine's {cores} cores at best, "
+              f"while every simulated host shares them (on real PCs each host's share runs on its own CPU)")
+
+
+def print_parallel(parallel: dict[int, list[Run]], ones: list[Run], n: int) -> None:
+    """The whole fleet's no-op run with pyinfra's --parallel P (at most P hosts at a time)."""
+    if not parallel:
+        return
+    print(f"\n== no-op re-converge of the whole fleet ({n} hosts) with pyinfra --parallel P ==")
+    one = statistics.median(r.wall for r in ones) if ones else None
+    for p, runs in parallel.items():
+        walls = [r.wall for r in runs]
+        print(f"--parallel {p}: {stats(walls)}" + (
+            f"; ratio to 1 host: {statistics.median(walls) / one:.2f}" if one and walls else ""))
 
 
 def print_commands(runs: list[Run]) -> None:
-    print("\n== remote commands of a no-op re-run, per host (whole-fleet run) ==")
+    print("\n== remote commands of a no-op re-run, per host (whole-fleet run; target <= 2) ==")
     if not runs:
         return
     last = runs[-1]
-    for host in ALL:
+    hosts = last.hosts()
+    totals = {h: sum(remote_commands(last, h).values()) for h in hosts}
+    for host in hosts:
         counts = remote_commands(last, host)
         varying = {sum(remote_commands(r, host).values()) for r in runs}
-        total = sum(counts.values())
-        facts = sum(n for (kind, _, _), n in counts.items() if kind == "fact")
-        ops = sum(n for (kind, _, _), n in counts.items() if kind == "operation")
+        total = totals[host]
+        facts = sum(c for (kind, _, _), c in counts.items() if kind == "fact")
+        ops = sum(c for (kind, _, _), c in counts.items() if kind == "operation")
         other = total - facts - ops
         note = "" if len(varying) == 1 else f"  (varies between runs: {sorted(varying)})"
         print(f"{host}: {total} remote commands: {facts} for facts, {ops} for operations"
               + (f", {other} other" if other else "") + note)
-        for (kind, label, call), n in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1])):
-            suffix = "" if call == "run_shell_command" else f" [{call}]"
-            print(f"    {n:3d}  {kind:9s} {label}{suffix}")
+        if host in ("ws1", "ws2", "ws3") or total > 2:
+            for (kind, label, call), c in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1])):
+                suffix = "" if call == "run_shell_command" else f" [{call}]"
+                print(f"    {c:3d}  {kind:9s} {label}{suffix}")
+    if totals:
+        over = [h for h, t in totals.items() if t > 2]
+        print(f"per host: max {max(totals.values())}, median {statistics.median(totals.values()):g} "
+              f"over {len(totals)} hosts" + (f"; over the target: {', '.join(over)}" if over else ""))
 
 
 def print_slowest_facts(runs: list[Run], top: int) -> None:
@@ -272,6 +492,65 @@ def print_slowest_facts(runs: list[Run], top: int) -> None:
               + (f"  ({detail[:70]})" if detail else ""))
 
 
+def print_controller_profile(n: int, top: int) -> None:
+    """One more whole-fleet no-op run, its controller under cProfile: where the controller's CPU
+    goes (the functions with the most time of their own, and the deploy-level callers)."""
+    import pstats
+
+    with tempfile.NamedTemporaryFile(prefix="converge-bench-", suffix=".prof", delete=False) as f:
+        path = f.name
+    try:
+        run = run_pyinfra(env={PROFILE_ENV: path})
+        print(f"\n== the controller's CPU in a no-op run of {n} hosts (cProfile, CPU time; this run took "
+              f"{run.wall:.1f} s with the profiler's overhead, controller CPU {run.cpu_controller:.2f} s) ==")
+        st = pstats.Stats(path)
+        rows = []
+        for (file, line, func), (_, calls, own, cumulative, _) in getattr(st, "stats").items():
+            where = file.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
+            rows.append((own, cumulative, calls, f"{where}:{line} {func}"))
+        print("  own s   cum s      calls  function")
+        for own, cumulative, calls, name in sorted(rows, reverse=True)[:top]:
+            print(f"  {own:5.2f}  {cumulative:6.2f}  {calls:9d}  {name}")
+    finally:
+        os.unlink(path)
+
+
+def print_fact_costs(host: str, top: int) -> None:
+    """What one host's fact batch costs on the host, command by command: a no-op run of that host
+    records its batch's commands, which then run again on the host one at a time, timed."""
+    from tests.fleet import harness
+
+    run = run_pyinfra((host,), env={BATCHES_ENV: "1"})
+    commands = run.batches.get(host)
+    if not commands:
+        print(f"\n(no fact batch recorded for {host})")
+        return
+    r = subprocess.run(harness.Fleet().ssh_argv(host) + ["python3 -c " + shlex.quote(FACT_COSTS_SCRIPT)],
+                       input=json.dumps(commands), capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        print(f"\n(fact costs on {host} failed: {r.stderr[-500:]})")
+        return
+    costs = json.loads(r.stdout)
+    total_cpu, total_wall = sum(c for c, _ in costs), sum(w for _, w in costs)
+    print(f"\n== {host}'s fact batch on the host, command by command ({len(commands)} commands, each run "
+          f"alone: CPU {total_cpu:.2f} s, wall {total_wall:.2f} s in all; the costliest) ==")
+    ranked = sorted(zip(costs, commands), key=lambda cc: -cc[0][0])[:top]
+    for (cpu, wall), command in ranked:
+        print(f"  CPU {cpu:5.3f} s  wall {wall:5.3f} s  {' '.join(command.split())[:90]}")
+
+
+def parse_sizes(text: str | None, n: int) -> list[int]:
+    if not text:
+        return [1, 2, 3] if n == 3 else sorted({k for k in (1, 3, n // 2, n) if 1 <= k <= n})
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise SystemExit(f"--sizes {text!r}: give host counts, e.g. 1,3,12") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > n:
+        raise SystemExit(f"--sizes {text!r}: each size from 1 to the fleet's {n} hosts")
+    return sorted({1, *sizes})   # every ratio is against 1 host
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == HOOK_FLAG:
         rest = sys.argv[3:]
@@ -279,37 +558,58 @@ def main() -> int:
             rest = rest[1:]
         return _run_hooked_pyinfra(sys.argv[2], rest)
 
+    from tests.fleet import harness
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=5, help="no-op re-runs per fleet size (default 5)")
+    ap.add_argument("--hosts", type=int, default=None,
+                    help="hosts in the fleet (default: FREETOKEN_SIM_HOSTS, else 3)")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated parts of the fleet to re-converge, k = ws1..wsk "
+                         "(default 1,2,3 for 3 hosts, else 1,3,N/2,N)")
+    ap.add_argument("--runs", type=int, default=5, help="no-op re-runs per size (default 5)")
     ap.add_argument("--top", type=int, default=10, help="how many slowest facts to list")
     ap.add_argument("--reuse", action="store_true",
                     help="use the fleet that is already up (no first-converge figures)")
     ap.add_argument("--keep-up", action="store_true", help="leave the fleet running at the end")
+    ap.add_argument("--parallel", default="", type=lambda text: [int(x) for x in text.split(",") if x],
+                    help="also re-converge the whole fleet with pyinfra --parallel P, for each P given "
+                         "(e.g. 2,4)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more whole-fleet no-op run with the controller under cProfile, and "
+                         "ws1's fact batch on the host command by command")
     a = ap.parse_args()
-
-    from tests.fleet import harness
+    n = harness.host_count() if a.hosts is None else a.hosts
+    sizes = parse_sizes(a.sizes, n)
 
     with harness.exclusive():
         print(machine())
-        if not a.reuse or harness.load_state() is None:
-            harness.down(quiet=True)
-            harness.up(3)
+        state = harness.load_state()
+        if a.reuse and state is not None and len(state["hosts"]) != n:
+            print(f"(the running fleet has {len(state['hosts'])} hosts, not {n}: bringing up a fresh one)")
+            a.reuse = False
+        if not a.reuse or state is None:
             a.reuse = False
         try:
             if not a.reuse:
-                first = {host: run_pyinfra((host,)) for host in ALL}
-                print_first(first)
+                first_converge(n)
             else:
                 warm = run_pyinfra()  # a reused fleet may hold a stale host: converge it first
                 print(f"\n(reused fleet: a converge first, changed ops: {warm.changed()})")
-            noop: dict[str, list[Run]] = {"1": [], "2": [], "3": []}
+            noop: dict[int, list[Run]] = {k: [] for k in sizes}
             for _ in range(a.runs):  # interleaved, so load on the shared machine hits all alike
-                noop["1"].append(run_pyinfra(("ws1",)))
-                noop["2"].append(run_pyinfra(SERVING))
-                noop["3"].append(run_pyinfra())
-            print_noop(noop)
-            print_commands(noop["3"])
-            print_slowest_facts(noop["3"], a.top)
+                for k in sizes:
+                    noop[k].append(run_pyinfra(limit_for(k, n)))
+            parallel: dict[int, list[Run]] = {p: [] for p in a.parallel}
+            for _ in range(a.runs if parallel else 0):
+                for p in parallel:
+                    parallel[p].append(run_pyinfra(extra=CACHE_DATA + ("--parallel", str(p))))
+            print_noop(noop, n)
+            print_parallel(parallel, noop.get(1) or [], n)
+            print_commands(noop[n] if n in noop else noop[sizes[-1]])
+            print_slowest_facts(noop[sizes[-1]], a.top)
+            if a.profile:
+                print_controller_profile(n, a.top + 10)
+                print_fact_costs(CACHE_HOST, a.top + 5)
         finally:
             if not a.keep_up:
                 harness.down(quiet=True)

@@ -32,3 +32,9 @@ def sim_fleet():
             if left:
                 raise harness.FleetError("the session's final teardown left these behind:\n  "
                                          + "\n  ".join(left))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `slow` (tests/fleet/test_scale.py) bring up a 12-host fleet of their own:
+    they run after every other test, so the session's fleet serves all the others first."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)   # stable: order kept

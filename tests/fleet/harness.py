@@ -69,8 +69,9 @@ def host_count() -> int:
     """How many hosts a fleet has unless told otherwise: FREETOKEN_SIM_HOSTS, by default one per
     profile (ws1..ws3). The CLI, the pytest fixture and the benchmark all ask here."""
     value = os.environ.get("FREETOKEN_SIM_HOSTS", str(len(profiles.PROFILES)))
-    if not value.isdigit() or int(value) < 1:
-        raise FleetError(f"FREETOKEN_SIM_HOSTS={value!r}: expected a whole number of hosts >= 1")
+    if not value.isdigit() or not 1 <= int(value) <= profiles.MAX_HOSTS:
+        raise FleetError(f"FREETOKEN_SIM_HOSTS={value!r}: expected a whole number of hosts from 1 "
+                         f"to {profiles.MAX_HOSTS} (hosts beyond ws3 repeat the healthy profiles)")
     return int(value)
 
 
@@ -701,6 +702,8 @@ def _tail(path: str, n: int = 40) -> str:
 def up(n_hosts: int | None = None) -> "Fleet":
     """Bring up the bridge services and hosts ws1..wsN (N: host_count()); return the Fleet."""
     n_hosts = host_count() if n_hosts is None else n_hosts
+    if not 1 <= n_hosts <= profiles.MAX_HOSTS:
+        raise FleetError(f"{n_hosts} hosts: the simulated fleet has 1 to {profiles.MAX_HOSTS}")
     t0 = time.monotonic()
     ensure_host_tools()
     stale = load_state()

@@ -4,12 +4,17 @@ Each entry describes one simulated Windows+WSL2 workstation: the GPU the stand-i
 WSL version the Windows stand-ins print, the Windows user and language, the RAM/swap the WSL VM
 reports, and the decode pace the engine stand-in imitates. Adding a host = adding an entry.
 
+A fleet of more hosts than there are entries (FREETOKEN_SIM_HOSTS=12) repeats the healthy
+profiles in turn: ws4 is dressed like ws1, ws5 like ws2, ws6 like ws1, and so on (profile_for).
+Each repeat keeps its own name, address and GPU UUID; ws3 (refused at preflight) is not repeated,
+so a big fleet is ws3 plus serving hosts of both hardware classes.
+
 The values are taken from the field report (docs: /work/shared brief field-report.md): ws1 is the
 report's machine, ws3 is the report's "fake OOM" (pitfall 4B: old WSL, WDDM allocation lock).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, replace
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -112,16 +117,27 @@ BRIDGE_NAME = "ftsim0"
 BRIDGE_ADDRESS = "10.213.0.1"
 BRIDGE_PREFIX = 24
 HOST_ADDRESS_BASE = 10   # wsN -> 10.213.0.(10+N)
+# Hosts get 10.213.0.11 up to .(10+MAX_HOSTS); the addresses above (.201-.254) are left for
+# what tests put on the bridge besides the hosts (a host nobody answers for, extra services).
+MAX_HOSTS = 190
+# The profiles a fleet beyond the table repeats, in turn: the healthy ones (ws1, ws2).
+REPEATED = tuple(name for name, profile in PROFILES.items() if profile.healthy)
 
 
 def host_address(name: str) -> str:
     number = int(name.removeprefix("ws"))
+    if not 1 <= number <= MAX_HOSTS:
+        raise ValueError(f"{name}: the simulated fleet numbers its hosts ws1..ws{MAX_HOSTS}")
     return f"10.213.0.{HOST_ADDRESS_BASE + number}"
 
 
 def profile_for(name: str) -> HostProfile:
-    """Profile of host `name`; hosts beyond the table repeat ws1's healthy profile."""
+    """Profile of host `name`: its entry in PROFILES, else the healthy profiles in turn (ws4 is
+    dressed like ws1, ws5 like ws2, ws6 like ws1, ...) under its own name and GPU UUID."""
     if name in PROFILES:
         return PROFILES[name]
-    base = PROFILES["ws1"]
-    return HostProfile(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "name": name})
+    number = int(name.removeprefix("ws"))
+    base = PROFILES[REPEATED[(number - len(PROFILES) - 1) % len(REPEATED)]]
+    uuid = base.gpu.uuid[:-4] + f"{number:04x}"   # the last UUID group ends in the host number
+    return replace(base, name=name, gpu=replace(base.gpu, uuid=uuid),
+                   notes=f"{base.name}'s profile, repeated for a larger fleet")

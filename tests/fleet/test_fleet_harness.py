@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.fleet import client, harness
-from tests.fleet.profiles import PROFILES
+from tests.fleet.profiles import PROFILES, profile_for
 
 pytestmark = pytest.mark.fleet
 
@@ -44,7 +44,7 @@ def test_hosts_run_systemd_and_answer_ssh(sim_fleet):
 
 def test_gpu_standins_report_the_profile(sim_fleet):
     for name in sim_fleet.hosts:
-        g = PROFILES[name].gpu
+        g = profile_for(name).gpu
         r = sim_fleet.run(name, "/usr/lib/wsl/lib/nvidia-smi --query-gpu=name,compute_cap,"
                                 "memory.total,driver_version --format=csv,noheader,nounits")
         assert r.stdout == f"{g.name}, {g.compute_cap}, {g.memory_total_mib}, {g.driver_version}\n"
@@ -73,7 +73,7 @@ def test_memory_probe_healthy_on_ws1_locked_on_ws3(sim_fleet):
 
 def test_windows_standins(sim_fleet):
     for name in sim_fleet.hosts:
-        p = PROFILES[name]
+        p = profile_for(name)
         assert sim_fleet.run(name, "wslinfo --wsl-version").stdout == p.wsl_version + "\n"
         raw = sim_fleet.run(name, "/mnt/c/Windows/System32/wsl.exe --version", binary=True).stdout
         first = raw.decode("utf-16-le").split("\r\n")[0]
