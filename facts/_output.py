@@ -27,7 +27,8 @@ def sections(lines: list[str]) -> list[tuple[str, str, list[str]]]:
     bodies (callers that care about CRLF strip it themselves).
     """
     out: list[tuple[str, str, list[str]]] = []
-    name, arg, body = "", "", []
+    name, arg = "", ""
+    body: list[str] = []
     started = False
     for line in lines:
         if line.startswith(MARKER):

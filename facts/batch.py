@@ -33,17 +33,19 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import functools
 import importlib
 import json
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
-from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS
 from pyinfra.api.command import StringCommand
 from pyinfra.api.facts import FactBase, ShortFactBase
+
+from freetoken_infra.core import pyinfra_internals
 
 BATCH_MARKER = "@@ftbatch:"
 ENV_SWITCH = "FREETOKEN_FACT_BATCH"
@@ -217,11 +219,10 @@ def batchable(cls: Any) -> bool:
 
 def make_request(state, host, cls: type, args, kwargs) -> FactRequest:
     """Normalise a ``get_fact`` call the way pyinfra does (pyinfra.api.facts._get_fact)."""
-    from pyinfra.api.facts import _handle_fact_kwargs
-
-    fact_kwargs, global_kwargs = _handle_fact_kwargs(state, host, cls, list(args or ()), dict(kwargs or {}))
+    fact_kwargs, global_kwargs = pyinfra_internals.handle_fact_kwargs(state, host, cls, list(args or ()),
+                                                                      dict(kwargs or {}))
     fact_kwargs = {k: v for k, v in fact_kwargs.items() if k != "self"}
-    executor = {k: v for k, v in global_kwargs.items() if k in CONNECTOR_ARGUMENT_KEYS}
+    executor = {k: v for k, v in global_kwargs.items() if k in pyinfra_internals.connector_argument_keys()}
     return FactRequest(cls, tuple(sorted(fact_kwargs.items())), tuple(sorted(executor.items(), key=lambda kv: kv[0])))
 
 
@@ -295,7 +296,7 @@ class _Memo:
 
 
 _memos: dict[tuple[int, str], _Memo] = {}
-_original_get_fact = None
+_original_get_fact: Optional[Callable[..., Any]] = None
 
 
 def enabled() -> bool:
@@ -350,12 +351,6 @@ def _memo_for(state, host) -> _Memo:
     return memo
 
 
-def _unwrap(obj):
-    """The object behind pyinfra's context proxies (``from pyinfra import host``)."""
-    getter = getattr(obj, "_get_module", None)
-    return getter() if callable(getter) and getter() is not None else obj
-
-
 def prefetch(state, host, wanted: Iterable[tuple[type, dict]] = ()) -> None:
     """Read ``wanted`` facts (``(FactClass, kwargs)``) and everything this host's last run
     asked for, in as few commands as there are distinct connector-argument sets (usually one).
@@ -364,7 +359,7 @@ def prefetch(state, host, wanted: Iterable[tuple[type, dict]] = ()) -> None:
     if not enabled():
         return
     install()
-    host = _unwrap(host)
+    host = pyinfra_internals.unwrap_context(host)
     state = host.state
     memo = _memo_for(state, host)
     requests: dict[str, FactRequest] = {}
@@ -375,21 +370,22 @@ def prefetch(state, host, wanted: Iterable[tuple[type, dict]] = ()) -> None:
     if not memo.primed:
         memo.primed = True
         for doc in memo.learned:
-            request = FactRequest.from_json(doc)
-            if request is not None:
-                requests.setdefault(request.key, request)
+            learned = FactRequest.from_json(doc)
+            if learned is not None:
+                requests.setdefault(learned.key, learned)
     groups: dict[str, list[FactRequest]] = {}
     for key, request in requests.items():
         if key not in memo.values:
-            group = json.dumps(list(request.executor), sort_keys=True, default=repr)
-            groups.setdefault(group, []).append(request)
+            group_key = json.dumps(list(request.executor), sort_keys=True, default=repr)
+            groups.setdefault(group_key, []).append(request)
     for group in groups.values():
         with _reading(memo):
             values = run_batch(state, host, group)
         memo.values.update(values)
 
 
-def _get_fact(self, name_or_cls, *args, **kwargs):
+def _get_fact(self: Any, name_or_cls: Any, *args: Any, **kwargs: Any) -> Any:
+    assert _original_get_fact is not None  # install() ran before any host was primed
     state = self.state
     memo = _memos.get((id(state), self.name)) if state is not None else None
     if memo is None or not enabled():  # prefetch() was never called for this host: plain pyinfra
@@ -423,18 +419,18 @@ class _reading:
         self.memo.reading -= 1
 
 
-def _changing(original):
+def _changing(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a Host method that runs something on the host: unless a fact is being read, the
     host may change, so everything the memo holds for it is forgotten."""
 
-    def wrapper(self, *args, **kwargs):
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         state = getattr(self, "state", None)
         memo = _memos.get((id(state), self.name)) if state is not None else None
         if memo is not None and not memo.reading:
             memo.values.clear()
         return original(self, *args, **kwargs)
 
-    wrapper.__wrapped__ = original
     return wrapper
 
 
@@ -443,10 +439,9 @@ def install() -> None:
     ``put_file`` and ``get_file`` (anything an operation runs) clear it (idempotent). Hosts
     that ``prefetch`` was never called for see plain pyinfra."""
     global _original_get_fact
-    from pyinfra.api.host import Host
 
     if _original_get_fact is None:
-        _original_get_fact = Host.get_fact
-        Host.get_fact = _get_fact
-        for name in ("run_shell_command", "put_file", "get_file"):
-            setattr(Host, name, _changing(getattr(Host, name)))
+        _original_get_fact = pyinfra_internals.host_class().get_fact
+        pyinfra_internals.replace_host_method("get_fact", lambda _original: _get_fact)
+        for name in pyinfra_internals.HOST_METHODS_THAT_RUN:
+            pyinfra_internals.replace_host_method(name, _changing)

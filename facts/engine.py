@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyinfra.api import FactBase
 
@@ -134,7 +135,8 @@ def parse_health_body(http_status: int | None, body: str) -> EngineHealthInfo:
     if not isinstance(data, dict):
         return EngineHealthInfo(True, None, None, None, None, None, None, None,
                                 f"unexpected /health JSON: {body.strip()[:200]!r}", http_status)
-    progress = data.get("progress") if isinstance(data.get("progress"), dict) else {}
+    raw_progress = data.get("progress")
+    progress: dict[str, Any] = raw_progress if isinstance(raw_progress, dict) else {}
     uptime = data.get("uptime_s")
     return EngineHealthInfo(
         reachable=True,

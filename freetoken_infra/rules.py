@@ -277,21 +277,21 @@ def check_gpu_memory(obs: Observations) -> Finding:
 def check_nvcc(obs: Observations) -> Finding:
     gpu = primary_gpu(obs)
     arch = f"compute_{gpu.compute_cap[0]}{gpu.compute_cap[1]}" if gpu and gpu.compute_cap else None
-    found = [c for c in obs.cuda.nvcc if c.version is not None]
+    found = [(c, c.version) for c in obs.cuda.nvcc if c.version is not None]
     installs = "the deploy installs cuda-nvcc-13-0 from NVIDIA's apt repository (pitfall 3)"
     if not found:
         return Finding("nvcc", "warn", "no nvcc found (FreeToken JIT-compiles kernels with nvcc)", installs)
-    right = [c for c in found if c.version[0] == REQUIRED_NVCC_MAJOR]
+    right = [(c, version) for c, version in found if version[0] == REQUIRED_NVCC_MAJOR]
     if not right:
-        seen = ", ".join(f"{c.path} {c.version[0]}.{c.version[1]}" for c in found)
+        seen = ", ".join(f"{c.path} {version[0]}.{version[1]}" for c, version in found)
         return Finding("nvcc", "warn", f"nvcc of the wrong major: {seen} (need {REQUIRED_NVCC_MAJOR})", installs)
-    best = right[0]
+    best, best_version = right[0]
     if arch and arch not in best.archs:
         return Finding(
-            "nvcc", "warn", f"{best.path} {_v(best.version)} does not list {arch}",
+            "nvcc", "warn", f"{best.path} {_v(best_version)} does not list {arch}",
             installs + " (`nvcc fatal: Unsupported gpu architecture` otherwise)",
         )
-    return Finding("nvcc", "pass", f"{best.path} {_v(best.version)}" + (f" lists {arch}" if arch else ""))
+    return Finding("nvcc", "pass", f"{best.path} {_v(best_version)}" + (f" lists {arch}" if arch else ""))
 
 
 # --- resources ---------------------------------------------------------------------
@@ -408,6 +408,7 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
         return Finding("launch_plan", "warn", f"moe cache 'auto' on {vram_gb} GB: the engine sizes it",
                        "prefer a number; see the README's launch plan")
     need = estimated_vram_gb(plan)
+    assert need is not None  # an integer cache size (only 'auto' has no estimate, handled above)
     summary = f"cache {plan.moe_cache_size}, {plan.num_tokens} tokens: ~{need:.1f} GB of {usable:.1f} GB usable"
     if need > usable:
         return Finding(

@@ -146,13 +146,13 @@ def cache_sources(settings: Settings, host_name: str, inventory) -> list[str]:
     return sources + [str(u).rstrip("/") for u in settings.model_sources]
 
 
-def cache_bind_address(settings: Settings, host_name: str, host_data: Mapping[str, Any]) -> str:
+def cache_bind_address(settings: Settings, host_name: str, ssh_hostname: Optional[str]) -> str:
     """Where the cache host's cache listens: ``model_cache_bind``, else the address the rest of
     the fleet reaches it by (what ``cache_sources`` gives them: its ``ssh_hostname``, else its
     inventory name), resolved here when it is a name, never every interface."""
     if settings.model_cache_bind is not None:
         return str(settings.model_cache_bind)
-    address = str(host_data.get("ssh_hostname") or host_name)
+    address = str(ssh_hostname or host_name)
     try:
         return str(ipaddress.ip_address(address.strip("[]")))
     except ValueError:
@@ -333,7 +333,7 @@ def model_cache(settings: Settings, present: bool = True, bind: Optional[str] = 
         src=_LOCAL_CACHE_SCRIPT, dest=CACHE_SCRIPT, user="root", group="root", mode="644",
         add_deploy_dir=False,
     ))
-    bind = bind or cache_bind_address(settings, current_host.name, current_host.data)
+    bind = bind or cache_bind_address(settings, current_host.name, current_host.data.get("ssh_hostname"))
     unit_commands = list(files.put._inner(
         src=StringIO(cache_unit(settings, bind)), dest=unit_path, user="root", group="root", mode="644",
     ))
@@ -502,6 +502,6 @@ def model_present(settings: Settings, wait: bool = True, timeout_s: int = 12 * 3
     if not wait:
         yield StringCommand("systemctl", "start", "--no-block", FETCH_UNIT)
         return
-    global_arguments = current_host.current_op_global_arguments or {}
+    global_arguments: dict[str, Any] = dict(current_host.current_op_global_arguments or {})
     elevation = {k: global_arguments[k] for k in _ELEVATION_ARGS if global_arguments.get(k)}
     yield FunctionCommand(wait_for_fetch, (settings, elevation), {"timeout_s": timeout_s})

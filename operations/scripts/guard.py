@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 PREFIX = "freetoken-guard:"
 # "GB" as in .wslconfig (swap=4GB is 4 GiB) and in `free -h`, which the field report read.
@@ -131,12 +132,12 @@ def read_gpus() -> list:
         return []
     if proc.returncode != 0:
         return []
-    gpus = []
+    gpus: list[dict[str, Any]] = []
     for line in proc.stdout.splitlines():
         cells = [cell.strip() for cell in line.split(",")]
         if len(cells) != 3 or not cells[0].isdigit():
             continue
-        gpu = {"index": cells[0]}
+        gpu: dict[str, Any] = {"index": cells[0]}
         used, total = _mib(cells[1]), _mib(cells[2])  # "[N/A]" / "[Not Supported]" -> None
         if used is not None:
             gpu["memory_used_bytes"] = used
@@ -213,14 +214,15 @@ def scan_journal(unit: str, position_file: str, now: float) -> tuple[list, dict]
         else:
             records.append(line)
     # A worker's traceback and the supervisor's record of its death may fall either side of a run.
-    carried = previous.get("pending_oom")
+    carried: Any = previous.get("pending_oom")
     fresh = (isinstance(carried, dict) and isinstance(carried.get("line"), str)
              and isinstance(carried.get("time"), (int, float)) and now - carried["time"] <= PENDING_OOM_S)
     before = carried["line"] if fresh else None
     found, pending = find_ooms(records, before)
     keep = None
     if pending is not None:
-        keep = {"line": pending, "time": carried["time"] if pending == before and fresh else now}
+        kept_since = carried["time"] if fresh and pending == before else now
+        keep = {"line": pending, "time": kept_since}
     return found, {"cursor": cursor, "time": now, "pending_oom": keep}
 
 

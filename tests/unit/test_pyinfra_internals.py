@@ -32,3 +32,20 @@ def test_a_changed_internal_fails_naming_it(monkeypatch):
     with pytest.raises(AssertionError):
         pyinfra_internals.INTERNALS[name]()
 
+
+
+def test_no_other_module_touches_a_pyinfra_internal():
+    """Private pyinfra names (`pyinfra... _x`) and Host patching appear only in the internals module."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for path in [*root.glob("facts/*.py"), *root.glob("operations/*.py"), *root.glob("freetoken_infra/**/*.py"),
+                 *root.glob("deploys/*.py"), root / "config.py"]:
+        if path.name == "pyinfra_internals.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        if re.search(r"from pyinfra[\w.]* import _\w|pyinfra_cli\.cli\.|Host\.\w+ = |setattr\(Host", text):
+            offenders.append(str(path.relative_to(root)))
+    assert not offenders, offenders

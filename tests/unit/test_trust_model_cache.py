@@ -179,12 +179,12 @@ def test_a_fetcher_with_the_hub_token_reads_a_gated_cache(script_dir, repos, com
 
 def test_the_unit_binds_where_the_fleet_reaches_the_host_never_everywhere():
     s = Settings(model_cache_host="ws1")
-    assert cache_bind_address(s, "ws1", {"ssh_hostname": "10.213.0.11"}) == "10.213.0.11"
-    assert cache_bind_address(s, "10.0.0.7", {}) == "10.0.0.7"
-    assert cache_bind_address(s, "ws1", {"ssh_hostname": "fd00::11"}) == "fd00::11"
-    assert cache_bind_address(s, "ws1", {"ssh_hostname": "localhost"}) in ("127.0.0.1", "::1")
+    assert cache_bind_address(s, "ws1", "10.213.0.11") == "10.213.0.11"
+    assert cache_bind_address(s, "10.0.0.7", None) == "10.0.0.7"
+    assert cache_bind_address(s, "ws1", "fd00::11") == "fd00::11"
+    assert cache_bind_address(s, "ws1", "localhost") in ("127.0.0.1", "::1")
     pinned = Settings(model_cache_host="ws1", model_cache_bind="192.168.1.20")
-    assert cache_bind_address(pinned, "ws1", {"ssh_hostname": "10.213.0.11"}) == "192.168.1.20"
+    assert cache_bind_address(pinned, "ws1", "10.213.0.11") == "192.168.1.20"
     unit = cache_unit(s, "10.213.0.11")
     exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     assert "--bind 10.213.0.11 " in exec_start and "0.0.0.0" not in unit
