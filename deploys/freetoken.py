@@ -26,6 +26,7 @@ from facts import batch
 from facts.engine import EngineHealth
 from facts.windows_tasks import WslDistroName
 from freetoken_infra import report, rules
+from freetoken_infra.core import records
 from freetoken_infra.preflight import fleet_settings, run_preflight
 from operations import cuda, engine, guard, health, model, service, windows
 
@@ -52,7 +53,7 @@ def windows_side(settings, obs) -> list[str]:
     for path, section, values in targets:
         name = ".wslconfig [wsl2]" if section == "wsl2" else f"{path} [{section}]"
         windows.ini_values(name=f"Windows side: {name}", path=path, section=section, values=values)
-    report.record(host.name, restart_pending=changing)  # for a rollout's fleet report
+    records.record(host.name, restart_pending=changing)  # for a rollout's fleet report
     return changing
 
 

@@ -11,8 +11,8 @@ from typing import Any, Iterable, Optional
 
 from pyinfra.api.state import BaseStateCallback
 
-from freetoken_infra.core.layout import HostLayout
-from freetoken_infra.core.records import RECORD_ENV, read_records, record
+from freetoken_infra.core.layout import RESTART_MESSAGE, HostLayout
+from freetoken_infra.core.records import RECORD_ENV, record
 from freetoken_infra.rules import Finding
 
 _MARK = {"pass": "pass", "warn": "WARN", "block": "BLOCK"}
@@ -203,7 +203,7 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
     elif not records:
         result, reason = RESULT_FAILED, no_result
     elif observed.get("blockers") and observed.get("restart_only"):
-        result, reason = RESULT_FAILED, "restart required: run `wsl.exe --shutdown` from Windows, then re-run"
+        result, reason = RESULT_FAILED, f"{RESTART_MESSAGE}, then re-run"
     elif observed.get("blockers"):
         result, reason = RESULT_REFUSED, "refused at preflight: " + ", ".join(observed["blockers"])
     elif rollback:

@@ -46,9 +46,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
+from freetoken_infra.core.records import RECORD_ENV, read_records
 from freetoken_infra.report import (
-    RECORD_ENV, RESULT_FAILED, RESULT_NOT_RUN, RESULT_OK, RESULT_PARKED, RESULT_REFUSED, RESULTS,
-    ending_line, fleet_counts, format_fleet_report, host_row, read_records,
+    RESULT_FAILED,
+    RESULT_NOT_RUN,
+    RESULT_OK,
+    RESULT_PARKED,
+    RESULT_REFUSED,
+    RESULTS,
+    ending_line,
+    fleet_counts,
+    format_fleet_report,
+    host_row,
 )
 
 DEFAULT_BATCHES = "1,25%,100%"

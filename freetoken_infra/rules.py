@@ -26,6 +26,8 @@ from facts.init import InitInfo
 from facts.model import ModelDirInfo
 from facts.resources import ResourcesInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
+from facts.wsl import WslKernelInfo, WslVersionInfo
+from freetoken_infra.core import wsl_ini
 from freetoken_infra.core.hardware import HARDWARE_PROFILES, nominal_vram_gb
 from freetoken_infra.core.launch import (
     LaunchPlan,
@@ -33,10 +35,9 @@ from freetoken_infra.core.launch import (
     estimated_vram_gb,
     usable_vram_gb,
 )
-from facts.wsl import WslKernelInfo, WslVersionInfo
+from freetoken_infra.core.layout import RESTART_MESSAGE
 from freetoken_infra.core.quant import QuantSummary, unsupported_expert_schemes
 from freetoken_infra.core.settings import Settings
-from freetoken_infra.core import wsl_ini
 
 Status = Literal["pass", "warn", "block"]
 
@@ -45,7 +46,7 @@ GB = 1000**3
 MIN_COMPUTE = (8, 0)  # freetoken.md: Ampere or newer
 REQUIRED_NVCC_MAJOR = 13  # freetoken.md: nvcc's major must equal torch's CUDA major
 SYSTEMD_ON = {"systemd": "true"}  # /etc/wsl.conf [boot]: systemd as PID 1 (the engine is a unit)
-RESTART_REMEDY = "restart required: run `wsl.exe --shutdown` from Windows, then re-run the deploy"
+RESTART_REMEDY = f"{RESTART_MESSAGE}, then re-run the deploy"
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,18 @@ from io import StringIO
 from pyinfra.api import operation
 from pyinfra.operations import files, systemd
 
-from freetoken_infra.core.layout import DEPLOY_STATE_DIR, HostLayout
+from freetoken_infra.core.layout import (
+    DEPLOY_STATE_DIR,
+    ENGINE_UNIT,
+    GUARD_SCRIPT,
+    GUARD_SERVICE,
+    GUARD_TIMER,
+    UNIT_DIR,
+    HostLayout,
+)
 from freetoken_infra.core.settings import Settings
 from operations.model import unit_command, unit_word
 
-ENGINE_UNIT = "freetoken.service"
-GUARD_SERVICE = "freetoken-guard.service"
-GUARD_TIMER = "freetoken-guard.timer"
-GUARD_SCRIPT = "/usr/local/lib/freetoken/guard.py"
-UNIT_DIR = "/etc/systemd/system"
 _LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "guard.py")
 
 

@@ -28,17 +28,18 @@ from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
 from facts.model_manifest import ModelManifest
-from freetoken_infra.core.layout import HostLayout
+from freetoken_infra.core.layout import (
+    CACHE_SCRIPT,
+    CACHE_UNIT,
+    FETCH_SCRIPT,
+    FETCH_UNIT,
+    MANIFEST_MODULE,
+    QUANT_MODULE,
+    UNIT_DIR,
+    HostLayout,
+)
 from freetoken_infra.core.settings import Settings
 
-FETCH_UNIT = "freetoken-model-fetch.service"
-LIB_DIR = "/usr/local/lib/freetoken"
-FETCH_SCRIPT = f"{LIB_DIR}/fetch_model.py"
-QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
-MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
-CACHE_SCRIPT = f"{LIB_DIR}/model_cache.py"
-CACHE_UNIT = "freetoken-model-cache.service"
-UNIT_DIR = "/etc/systemd/system"
 TOKEN_CREDENTIAL = "hub-token"
 JOURNAL_LINES = 20
 

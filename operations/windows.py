@@ -14,7 +14,7 @@ from typing import Mapping
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.api.exceptions import OperationError
-from pyinfra.operations import files, server
+from pyinfra.operations import server
 
 from facts.files import FileBytes
 from facts.windows_tasks import ScheduledTaskExists

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from operations.cuda import PIN_FILE
-from operations.guard import GUARD_TIMER
-from operations.service import UNIT_PATH, key_path
+from freetoken_infra.core.layout import GUARD_TIMER
 from freetoken_infra.core.settings import Settings
+from operations.cuda import PIN_FILE
+from operations.service import UNIT_PATH, key_path
 from tests.fleet import harness
 from tests.fleet.client import ROOT, SERVING, deploy, grand_total, wait_healthy
 from tests.fleet.profiles import BRIDGE_ADDRESS, PROFILES

@@ -408,7 +408,8 @@ def test_fact_process_outputs():
 
 
 def test_service_unit():
-    from operations.guard import GUARD_SCRIPT, guard_service_unit
+    from freetoken_infra.core.layout import GUARD_SCRIPT
+    from operations.guard import guard_service_unit
 
     # Settings refuse such a path (issue 13); the unit escapes it all the same.
     settings = Settings.model_construct(**{**Settings().model_dump(), "guard_swap_limit_gb": 3.5,
@@ -504,7 +505,8 @@ class StubHost:
 
 
 def converged_files(settings):
-    from operations.guard import GUARD_SCRIPT, guard_service_unit, guard_timer_unit
+    from freetoken_infra.core.layout import GUARD_SCRIPT
+    from operations.guard import guard_service_unit, guard_timer_unit
 
     return {
         GUARD_SCRIPT: (SCRIPT.read_text(), 755),

@@ -4,8 +4,8 @@ of the health gate (the gate script against the engine stand-in; only systemctl 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,13 +18,24 @@ from pyinfra.connectors.util import CommandOutput, OutputLine
 from facts.engine import EngineInstallInfo
 from facts.restart import RestartPending, parse_restart_pending_output
 from freetoken_infra import report
-from freetoken_infra.report import format_fleet_report, host_row, read_records
 from freetoken_infra import rollout as rollout_mod
-from freetoken_infra.rollout import (
-    BatchRun, RolloutError, batch_size, batch_stops, exit_status, load_report, parse_batch_sizes,
-    parse_only, plan_batches, pyinfra_argv, select_hosts,
-)
+from freetoken_infra.core import records
+from freetoken_infra.core.records import read_records
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.report import format_fleet_report, host_row
+from freetoken_infra.rollout import (
+    BatchRun,
+    RolloutError,
+    batch_size,
+    batch_stops,
+    exit_status,
+    load_report,
+    parse_batch_sizes,
+    parse_only,
+    plan_batches,
+    pyinfra_argv,
+    select_hosts,
+)
 from operations import engine
 from operations.health import GATE_RESULTS, rollback_command, run_gate
 from tests.loopback import free_port, wait_listening
@@ -241,10 +252,10 @@ def test_fleet_table_has_every_column_and_a_summary():
 
 def test_records_round_trip_through_the_file(tmp_path, monkeypatch):
     path = tmp_path / "run.jsonl"
-    report.record("ws1", gate=GATE_OK)  # unset: nothing written anywhere
-    monkeypatch.setenv(report.RECORD_ENV, str(path))
-    report.record("ws1", gate=GATE_OK)
-    report.record("ws2", op_error="x")
+    records.record("ws1", gate=GATE_OK)  # unset: nothing written anywhere
+    monkeypatch.setenv(records.RECORD_ENV, str(path))
+    records.record("ws1", gate=GATE_OK)
+    records.record("ws2", op_error="x")
     with path.open("a") as f:
         f.write('{"host": "ws1", "torn')
     assert read_records(str(path)) == {"ws1": [{"host": "ws1", "gate": GATE_OK}],
@@ -356,7 +367,7 @@ def blue_green(tmp_path, model_dir):
 def test_failed_upgrade_rolls_back_and_serves_the_old_version(blue_green, tmp_path, monkeypatch):
     host, settings, key_file, base = blue_green
     record_file = tmp_path / "run.jsonl"
-    monkeypatch.setenv(report.RECORD_ENV, str(record_file))
+    monkeypatch.setenv(records.RECORD_ENV, str(record_file))
     kept = tmp_path / "last-gate.json"
     GATE_RESULTS.clear()
     with pytest.raises(OperationError) as info:
@@ -632,11 +643,11 @@ def test_a_run_that_reaches_no_host_says_so_plainly(tmp_path):
 def test_an_unreachable_host_is_parked_from_the_structured_record(tmp_path, monkeypatch):
     """config.py registers report.ConnectRecorder under $FREETOKEN_RUN_RECORD: pyinfra's
     connection error is a record, so the row needs no console text to be parked."""
-    monkeypatch.setenv(report.RECORD_ENV, str(tmp_path / "run.jsonl"))
+    monkeypatch.setenv(records.RECORD_ENV, str(tmp_path / "run.jsonl"))
     report.ConnectRecorder.host_connect_error(None, type("H", (), {"name": "ws2"})(),
                                               OSError("Could not connect (timed out)\nmore"))
-    records = read_records(str(tmp_path / "run.jsonl"))
-    assert records == {"ws2": [{"host": "ws2", "unreachable": "Could not connect (timed out)"}]}
-    row = host_row("ws2", records["ws2"])
+    by_host = read_records(str(tmp_path / "run.jsonl"))
+    assert by_host == {"ws2": [{"host": "ws2", "unreachable": "Could not connect (timed out)"}]}
+    row = host_row("ws2", by_host["ws2"])
     assert (row["result"], row["reason"]) == ("parked", "unreachable: Could not connect (timed out)")
     assert row["restart_pending"] is None and row["health"] == "-"

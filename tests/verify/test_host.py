@@ -20,15 +20,22 @@ from facts.init import InitSystem
 from facts.model_manifest import ModelManifest
 from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslVersion
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSLCONFIG_NAME
-from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.core.launch import derive_plan
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, GUARD_TIMER, WSLCONFIG_NAME
 from freetoken_infra.core.settings import DRIVER_PACKAGE_RE
+from freetoken_infra.core.wsl_ini import drive_root
 from operations.cuda import PIN_FILE
-from operations.guard import ENGINE_UNIT, GUARD_TIMER
 from operations.health import gate_url
 from operations.service import engine_unit, env_path, key_path
-from tests.verify.probes import DPKG_QUERY, apt_policy, present_packages, key_exposure, listeners, model_hash_mismatches, unit_pids
+from tests.verify.probes import (
+    DPKG_QUERY,
+    apt_policy,
+    key_exposure,
+    listeners,
+    model_hash_mismatches,
+    present_packages,
+    unit_pids,
+)
 
 
 def _v(version) -> str:
