@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from freetoken_infra.core.layout import DEPLOY_STATE_DIR
 from tests.fleet import harness
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,3 +173,20 @@ def leftovers() -> list[str]:
     if (harness.cache_dir() / "hosts").exists():
         out.append(f"host copies {harness.cache_dir() / 'hosts'}")
     return out
+
+
+# What the guard timer writes every 30 s (samples and its journal position, in root's state
+# directory): changes a snapshot comparison of "nothing changed" must not count.
+GUARD_SAMPLES = (f"{DEPLOY_STATE_DIR}/metrics/", f"{DEPLOY_STATE_DIR}/guard-journal.json")
+
+
+def report_rows(doc: dict) -> dict[str, dict]:
+    """A rollout report's rows by host."""
+    return {r["host"]: r for r in doc["hosts"]}
+
+
+def snapshot_without_guard_samples(fleet, host) -> dict:
+    """``fleet.snapshot(host)`` less the guard's periodic writes."""
+    snap = fleet.snapshot(host)
+    snap["files"] = {p: v for p, v in snap["files"].items() if not p.startswith(GUARD_SAMPLES)}
+    return snap

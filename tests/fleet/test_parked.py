@@ -25,11 +25,10 @@ import pytest
 
 from freetoken_infra.core import wsl_ini
 from tests.fleet import harness
-from tests.fleet.client import PYINFRA, ROOT, api_key, chat, engine_pid
+from tests.fleet.client import PYINFRA, ROOT, api_key, chat, engine_pid, report_rows, snapshot_without_guard_samples
 
 pytestmark = pytest.mark.fleet
 
-GUARD_SAMPLES = ("/var/lib/freetoken/metrics/", "/var/lib/freetoken/guard-journal.json")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -46,16 +45,6 @@ def rollout(*args: str, state_home: Path) -> tuple[subprocess.CompletedProcess, 
     report = re.findall(r"^report: (.+)$", run.stdout, re.M)
     doc = json.loads(Path(report[-1]).read_text()) if report else {}
     return run, doc
-
-
-def rows(doc: dict) -> dict[str, dict]:
-    return {r["host"]: r for r in doc["hosts"]}
-
-
-def snapshot(fleet, host) -> dict:
-    snap = fleet.snapshot(host)
-    snap["files"] = {p: v for p, v in snap["files"].items() if not p.startswith(GUARD_SAMPLES)}
-    return snap
 
 
 def power_off(fleet, host: str) -> None:
@@ -97,7 +86,7 @@ def test_a_powered_off_host_is_parked_not_failed(sim_fleet, parked, workdir):
     assert run.returncode == 4, out[-5000:]
     assert doc["batches"] == [["ws1"], ["ws2"], ["ws3"]] and doc["stopped"] is None
     assert doc == json.loads((workdir / "parked.json").read_text())
-    r = rows(doc)
+    r = report_rows(doc)
     assert (r["ws1"]["result"], r["ws1"]["health"]) == ("ok", "ok") and r["ws1"]["tokens_per_s"] > 0
     assert r["ws2"]["result"] == "parked" and r["ws2"]["reason"].startswith("unreachable: "), r["ws2"]
     assert r["ws3"]["result"] == "refused", r["ws3"]
@@ -124,10 +113,10 @@ def test_a_powered_off_host_is_parked_not_failed(sim_fleet, parked, workdir):
 @pytest.fixture(scope="module")
 def caught_up(sim_fleet, parked, workdir):
     power_on(sim_fleet, "ws2")
-    before = {h: snapshot(sim_fleet, h) for h in ("ws1", "ws3")}
+    before = {h: snapshot_without_guard_samples(sim_fleet, h) for h in ("ws1", "ws3")}
     pid = engine_pid(sim_fleet, "ws1")
     run, doc = rollout("--only", "parked,failed", "--from", str(workdir / "parked.json"), state_home=workdir)
-    after = {h: snapshot(sim_fleet, h) for h in ("ws1", "ws3")}
+    after = {h: snapshot_without_guard_samples(sim_fleet, h) for h in ("ws1", "ws3")}
     return run, doc, before, after, pid
 
 
@@ -138,7 +127,7 @@ def test_the_catch_up_converges_only_the_parked_host(sim_fleet, caught_up, workd
     assert doc["batches"] == [["ws2"]] and doc["caught_up_from"] == str(workdir / "parked.json")
     # written without --json, where every rollout writes its report
     assert list((workdir / "freetoken-infra" / "rollouts").glob("rollout-*.json"))
-    row = rows(doc)["ws2"]
+    row = report_rows(doc)["ws2"]
     assert (row["result"], row["health"]) == ("ok", "ok") and row["tokens_per_s"] > 0, row
     assert chat(sim_fleet, "ws2", api_key(sim_fleet, "ws2"))["choices"][0]["message"]["content"]
     # the rest see no change: pyinfra never ran for them
@@ -173,7 +162,7 @@ def diff_lines(out: str) -> list[str]:
 
 
 def test_dry_diff_shows_the_one_changed_wslconfig_line_and_changes_nothing(sim_fleet, caught_up):
-    before = snapshot(sim_fleet, "ws1")
+    before = snapshot_without_guard_samples(sim_fleet, "ws1")
     key = api_key(sim_fleet, "ws1")
     line = wslconfig_line(sim_fleet, "ws1", "memory")
     name, value = line.split("=", 1)
@@ -182,17 +171,17 @@ def test_dry_diff_shows_the_one_changed_wslconfig_line_and_changes_nothing(sim_f
     assert re.search(r"\[ws1\] Will modify /mnt/c/Users/[^/]+/\.wslconfig", out), out[-5000:]
     assert diff_lines(out) == [f"- {line}", f"+ {name}={new}"]
     assert key not in out
-    assert harness.snapshot_diff(before, snapshot(sim_fleet, "ws1")) == []
+    assert harness.snapshot_diff(before, snapshot_without_guard_samples(sim_fleet, "ws1")) == []
     assert wslconfig_line(sim_fleet, "ws1", "memory") == line
 
 
 def test_dry_diff_of_a_changed_api_key_is_masked(sim_fleet, caught_up):
-    before = snapshot(sim_fleet, "ws1")
+    before = snapshot_without_guard_samples(sim_fleet, "ws1")
     key = api_key(sim_fleet, "ws1")
     new_key = "ft-preview-" + key[::-1][:12]
     out = preview("--data", "api_key_source=env:FT_PREVIEW_KEY", env={"FT_PREVIEW_KEY": new_key})
     assert "[ws1] Will modify /etc/freetoken/api-key.env" in out, out[-5000:]
     assert diff_lines(out) == ["- FREETOKEN_API_KEY=********", "+ FREETOKEN_API_KEY=******** (changed)"]
     assert key not in out and new_key not in out
-    assert harness.snapshot_diff(before, snapshot(sim_fleet, "ws1")) == []
+    assert harness.snapshot_diff(before, snapshot_without_guard_samples(sim_fleet, "ws1")) == []
     assert api_key(sim_fleet, "ws1") == key

@@ -23,13 +23,12 @@ from pathlib import Path
 import pytest
 
 from tests.fleet import harness
-from tests.fleet.client import ROOT, api_key, chat, engine_pid, health
+from tests.fleet.client import ROOT, api_key, chat, engine_pid, health, report_rows, snapshot_without_guard_samples
 
 pytestmark = pytest.mark.fleet
 
 GONE = ("ws-gone", "10.213.0.250")  # an address on the bridge where no host lives
 # Written by the guard timer every 30 s on a converged host: its own sampling, not the deploy.
-GUARD_SAMPLES = ("/var/lib/freetoken-deploy/metrics/", "/var/lib/freetoken-deploy/guard-journal.json")
 
 
 def rollout(tmp_path: Path, *args: str, inventory: str = "inventories/sim.py") -> tuple[subprocess.CompletedProcess, dict]:
@@ -42,16 +41,6 @@ def rollout(tmp_path: Path, *args: str, inventory: str = "inventories/sim.py") -
     print(run.stdout[-30000:], run.stderr[-5000:], sep="\n")
     doc = json.loads(out.read_text()) if out.exists() else {}
     return run, doc
-
-
-def rows(doc: dict) -> dict[str, dict]:
-    return {r["host"]: r for r in doc["hosts"]}
-
-
-def snapshot(fleet, host) -> dict:
-    snap = fleet.snapshot(host)
-    snap["files"] = {p: v for p, v in snap["files"].items() if not p.startswith(GUARD_SAMPLES)}
-    return snap
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +68,7 @@ def test_rollout_reports_every_host_and_parks_the_unreachable_one(sim_fleet, fir
     out = run.stdout
     assert run.returncode == 4, out[-5000:]  # no host failed, one is parked; the rollout ran to its end
     assert doc["batches"] == [["ws1"], ["ws2", "ws3", GONE[0]]] and doc["stopped"] is None
-    r = rows(doc)
+    r = report_rows(doc)
     assert set(r) == {"ws1", "ws2", "ws3", GONE[0]}
     for host in ("ws1", "ws2"):
         profile = sim_fleet.hosts[host].profile
@@ -104,13 +93,13 @@ def test_rollout_reports_every_host_and_parks_the_unreachable_one(sim_fleet, fir
 
 
 def test_rerunning_a_finished_rollout_changes_nothing(sim_fleet, first, workdir):
-    before = {h: snapshot(sim_fleet, h) for h in ("ws1", "ws2", "ws3")}
+    before = {h: snapshot_without_guard_samples(sim_fleet, h) for h in ("ws1", "ws2", "ws3")}
     pids = {h: engine_pid(sim_fleet, h) for h in ("ws1", "ws2")}
     # The default batches, as the README's "try it" command runs them: ws1, then ws2, then ws3
     # alone (a batch whose only host is refused at preflight still gets its report row).
     run, doc = rollout(workdir)
     assert doc["batches"] == [["ws1"], ["ws2"], ["ws3"]]
-    r = rows(doc)
+    r = report_rows(doc)
     for host in ("ws1", "ws2"):
         assert (r[host]["result"], r[host]["reason"], r[host]["changes"]) == ("ok", "no change", 0), r[host]
         assert r[host]["health"] == "ok" and r[host]["tokens_per_s"] > 0
@@ -119,15 +108,15 @@ def test_rerunning_a_finished_rollout_changes_nothing(sim_fleet, first, workdir)
     assert r["ws3"]["reason"].startswith("refused at preflight:") and "gpu_memory" in r["ws3"]["reason"], r["ws3"]
     assert run.returncode == 5, run.stdout[-5000:]  # every reached host ok or refused, none parked
     for host, snap in before.items():
-        assert harness.snapshot_diff(snap, snapshot(sim_fleet, host)) == [], host
+        assert harness.snapshot_diff(snap, snapshot_without_guard_samples(sim_fleet, host)) == [], host
 
 
 @pytest.fixture(scope="module")
 def broken_canary(sim_fleet, first, workdir):
-    before = {h: snapshot(sim_fleet, h) for h in ("ws2", "ws3")}
+    before = {h: snapshot_without_guard_samples(sim_fleet, h) for h in ("ws2", "ws3")}
     ws2_pid = engine_pid(sim_fleet, "ws2")
     run, doc = rollout(workdir, "--canary", "ws1", "--data", "engine_version=0.2.3")
-    after = {h: snapshot(sim_fleet, h) for h in ("ws2", "ws3")}
+    after = {h: snapshot_without_guard_samples(sim_fleet, h) for h in ("ws2", "ws3")}
     return {"run": run, "doc": doc, "before": before, "after": after, "ws2_pid": ws2_pid}
 
 
@@ -135,7 +124,7 @@ def test_a_failing_canary_stops_the_rollout_and_no_other_host_is_touched(sim_fle
     run, doc = broken_canary["run"], broken_canary["doc"]
     assert run.returncode == 3, run.stdout[-5000:]
     assert doc["batches"][0] == ["ws1"] and "canary" in doc["stopped"]
-    r = rows(doc)
+    r = report_rows(doc)
     assert r["ws1"]["result"] == "failed"
     for host in ("ws2", "ws3"):
         assert r[host]["result"] == "not run" and "canary" in r[host]["reason"]
@@ -145,7 +134,7 @@ def test_a_failing_canary_stops_the_rollout_and_no_other_host_is_touched(sim_fle
 
 
 def test_the_broken_upgrade_is_rolled_back_and_the_old_version_serves(sim_fleet, broken_canary):
-    row = rows(broken_canary["doc"])["ws1"]
+    row = report_rows(broken_canary["doc"])["ws1"]
     assert row["reason"].startswith("rolled back to 0.2.1: 0.2.3 failed the health gate in the health phase"), row
     assert "scheduler failed after load" in row["reason"]
     assert (row["engine_version"], row["health"]) == ("0.2.1", "ok") and row["tokens_per_s"] > 0
@@ -160,13 +149,13 @@ def test_the_broken_upgrade_is_rolled_back_and_the_old_version_serves(sim_fleet,
 
 def test_a_healthy_upgrade_switches_and_a_rollout_brings_it_back(sim_fleet, broken_canary, workdir):
     run, doc = rollout(workdir, "--limit", "ws1", "--data", "engine_version=0.2.2")
-    row = rows(doc)["ws1"]
+    row = report_rows(doc)["ws1"]
     assert run.returncode == 0, run.stdout[-5000:]
     assert row["result"] == "ok" and row["reason"].endswith("upgraded from 0.2.1"), row
     assert (row["engine_version"], row["health"]) == ("0.2.2", "ok")
     assert health(sim_fleet, "ws1")["version"] == "0.2.2"
     # back to the fleet's version (group_data/all.py), so later modules find ws1 as it was
     run, doc = rollout(workdir, "--limit", "ws1")
-    row = rows(doc)["ws1"]
+    row = report_rows(doc)["ws1"]
     assert run.returncode == 0 and row["engine_version"] == "0.2.1", row
     assert sim_fleet.run("ws1", "readlink /opt/freetoken/active", check=True).stdout.strip() == "/opt/freetoken/0.2.1"
