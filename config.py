@@ -51,8 +51,11 @@ def _validate_then_connect(connect_all):
             if state.active_hosts:
                 raise
             names = sorted(h.name for h in state.failed_hosts)
-            click.echo(f"\n--> no host could be reached ({', '.join(names)}; pyinfra's errors are above); "
-                       "nothing was done on any host", err=True)
+            click.echo(
+                f"\n--> no host could be reached ({', '.join(names)}; pyinfra's errors are above); "
+                "nothing was done on any host",
+                err=True,
+            )
             raise SystemExit(1) from None
 
     connect_all_after_validation.validates_settings = True  # type: ignore[attr-defined]
@@ -62,8 +65,7 @@ def _validate_then_connect(connect_all):
 def _names_a_file(inventory: str) -> bool:
     """Whether pyinfra's CLI argument is meant as an inventory file (not `@local`, `host1,host2`
     or a module path)."""
-    return not inventory.startswith("@") and "," not in inventory and (
-        inventory.endswith(".py") or os.sep in inventory)
+    return not inventory.startswith("@") and "," not in inventory and (inventory.endswith(".py") or os.sep in inventory)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -78,8 +80,7 @@ def _load_inventory_or_say_why(make_inventory):
         try:
             loaded = make_inventory(inventory, *args, **kwargs)
         except SyntaxError as exc:  # pyinfra compiles outside its own error handling
-            raise CliError(f"{exc.filename}:{exc.lineno}: syntax error: {exc.msg}; "
-                           "no host was contacted") from None
+            raise CliError(f"{exc.filename}:{exc.lineno}: syntax error: {exc.msg}; no host was contacted") from None
         except UnexpectedExternalError as exc:
             raise CliError(f"{exc.filename}: {_one_line(exc.exception)}; no host was contacted") from None
         if len(loaded) == 0:
@@ -91,8 +92,14 @@ def _load_inventory_or_say_why(make_inventory):
 
 
 if not pyinfra_internals.wrap_cli("make_inventory", _load_inventory_or_say_why, "checks_inventory"):
-    click.echo("config.py: this pyinfra's CLI has no make_inventory to wrap; a missing or broken "
-               "inventory is reported by pyinfra itself", err=True)
+    click.echo(
+        "config.py: this pyinfra's CLI has no make_inventory to wrap; a missing or broken "
+        "inventory is reported by pyinfra itself",
+        err=True,
+    )
 if not pyinfra_internals.wrap_cli("connect_all", _validate_then_connect, "validates_settings"):
-    click.echo("config.py: this pyinfra's CLI has no connect_all to wrap; settings are validated "
-               "by the deploy after connecting", err=True)
+    click.echo(
+        "config.py: this pyinfra's CLI has no connect_all to wrap; settings are validated "
+        "by the deploy after connecting",
+        err=True,
+    )

@@ -57,8 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 HOOK_FLAG = "--pyinfra-hook"
-PROFILE_ENV = "FREETOKEN_BENCH_CPROFILE"   # the child profiles the controller into this file
-BATCHES_ENV = "FREETOKEN_BENCH_BATCHES"    # the child records each host's batched fact commands
+PROFILE_ENV = "FREETOKEN_BENCH_CPROFILE"  # the child profiles the controller into this file
+BATCHES_ENV = "FREETOKEN_BENCH_BATCHES"  # the child records each host's batched fact commands
 # Runs each command of a fact batch on the host on its own, with the CPU (own rusage of its
 # children) and wall time it took; the commands come as JSON on stdin. Facts only observe.
 FACT_COSTS_SCRIPT = r"""
@@ -75,7 +75,7 @@ print(json.dumps(out))
 """
 CACHE_HOST = "ws1"
 CACHE_DATA = ("--data", f"model_cache_host={CACHE_HOST}")
-REFUSED = ("ws3",)   # refused at preflight by design (tests/fleet/profiles.py)
+REFUSED = ("ws3",)  # refused at preflight by design (tests/fleet/profiles.py)
 
 
 # --------------------------------------------------------------------------- the child's hook
@@ -130,8 +130,7 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
 
         def run_batch(state, host, requests):
             names = sorted({r.cls.__name__ for r in requests})
-            stack[host.name].append(("fact", f"batch of {len(requests)} facts",
-                                     ", ".join(names)))
+            stack[host.name].append(("fact", f"batch of {len(requests)} facts", ", ".join(names)))
             try:
                 return orig_run_batch(state, host, requests)
             finally:
@@ -147,8 +146,8 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
             return text
 
         fact_batch.batch_command = batch_command
-    made: dict[str, list[str]] = {}      # a batch's command -> its facts' commands
-    batches: dict[str, list[str]] = {}   # host -> its last batch's facts' commands
+    made: dict[str, list[str]] = {}  # a batch's command -> its facts' commands
+    batches: dict[str, list[str]] = {}  # host -> its last batch's facts' commands
     keep_batches = bool(os.environ.get(BATCHES_ENV))
 
     def counted(method_name: str):
@@ -166,8 +165,17 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
             try:
                 return orig(self, *args, **kwargs)
             finally:
-                calls.append({"host": name, "call": method_name, "kind": kind, "label": label,
-                              "detail": detail, "t0": t0 - t_process, "dt": time.monotonic() - t0})
+                calls.append(
+                    {
+                        "host": name,
+                        "call": method_name,
+                        "kind": kind,
+                        "label": label,
+                        "detail": detail,
+                        "t0": t0 - t_process,
+                        "dt": time.monotonic() - t0,
+                    }
+                )
 
         setattr(SSHConnector, method_name, wrapper)
 
@@ -181,7 +189,7 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
     if profile_to:
         import cProfile
 
-        profiler = cProfile.Profile(time.process_time)   # CPU, not the waits on the hosts
+        profiler = cProfile.Profile(time.process_time)  # CPU, not the waits on the hosts
         profiler.enable()
     try:
         rc = pyinfra_main()
@@ -191,8 +199,7 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
         if profiler is not None and profile_to:
             profiler.disable()
             profiler.dump_stats(profile_to)
-        Path(out_path).write_text(json.dumps({"calls": calls, "end": time.monotonic() - t_process,
-                                              "batches": batches}))
+        Path(out_path).write_text(json.dumps({"calls": calls, "end": time.monotonic() - t_process, "batches": batches}))
     return rc or 0
 
 
@@ -214,15 +221,24 @@ def host_cpu_seconds() -> dict[str, float]:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue
-            total += sum(int(x) for x in fields[11:15])   # utime stime cutime cstime
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
         out[name] = total / tick
     return out
 
 
 class Run:
-    def __init__(self, limit: tuple[str, ...], wall: float, rc: int, output: str, calls: list[dict],
-                 end: float, cpu_controller: float, cpu_hosts: dict[str, float],
-                 batches: dict[str, list[str]] | None = None):
+    def __init__(
+        self,
+        limit: tuple[str, ...],
+        wall: float,
+        rc: int,
+        output: str,
+        calls: list[dict],
+        end: float,
+        cpu_controller: float,
+        cpu_hosts: dict[str, float],
+        batches: dict[str, list[str]] | None = None,
+    ):
         self.limit, self.wall, self.rc, self.output, self.calls = limit, wall, rc, output, calls
         self.end, self.cpu_controller, self.cpu_hosts = end, cpu_controller, cpu_hosts
         self.batches = batches or {}
@@ -241,8 +257,9 @@ def natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def run_pyinfra(limit: tuple[str, ...] = (), extra: tuple[str, ...] = CACHE_DATA,
-                env: dict[str, str] | None = None) -> Run:
+def run_pyinfra(
+    limit: tuple[str, ...] = (), extra: tuple[str, ...] = CACHE_DATA, env: dict[str, str] | None = None
+) -> Run:
     from tests.fleet import harness
 
     with tempfile.NamedTemporaryFile(prefix="converge-bench-", suffix=".json", delete=False) as f:
@@ -255,7 +272,11 @@ def run_pyinfra(limit: tuple[str, ...] = (), extra: tuple[str, ...] = CACHE_DATA
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), HOOK_FLAG, out, "--", *args],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=3600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=3600,
         env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir()), **(env or {})},
     )
     wall = time.monotonic() - t0
@@ -268,15 +289,25 @@ def run_pyinfra(limit: tuple[str, ...] = (), extra: tuple[str, ...] = CACHE_DATA
         doc = {}
     finally:
         os.unlink(out)
-    return Run(limit, wall, proc.returncode, proc.stdout + proc.stderr, doc.get("calls", []),
-               doc.get("end", wall), controller, hosts, doc.get("batches"))
+    return Run(
+        limit,
+        wall,
+        proc.returncode,
+        proc.stdout + proc.stderr,
+        doc.get("calls", []),
+        doc.get("end", wall),
+        controller,
+        hosts,
+        doc.get("batches"),
+    )
 
 
 def stats(values: list[float]) -> str:
     if not values:
         return "-"
-    return (f"median {statistics.median(values):6.2f} s  min {min(values):6.2f}  max {max(values):6.2f}"
-            f"  (n={len(values)})")
+    return (
+        f"median {statistics.median(values):6.2f} s  min {min(values):6.2f}  max {max(values):6.2f}  (n={len(values)})"
+    )
 
 
 def machine() -> str:
@@ -295,8 +326,9 @@ def host_span(run: Run, host: str) -> float | None:
 
 def remote_commands(run: Run, host: str) -> Counter:
     """(kind, label, call) -> count; connect is not a remote command and is left out."""
-    return Counter((c["kind"], c["label"], c["call"]) for c in run.calls
-                   if c["host"] == host and c["call"] != "connect")
+    return Counter(
+        (c["kind"], c["label"], c["call"]) for c in run.calls if c["host"] == host and c["call"] != "connect"
+    )
 
 
 def covered(calls: list[dict]) -> float:
@@ -321,9 +353,15 @@ def phases(run: Run) -> dict[str, float]:
     connect = covered([c for c in run.calls if c["call"] == "connect"])
     facts = covered([c for c in run.calls if c["kind"] == "fact" and c["call"] != "connect"])
     ops = covered([c for c in run.calls if c["kind"] == "operation" and c["call"] != "connect"])
-    return {"start-up": first, "connect": connect, "facts": facts, "operations": ops,
-            "rest": max(0.0, run.end - first - covered(run.calls)),
-            "controller CPU": run.cpu_controller, "hosts' CPU": sum(run.cpu_hosts.values())}
+    return {
+        "start-up": first,
+        "connect": connect,
+        "facts": facts,
+        "operations": ops,
+        "rest": max(0.0, run.end - first - covered(run.calls)),
+        "controller CPU": run.cpu_controller,
+        "hosts' CPU": sum(run.cpu_hosts.values()),
+    }
 
 
 def median_phases(runs: list[Run]) -> str:
@@ -331,7 +369,7 @@ def median_phases(runs: list[Run]) -> str:
     cores = os.cpu_count() or 1
     keys = list(per[0]) if per else []
     text = ", ".join(f"{k} {statistics.median(p[k] for p in per):.2f} s" for k in keys)
-    busy = statistics.median((p["controller CPU"] + p["hosts' CPU"]) / r.wall for p, r in zip(per, runs))
+    busy = statistics.median((p["controller CPU"] + p["hosts' CPU"]) / r.wall for p, r in zip(per, runs, strict=False))
     return f"{text}; CPU busy {busy:.2f} of {cores} cores"
 
 
@@ -339,7 +377,8 @@ def size_label(k: int, n: int) -> str:
     what = "whole fleet, no --limit" if k == n else ("ws1" if k == 1 else f"--limit ws1..ws{k}")
     refused = [h for h in REFUSED if int(h[2:]) <= k]
     return f"{k} host{'s' if k > 1 else ''} ({what}" + (
-        f"; includes {', '.join(refused)}, refused at preflight by design)" if refused else ")")
+        f"; includes {', '.join(refused)}, refused at preflight by design)" if refused else ")"
+    )
 
 
 def limit_for(k: int, n: int) -> tuple[str, ...]:
@@ -369,30 +408,35 @@ def first_converge(n: int) -> None:
         fleet = harness.up(size)
         run = run_pyinfra()
         results.append((size, run, upstream_ratio(fleet)))
-        memory = host_memory()   # of the last fleet: n hosts
+        memory = host_memory()  # of the last fleet: n hosts
     for size, run, ratio in results:
         commands = [sum(remote_commands(run, h).values()) for h in run.hosts()]
-        label = ("1 host  (ws1, a fresh 1-host fleet)" if size == 1
-                 else f"{size} hosts at once (a fresh fleet)")
-        print(f"{label}: {run.wall:7.1f} s  changed ops: {run.changed():>3}  "
-              f"upstream bytes / model size: {ratio:.3f} (target 1.0)  "
-              f"remote commands per host: max {max(commands, default=0)}")
+        label = "1 host  (ws1, a fresh 1-host fleet)" if size == 1 else f"{size} hosts at once (a fresh fleet)"
+        print(
+            f"{label}: {run.wall:7.1f} s  changed ops: {run.changed():>3}  "
+            f"upstream bytes / model size: {ratio:.3f} (target 1.0)  "
+            f"remote commands per host: max {max(commands, default=0)}"
+        )
         print(f"    where the time goes: {median_phases([run])}")
     if n > 1:
         one, many = results[0][1], results[-1][1]
         print(f"ratio first converge {n} hosts / 1 host: {many.wall / one.wall:.2f}")
         spans = {h: host_span(many, h) or 0.0 for h in many.hosts()}
-        print("    per host, first to last remote call: " + ", ".join(
-            f"{h} {spans[h]:.0f} s" + (" (refused)" if h in REFUSED else "") for h in spans))
+        print(
+            "    per host, first to last remote call: "
+            + ", ".join(f"{h} {spans[h]:.0f} s" + (" (refused)" if h in REFUSED else "") for h in spans)
+        )
     print(format_memory("converged, engines serving", memory, None))
     # The run after a first converge still reads some facts one by one: the checksums of files
     # the first converge created (nothing asked for them while the files did not exist), which
     # facts/batch.py learns for the runs after it. Shown, not counted among the no-op runs.
     second = run_pyinfra()
     counts = [sum(remote_commands(second, h).values()) for h in second.hosts()]
-    print(f"the run right after it (learns what to batch; not counted below): {second.wall:.1f} s, "
-          f"changed ops: {second.changed()}, remote commands per host: max {max(counts, default=0)}, "
-          f"median {statistics.median(counts) if counts else 0:g}")
+    print(
+        f"the run right after it (learns what to batch; not counted below): {second.wall:.1f} s, "
+        f"changed ops: {second.changed()}, remote commands per host: max {max(counts, default=0)}, "
+        f"median {statistics.median(counts) if counts else 0:g}"
+    )
 
 
 def print_noop(noop: dict[int, list[Run]], n: int) -> None:
@@ -405,35 +449,41 @@ def print_noop(noop: dict[int, list[Run]], n: int) -> None:
         print(f"{size_label(k, n)}:\n    {stats(walls)}")
         not_noop = [r.changed() for r in runs if r.changed() != "-"]
         if not_noop:
-            print(f"    WARNING: {len(not_noop)} of these runs changed something (changed ops: "
-                  f"{', '.join(not_noop)}): not a no-op; figures are not comparable")
+            print(
+                f"    WARNING: {len(not_noop)} of these runs changed something (changed ops: "
+                f"{', '.join(not_noop)}): not a no-op; figures are not comparable"
+            )
     if medians.get(1):
         for k in noop:
             if k != 1 and medians.get(k):
                 print(f"ratio {k} hosts / 1 host: {medians[k] / medians[1]:.2f}")
-    print("\n== where the time goes as the fleet grows (no-op re-runs, medians; phases are wall-clock "
-          "seconds with a call in flight on any host, CPU in core-seconds) ==")
+    print(
+        "\n== where the time goes as the fleet grows (no-op re-runs, medians; phases are wall-clock "
+        "seconds with a call in flight on any host, CPU in core-seconds) =="
+    )
     for k, runs in noop.items():
         print(f"{k:3d} host{'s' if k > 1 else ' '}: {median_phases(runs)}")
-        per_host = [c["dt"] for r in runs for c in r.calls
-                    if c["kind"] == "fact" and c["call"] == "run_shell_command"]
+        per_host = [c["dt"] for r in runs for c in r.calls if c["kind"] == "fact" and c["call"] == "run_shell_command"]
         cpu = [v for r in runs for h, v in r.cpu_hosts.items() if h in r.hosts()]
         if per_host:
-            print(f"      one fact command's round trip: median {statistics.median(per_host):.2f} s, "
-                  f"max {max(per_host):.2f}; CPU per host and run: median "
-                  f"{statistics.median(cpu) if cpu else 0:.2f} s")
+            print(
+                f"      one fact command's round trip: median {statistics.median(per_host):.2f} s, "
+                f"max {max(per_host):.2f}; CPU per host and run: median "
+                f"{statistics.median(cpu) if cpu else 0:.2f} s"
+            )
     ones, alls = noop.get(1), noop.get(n)
     if ones and alls and n > 1:
         cores = os.cpu_count() or 1
         med = statistics.median
-        controller_step = (med(r.cpu_controller for r in alls)
-                           - med(r.cpu_controller for r in ones)) / (n - 1)
+        controller_step = (med(r.cpu_controller for r in alls) - med(r.cpu_controller for r in ones)) / (n - 1)
         per_host_cpu = med(v for r in alls for v in r.cpu_hosts.values() if v > 0)
         needed = med(r.cpu_controller + sum(r.cpu_hosts.values()) for r in alls)
-        print(f"from 1 to {n} hosts: the controller's CPU grows {controller_step:.3f} s per added host; "
-              f"a host's run costs {per_host_cpu:.2f} CPU-s on the host (median); at {n} hosts the run "
-              f"needs {needed:.1f} CPU-s, {needed / cores:.1f} s on this machine's {cores} cores at best, "
-              f"while every simulated host shares them (on real PCs each host's share runs on its own CPU)")
+        print(
+            f"from 1 to {n} hosts: the controller's CPU grows {controller_step:.3f} s per added host; "
+            f"a host's run costs {per_host_cpu:.2f} CPU-s on the host (median); at {n} hosts the run "
+            f"needs {needed:.1f} CPU-s, {needed / cores:.1f} s on this machine's {cores} cores at best, "
+            f"while every simulated host shares them (on real PCs each host's share runs on its own CPU)"
+        )
 
 
 def print_parallel(parallel: dict[int, list[Run]], ones: list[Run], n: int) -> None:
@@ -444,8 +494,10 @@ def print_parallel(parallel: dict[int, list[Run]], ones: list[Run], n: int) -> N
     one = statistics.median(r.wall for r in ones) if ones else None
     for p, runs in parallel.items():
         walls = [r.wall for r in runs]
-        print(f"--parallel {p}: {stats(walls)}" + (
-            f"; ratio to 1 host: {statistics.median(walls) / one:.2f}" if one and walls else ""))
+        print(
+            f"--parallel {p}: {stats(walls)}"
+            + (f"; ratio to 1 host: {statistics.median(walls) / one:.2f}" if one and walls else "")
+        )
 
 
 def print_commands(runs: list[Run]) -> None:
@@ -463,21 +515,28 @@ def print_commands(runs: list[Run]) -> None:
         ops = sum(c for (kind, _, _), c in counts.items() if kind == "operation")
         other = total - facts - ops
         note = "" if len(varying) == 1 else f"  (varies between runs: {sorted(varying)})"
-        print(f"{host}: {total} remote commands: {facts} for facts, {ops} for operations"
-              + (f", {other} other" if other else "") + note)
+        print(
+            f"{host}: {total} remote commands: {facts} for facts, {ops} for operations"
+            + (f", {other} other" if other else "")
+            + note
+        )
         if host in ("ws1", "ws2", "ws3") or total > 2:
             for (kind, label, call), c in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1])):
                 suffix = "" if call == "run_shell_command" else f" [{call}]"
                 print(f"    {c:3d}  {kind:9s} {label}{suffix}")
     if totals:
         over = [h for h, t in totals.items() if t > 2]
-        print(f"per host: max {max(totals.values())}, median {statistics.median(totals.values()):g} "
-              f"over {len(totals)} hosts" + (f"; over the target: {', '.join(over)}" if over else ""))
+        print(
+            f"per host: max {max(totals.values())}, median {statistics.median(totals.values()):g} "
+            f"over {len(totals)} hosts" + (f"; over the target: {', '.join(over)}" if over else "")
+        )
 
 
 def print_slowest_facts(runs: list[Run], top: int) -> None:
-    print("\n== slowest facts of a no-op re-run (whole-fleet runs; median over runs of the per-run "
-          "time, per host and fact) ==")
+    print(
+        "\n== slowest facts of a no-op re-run (whole-fleet runs; median over runs of the per-run "
+        "time, per host and fact) =="
+    )
     per: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for run in runs:
         one: dict[tuple[str, str, str], float] = defaultdict(float)
@@ -488,8 +547,10 @@ def print_slowest_facts(runs: list[Run], top: int) -> None:
             per[key].append(value)
     ranked = sorted(per.items(), key=lambda kv: -statistics.median(kv[1]))[:top]
     for (host, label, detail), values in ranked:
-        print(f"  {statistics.median(values):6.3f} s (max {max(values):.3f})  {host}  {label}"
-              + (f"  ({detail[:70]})" if detail else ""))
+        print(
+            f"  {statistics.median(values):6.3f} s (max {max(values):.3f})  {host}  {label}"
+            + (f"  ({detail[:70]})" if detail else "")
+        )
 
 
 def print_controller_profile(n: int, top: int) -> None:
@@ -501,11 +562,13 @@ def print_controller_profile(n: int, top: int) -> None:
         path = f.name
     try:
         run = run_pyinfra(env={PROFILE_ENV: path})
-        print(f"\n== the controller's CPU in a no-op run of {n} hosts (cProfile, CPU time; this run took "
-              f"{run.wall:.1f} s with the profiler's overhead, controller CPU {run.cpu_controller:.2f} s) ==")
+        print(
+            f"\n== the controller's CPU in a no-op run of {n} hosts (cProfile, CPU time; this run took "
+            f"{run.wall:.1f} s with the profiler's overhead, controller CPU {run.cpu_controller:.2f} s) =="
+        )
         st = pstats.Stats(path)
         rows = []
-        for (file, line, func), (_, calls, own, cumulative, _) in getattr(st, "stats").items():
+        for (file, line, func), (_, calls, own, cumulative, _) in st.stats.items():
             where = file.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
             rows.append((own, cumulative, calls, f"{where}:{line} {func}"))
         print("  own s   cum s      calls  function")
@@ -525,16 +588,23 @@ def print_fact_costs(host: str, top: int) -> None:
     if not commands:
         print(f"\n(no fact batch recorded for {host})")
         return
-    r = subprocess.run(harness.Fleet().ssh_argv(host) + ["python3 -c " + shlex.quote(FACT_COSTS_SCRIPT)],
-                       input=json.dumps(commands), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        harness.Fleet().ssh_argv(host) + ["python3 -c " + shlex.quote(FACT_COSTS_SCRIPT)],
+        input=json.dumps(commands),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode != 0:
         print(f"\n(fact costs on {host} failed: {r.stderr[-500:]})")
         return
     costs = json.loads(r.stdout)
     total_cpu, total_wall = sum(c for c, _ in costs), sum(w for _, w in costs)
-    print(f"\n== {host}'s fact batch on the host, command by command ({len(commands)} commands, each run "
-          f"alone: CPU {total_cpu:.2f} s, wall {total_wall:.2f} s in all; the costliest) ==")
-    ranked = sorted(zip(costs, commands), key=lambda cc: -cc[0][0])[:top]
+    print(
+        f"\n== {host}'s fact batch on the host, command by command ({len(commands)} commands, each run "
+        f"alone: CPU {total_cpu:.2f} s, wall {total_wall:.2f} s in all; the costliest) =="
+    )
+    ranked = sorted(zip(costs, commands, strict=False), key=lambda cc: -cc[0][0])[:top]
     for (cpu, wall), command in ranked:
         print(f"  CPU {cpu:5.3f} s  wall {wall:5.3f} s  {' '.join(command.split())[:90]}")
 
@@ -548,7 +618,7 @@ def parse_sizes(text: str | None, n: int) -> list[int]:
         raise SystemExit(f"--sizes {text!r}: give host counts, e.g. 1,3,12") from None
     if not sizes or sizes[0] < 1 or sizes[-1] > n:
         raise SystemExit(f"--sizes {text!r}: each size from 1 to the fleet's {n} hosts")
-    return sorted({1, *sizes})   # every ratio is against 1 host
+    return sorted({1, *sizes})  # every ratio is against 1 host
 
 
 def main() -> int:
@@ -561,22 +631,29 @@ def main() -> int:
     from tests.fleet import harness
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hosts", type=int, default=None,
-                    help="hosts in the fleet (default: FREETOKEN_SIM_HOSTS, else 3)")
-    ap.add_argument("--sizes", default=None,
-                    help="comma-separated parts of the fleet to re-converge, k = ws1..wsk "
-                         "(default 1,2,3 for 3 hosts, else 1,3,N/2,N)")
+    ap.add_argument("--hosts", type=int, default=None, help="hosts in the fleet (default: FREETOKEN_SIM_HOSTS, else 3)")
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated parts of the fleet to re-converge, k = ws1..wsk "
+        "(default 1,2,3 for 3 hosts, else 1,3,N/2,N)",
+    )
     ap.add_argument("--runs", type=int, default=5, help="no-op re-runs per size (default 5)")
     ap.add_argument("--top", type=int, default=10, help="how many slowest facts to list")
-    ap.add_argument("--reuse", action="store_true",
-                    help="use the fleet that is already up (no first-converge figures)")
+    ap.add_argument("--reuse", action="store_true", help="use the fleet that is already up (no first-converge figures)")
     ap.add_argument("--keep-up", action="store_true", help="leave the fleet running at the end")
-    ap.add_argument("--parallel", default="", type=lambda text: [int(x) for x in text.split(",") if x],
-                    help="also re-converge the whole fleet with pyinfra --parallel P, for each P given "
-                         "(e.g. 2,4)")
-    ap.add_argument("--profile", action="store_true",
-                    help="one more whole-fleet no-op run with the controller under cProfile, and "
-                         "ws1's fact batch on the host command by command")
+    ap.add_argument(
+        "--parallel",
+        default="",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        help="also re-converge the whole fleet with pyinfra --parallel P, for each P given (e.g. 2,4)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more whole-fleet no-op run with the controller under cProfile, and "
+        "ws1's fact batch on the host command by command",
+    )
     a = ap.parse_args()
     n = harness.host_count() if a.hosts is None else a.hosts
     sizes = parse_sizes(a.sizes, n)

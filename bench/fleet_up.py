@@ -16,6 +16,7 @@ share it). Beside it, the drop of the machine's MemAvailable from before `up` to
 (includes the kernel's share and page cache; noisy on a shared machine), and the disk each
 host's root fs copy takes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.fleet import harness  # noqa: E402
+from tests.fleet import harness
 
 
 def machine() -> str:
-    mem_kb = int(next(line.split()[1] for line in open("/proc/meminfo")
-                      if line.startswith("MemTotal:")))
-    return (f"{subprocess.run(['uname', '-a'], capture_output=True, text=True).stdout.strip()}\n"
-            f"nproc={os.cpu_count()} memory={mem_kb / 1024 ** 2:.1f} GiB "
-            f"python={platform.python_version()}")
+    mem_kb = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal:")))
+    return (
+        f"{subprocess.run(['uname', '-a'], capture_output=True, text=True).stdout.strip()}\n"
+        f"nproc={os.cpu_count()} memory={mem_kb / 1024**2:.1f} GiB "
+        f"python={platform.python_version()}"
+    )
 
 
 def mem_available() -> int:
@@ -51,7 +53,7 @@ def _pss(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             return next((int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")), 0)
-    except OSError:   # gone in the meantime
+    except OSError:  # gone in the meantime
         return 0
 
 
@@ -76,13 +78,17 @@ def format_memory(label: str, per_host: dict[str, tuple[int, int]], available_dr
     """One figure block: PSS per host (median, min, max, sum) and the MemAvailable drop per host."""
     if not per_host:
         return f"memory per host, {label}: no host running"
-    mib = [pss / 2 ** 20 for pss, _ in per_host.values()]
+    mib = [pss / 2**20 for pss, _ in per_host.values()]
     procs = statistics.median(n for _, n in per_host.values())
-    line = (f"memory per host, {label}: PSS median {statistics.median(mib):.0f} MiB (min {min(mib):.0f}, "
-            f"max {max(mib):.0f}; {procs:.0f} processes), {sum(mib):.0f} MiB for {len(mib)} hosts")
+    line = (
+        f"memory per host, {label}: PSS median {statistics.median(mib):.0f} MiB (min {min(mib):.0f}, "
+        f"max {max(mib):.0f}; {procs:.0f} processes), {sum(mib):.0f} MiB for {len(mib)} hosts"
+    )
     if available_drop is not None:
-        line += (f"; MemAvailable dropped {available_drop / 2 ** 20 / len(mib):.0f} MiB per host "
-                 f"({available_drop / 2 ** 30:.2f} GiB in all)")
+        line += (
+            f"; MemAvailable dropped {available_drop / 2**20 / len(mib):.0f} MiB per host "
+            f"({available_drop / 2**30:.2f} GiB in all)"
+        )
     return line
 
 
@@ -93,23 +99,23 @@ def timed_up(n: int, memory: list[str] | None = None, run: int = 1) -> float:
     harness.up(n)
     elapsed = time.monotonic() - t0
     if memory is not None:
-        time.sleep(5)   # let the hosts' boot settle (journald, sshd's first connections)
+        time.sleep(5)  # let the hosts' boot settle (journald, sshd's first connections)
         per_host = host_memory()
-        memory.append(format_memory(f"booted, idle (run {run})", per_host,
-                                    before - mem_available()))
+        memory.append(format_memory(f"booted, idle (run {run})", per_host, before - mem_available()))
         state = harness.load_state() or {"hosts": {}}
-        disks = [disk_bytes(h["root"]) / 2 ** 20 for h in state["hosts"].values()]
+        disks = [disk_bytes(h["root"]) / 2**20 for h in state["hosts"].values()]
         if disks and run == 1:
-            memory.append(f"disk per host (root fs copy): median {statistics.median(disks):.0f} MiB, "
-                          f"{sum(disks) / 1024:.1f} GiB for {len(disks)} hosts")
+            memory.append(
+                f"disk per host (root fs copy): median {statistics.median(disks):.0f} MiB, "
+                f"{sum(disks) / 1024:.1f} GiB for {len(disks)} hosts"
+            )
     harness.down(quiet=True)
     return elapsed
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hosts", type=int, default=None,
-                    help="default: FREETOKEN_SIM_HOSTS, else one host per profile")
+    ap.add_argument("--hosts", type=int, default=None, help="default: FREETOKEN_SIM_HOSTS, else one host per profile")
     ap.add_argument("--warm-runs", type=int, default=3)
     ap.add_argument("--skip-cold", action="store_true")
     a = ap.parse_args()
@@ -137,8 +143,7 @@ def _bench(a: argparse.Namespace) -> int:
                 os.environ["FREETOKEN_SIM_CACHE"] = saved
     harness.ensure_base_rootfs()
     memory: list[str] = []
-    results["warm (cached root fs)"] = [timed_up(a.hosts, memory, i + 1)
-                                        for i in range(a.warm_runs)]
+    results["warm (cached root fs)"] = [timed_up(a.hosts, memory, i + 1) for i in range(a.warm_runs)]
     for mode, times in results.items():
         runs = ", ".join(f"{t:.1f}" for t in times)
         print(f"{a.hosts} hosts, {mode}: median {statistics.median(times):.1f} s  (runs: {runs})")

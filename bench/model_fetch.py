@@ -70,9 +70,27 @@ def fetch(endpoint: str, dest: Path, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--endpoint", endpoint, "--repo", REPO, "--dest", str(dest),
-         "--status-file", str(status), "--disk-margin-gb", "0", "--backoff-s", "0.05", *extra],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--endpoint",
+            endpoint,
+            "--repo",
+            REPO,
+            "--dest",
+            str(dest),
+            "--status-file",
+            str(status),
+            "--disk-margin-gb",
+            "0",
+            "--backoff-s",
+            "0.05",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     if proc.returncode != 0:
         raise SystemExit(f"fetch failed ({proc.returncode}):\n{proc.stderr}")
@@ -100,9 +118,11 @@ class Cache:
     def __init__(self, model_dir: Path):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, str(CACHE_SCRIPT), "--dir", str(model_dir),
-                                      "--bind", "127.0.0.1", "--port", str(port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CACHE_SCRIPT), "--dir", str(model_dir), "--bind", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_listening(port, self.proc, "model_cache.py")
 
     def close(self):
@@ -131,8 +151,11 @@ def fleet(repos: Path, work: Path, model_size: int, with_cache: bool) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--fleet", action="store_true",
-                    help="also roll the deploy out to 3 serving simulated hosts (root; a few minutes)")
+    ap.add_argument(
+        "--fleet",
+        action="store_true",
+        help="also roll the deploy out to 3 serving simulated hosts (root; a few minutes)",
+    )
     args = ap.parse_args(argv)
     u = platform.uname()
     print(f"machine: {u.system} {u.release} {u.machine}, nproc {os.cpu_count()}, python {platform.python_version()}")
@@ -144,8 +167,8 @@ def fleet_rollout() -> int:
     """The deploy itself on the simulated fleet: ws1, ws2 and ws4 serve (ws3 is refused at
     preflight), with ws1 as model_cache_host, then again with no cache. Figure: upstream bytes
     (the hub stand-in's counters) / model size."""
-    from tests.fleet import harness
     from freetoken_infra.core.settings import Settings
+    from tests.fleet import harness
     from tests.fleet.client import deploy, hub
 
     size = sum(len(b) for b in hub_repos.repo_files(REPO).values())
@@ -153,8 +176,10 @@ def fleet_rollout() -> int:
     with harness.exclusive():
         fleet_ = harness.up(4)
         try:
-            for label, extra in (("through the LAN cache (model_cache_host=ws1)", ("--data", "model_cache_host=ws1")),
-                                 ("without a cache", ())):
+            for label, extra in (
+                ("through the LAN cache (model_cache_host=ws1)", ("--data", "model_cache_host=ws1")),
+                ("without a cache", ()),
+            ):
                 for h in ("ws1", "ws2", "ws4"):
                     fleet_.run(h, f"systemctl stop freetoken.service 2>/dev/null; rm -rf {Settings().model_dir}")
                 hub(fleet_, "/_standin/reset", {})
@@ -168,8 +193,9 @@ def fleet_rollout() -> int:
         finally:
             harness.down(quiet=True)
     for label, (ratio, wall) in figures.items():
-        print(f"fleet rollout to 3 serving hosts {label}: upstream bytes / model size = {ratio:.3f} "
-              f"(deploy {wall:.0f} s)")
+        print(
+            f"fleet rollout to 3 serving hosts {label}: upstream bytes / model size = {ratio:.3f} (deploy {wall:.0f} s)"
+        )
     ok = abs(figures["through the LAN cache (model_cache_host=ws1)"][0] - 1.0) < 1e-9
     print("fleet: PASS" if ok else "fleet: FAIL (target 1.0 through the cache)")
     return 0 if ok else 1
@@ -193,11 +219,15 @@ def loopback(args) -> int:
             nocache.append(fleet(repos, work / "c", model_size, with_cache=False))
             shutil.rmtree(work)
         med = statistics.median
-        print(f"cut and resume (12 drops after 1 MB each): bytes transferred / bytes missing = "
-              f"{med(cut):.4f} median of {args.runs} (runs {', '.join(f'{x:.4f}' for x in cut)}); "
-              f"target <= {bound:.4f} (1.0 + one 1 MiB chunk)")
-        print(f"3 hosts through a LAN cache: upstream bytes / model size = {med(cache):.3f} median "
-              f"(target 1.0); without the cache {med(nocache):.3f} (3.0)")
+        print(
+            f"cut and resume (12 drops after 1 MB each): bytes transferred / bytes missing = "
+            f"{med(cut):.4f} median of {args.runs} (runs {', '.join(f'{x:.4f}' for x in cut)}); "
+            f"target <= {bound:.4f} (1.0 + one 1 MiB chunk)"
+        )
+        print(
+            f"3 hosts through a LAN cache: upstream bytes / model size = {med(cache):.3f} median "
+            f"(target 1.0); without the cache {med(nocache):.3f} (3.0)"
+        )
         ok = med(cut) <= bound and abs(med(cache) - 1.0) < 1e-9
         print("PASS" if ok else "FAIL")
         return 0 if ok else 1

@@ -13,6 +13,7 @@ the rollout's `--> rollout batch N` line to the next one or the report), the fle
 count of results, and the bytes the hub stand-in sent over the model's size (target 1.0).
 Figures, not assertions: tests/fleet/test_scale.py checks the outcome.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,13 +41,32 @@ def rollout(batches: str) -> tuple[float, int, list[tuple[str, float]], dict]:
     """Run the rollout CLI; (wall s, exit status, [(batch hosts, seconds)], its JSON report)."""
     fd, report = tempfile.mkstemp(prefix="rollout-bench-", suffix=".json")
     os.close(fd)
-    argv = [sys.executable, "-m", "freetoken_infra.rollout", "inventories/sim.py", "--batches", batches,
-            "--data", "model_cache_host=ws1", "--max-fail-pct", MAX_FAIL_PCT, "--json", report]
-    marks: list[tuple[str, float]] = []   # (what started, when)
+    argv = [
+        sys.executable,
+        "-m",
+        "freetoken_infra.rollout",
+        "inventories/sim.py",
+        "--batches",
+        batches,
+        "--data",
+        "model_cache_host=ws1",
+        "--max-fail-pct",
+        MAX_FAIL_PCT,
+        "--json",
+        report,
+    ]
+    marks: list[tuple[str, float]] = []  # (what started, when)
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, errors="replace",
-                            env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())})
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        errors="replace",
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+    )
     assert proc.stdout is not None
     tail: list[str] = []
     for line in proc.stdout:
@@ -67,8 +87,9 @@ def rollout(batches: str) -> tuple[float, int, list[tuple[str, float]], dict]:
     if not doc:
         print("".join(tail))
     marks.append(("end", wall))
-    batches_timed = [(hosts, marks[i + 1][1] - at) for i, (hosts, at) in enumerate(marks[:-1])
-                     if hosts not in ("report", "end")]
+    batches_timed = [
+        (hosts, marks[i + 1][1] - at) for i, (hosts, at) in enumerate(marks[:-1]) if hosts not in ("report", "end")
+    ]
     return wall, rc, batches_timed, doc
 
 
@@ -85,13 +106,17 @@ def show(label: str, result: tuple[float, int, list[tuple[str, float]], dict], r
     rows = doc.get("hosts", [])
     counts = Counter(str(row.get("result", "?")) for row in rows)
     unchanged = sum(1 for row in rows if row.get("result") == "ok" and row.get("reason") == "no change")
-    print(f"\n{label}: {wall:.1f} s, exit status {rc}; results: "
-          + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-          + f" ({unchanged} of them with no change); upstream bytes / model size: {ratio:.3f}")
+    print(
+        f"\n{label}: {wall:.1f} s, exit status {rc}; results: "
+        + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        + f" ({unchanged} of them with no change); upstream bytes / model size: {ratio:.3f}"
+    )
     for i, (hosts, seconds) in enumerate(batches):
         n = len([h for h in hosts.split(",") if h.strip()])
-        print(f"    {'canary ' if i == 0 else f'batch {i + 1}'}: {n:2d} host{'s' if n > 1 else ' '} "
-              f"{seconds:7.1f} s  ({hosts})")
+        print(
+            f"    {'canary ' if i == 0 else f'batch {i + 1}'}: {n:2d} host{'s' if n > 1 else ' '} "
+            f"{seconds:7.1f} s  ({hosts})"
+        )
     if doc.get("stopped"):
         print(f"    stopped: {doc['stopped']}")
 
@@ -101,8 +126,7 @@ def main() -> int:
     from tests.fleet.client import hub
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hosts", type=int, default=None,
-                    help="hosts in the fleet (default: FREETOKEN_SIM_HOSTS, else 3)")
+    ap.add_argument("--hosts", type=int, default=None, help="hosts in the fleet (default: FREETOKEN_SIM_HOSTS, else 3)")
     ap.add_argument("--batches", default="1,25%,100%")
     ap.add_argument("--keep-up", action="store_true", help="leave the fleet running at the end")
     a = ap.parse_args()

@@ -34,7 +34,7 @@ def sections(lines: list[str]) -> list[tuple[str, str, list[str]]]:
         if line.startswith(MARKER):
             if started or body:
                 out.append((name, arg, body))
-            head = line[len(MARKER):].rstrip("\r")
+            head = line[len(MARKER) :].rstrip("\r")
             name, _, arg = head.partition(" ")
             body = []
             started = True

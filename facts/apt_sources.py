@@ -15,8 +15,8 @@ class AptSourceFiles(FactBase[dict]):
 
     def command(self) -> str:
         return (
-            "for f in /etc/apt/sources.list.d/*; do [ -f \"$f\" ] || continue; "
-            f"echo \"{MARKER}file $f\"; cat \"$f\"; echo; done; true"
+            'for f in /etc/apt/sources.list.d/*; do [ -f "$f" ] || continue; '
+            f'echo "{MARKER}file $f"; cat "$f"; echo; done; true'
         )
 
     def process(self, output: list[str]) -> dict:
@@ -24,7 +24,7 @@ class AptSourceFiles(FactBase[dict]):
         current = None
         for line in output:
             if line.startswith(f"{MARKER}file "):
-                current = line[len(MARKER) + 5:].strip()
+                current = line[len(MARKER) + 5 :].strip()
                 files[current] = []
             elif current is not None:
                 files[current].append(line)

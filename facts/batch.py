@@ -38,9 +38,10 @@ import importlib
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from pyinfra.api.command import StringCommand
 from pyinfra.api.facts import FactBase, ShortFactBase
@@ -107,17 +108,17 @@ def split_batch_output(lines: list[str]) -> dict[int, tuple[int | None, list[str
     A command whose section never ended (the batch was cut short) or does not decode is absent.
     """
     out: dict[int, tuple[int | None, list[str]]] = {}
-    current: Optional[int] = None
+    current: int | None = None
     encoded: list[str] = []
     for line in lines:
         if line.startswith(BATCH_MARKER + "end "):
-            if current is not None and line[len(BATCH_MARKER) + 4:].strip() == str(current):
+            if current is not None and line[len(BATCH_MARKER) + 4 :].strip() == str(current):
                 section = _decoded_section(encoded)
                 if section is not None:
                     out[current] = section
             current, encoded = None, []
-        elif line.startswith(BATCH_MARKER) and line[len(BATCH_MARKER):].isdigit():
-            current, encoded = int(line[len(BATCH_MARKER):]), []
+        elif line.startswith(BATCH_MARKER) and line[len(BATCH_MARKER) :].isdigit():
+            current, encoded = int(line[len(BATCH_MARKER) :]), []
         elif current is not None:
             encoded.append(line)
     return out
@@ -137,22 +138,21 @@ class FactRequest:
 
     @property
     def key(self) -> str:
-        return json.dumps([_class_path(self.cls), list(self.fact_kwargs), list(self.executor)],
-                          sort_keys=True, default=repr)
+        return json.dumps(
+            [_class_path(self.cls), list(self.fact_kwargs), list(self.executor)], sort_keys=True, default=repr
+        )
 
-    def to_json(self, one_off: Iterable[Any] = ()) -> Optional[dict]:
+    def to_json(self, one_off: Iterable[Any] = ()) -> dict | None:
         """The request as remembered on the controller; None for one that is not plain data,
         carries what must never be written down (a password, an environment, stdin), or whose
         arguments hold one of ``one_off`` (this run's ``--data`` values: a path given for one
         run is not a question for the next)."""
         executor = dict(self.executor)
-        if any(executor.get(k) for k in _NEVER_WRITTEN) or any(
-                "password" in k and v for k, v in executor.items()):
+        if any(executor.get(k) for k in _NEVER_WRITTEN) or any("password" in k and v for k, v in executor.items()):
             return None
         if _holds_any(dict(self.fact_kwargs), list(one_off)):
             return None
-        doc = {"fact": _class_path(self.cls), "kwargs": dict(self.fact_kwargs),
-               "executor": dict(self.executor)}
+        doc = {"fact": _class_path(self.cls), "kwargs": dict(self.fact_kwargs), "executor": dict(self.executor)}
         try:
             if json.loads(json.dumps(doc)) != doc:
                 return None
@@ -161,7 +161,7 @@ class FactRequest:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict) -> Optional["FactRequest"]:
+    def from_json(cls, doc: dict) -> FactRequest | None:
         try:
             module, _, name = str(doc["fact"]).partition(":")
             fact_cls = getattr(importlib.import_module(module), name)
@@ -212,21 +212,25 @@ def _class_path(cls: type) -> str:
 
 def batchable(cls: Any) -> bool:
     return (
-        isinstance(cls, type) and issubclass(cls, FactBase) and not issubclass(cls, ShortFactBase)
-        and getattr(cls, "batchable", True) and not getattr(cls, "shell_executable", None)
+        isinstance(cls, type)
+        and issubclass(cls, FactBase)
+        and not issubclass(cls, ShortFactBase)
+        and getattr(cls, "batchable", True)
+        and not getattr(cls, "shell_executable", None)
     )
 
 
 def make_request(state, host, cls: type, args, kwargs) -> FactRequest:
     """Normalise a ``get_fact`` call the way pyinfra does (pyinfra.api.facts._get_fact)."""
-    fact_kwargs, global_kwargs = pyinfra_internals.handle_fact_kwargs(state, host, cls, list(args or ()),
-                                                                      dict(kwargs or {}))
+    fact_kwargs, global_kwargs = pyinfra_internals.handle_fact_kwargs(
+        state, host, cls, list(args or ()), dict(kwargs or {})
+    )
     fact_kwargs = {k: v for k, v in fact_kwargs.items() if k != "self"}
     executor = {k: v for k, v in global_kwargs.items() if k in pyinfra_internals.connector_argument_keys()}
     return FactRequest(cls, tuple(sorted(fact_kwargs.items())), tuple(sorted(executor.items(), key=lambda kv: kv[0])))
 
 
-def _sub_command(fact: FactBase, request: FactRequest, state, host) -> Optional[str]:
+def _sub_command(fact: FactBase, request: FactRequest, state, host) -> str | None:
     """The shell text of one fact's command, as pyinfra would run it; None: not batchable."""
     if fact.check_preconditions(state, host):
         return None
@@ -263,7 +267,9 @@ def run_batch(state, host, requests: list[FactRequest]) -> dict[str, Any]:
     executor = dict(requests[0].executor)
     status, output = host.run_shell_command(
         StringCommand(batch_command([text for _, _, text in facts])),
-        print_output=False, print_input=False, **executor,
+        print_output=False,
+        print_input=False,
+        **executor,
     )
     if not status:
         return {}
@@ -291,12 +297,12 @@ class _Memo:
     values: dict[str, Any] = field(default_factory=dict)
     learned: list[dict] = field(default_factory=list)
     primed: bool = False
-    path: Optional[Path] = None
+    path: Path | None = None
     reading: int = 0  # > 0 while a fact is being read
 
 
 _memos: dict[tuple[int, str], _Memo] = {}
-_original_get_fact: Optional[Callable[..., Any]] = None
+_original_get_fact: Callable[..., Any] | None = None
 
 
 def enabled() -> bool:
@@ -323,9 +329,11 @@ def _load_learned(path: Path) -> list[dict]:
 
 def _unfit(doc: dict) -> bool:
     executor = doc.get("executor")
-    return not isinstance(executor, dict) or any(
-        executor.get(k) for k in _NEVER_WRITTEN) or any(
-        "password" in str(k) and v for k, v in executor.items())
+    return (
+        not isinstance(executor, dict)
+        or any(executor.get(k) for k in _NEVER_WRITTEN)
+        or any("password" in str(k) and v for k, v in executor.items())
+    )
 
 
 def _save_learned(memo: _Memo) -> None:

@@ -41,9 +41,7 @@ def parse_nvcc_version(text: str) -> tuple[tuple[int, int] | None, str | None]:
 
 def parse_gpu_arch_list(text: str) -> tuple[str, ...]:
     """``nvcc --list-gpu-arch`` output: one ``compute_NN`` per line (errors yield nothing)."""
-    return tuple(
-        line.strip() for line in text.splitlines() if re.fullmatch(r"compute_\d+[a-z]?", line.strip())
-    )
+    return tuple(line.strip() for line in text.splitlines() if re.fullmatch(r"compute_\d+[a-z]?", line.strip()))
 
 
 def parse_toolchain_output(lines: list[str]) -> CudaToolchainInfo:
@@ -55,11 +53,16 @@ def parse_toolchain_output(lines: list[str]) -> CudaToolchainInfo:
     def flush() -> None:
         if current is not None:
             version, full = parse_nvcc_version("\n".join(current["version"]))
-            nvccs.append(NvccInfo(
-                path=current["path"], source=current["source"], version=version,
-                archs=parse_gpu_arch_list("\n".join(current["archs"])),
-                realpath=current["realpath"], full_version=full,
-            ))
+            nvccs.append(
+                NvccInfo(
+                    path=current["path"],
+                    source=current["source"],
+                    version=version,
+                    archs=parse_gpu_arch_list("\n".join(current["archs"])),
+                    realpath=current["realpath"],
+                    full_version=full,
+                )
+            )
 
     for name, arg, body in sections(lines):
         if name == "cuda_home":
@@ -68,8 +71,7 @@ def parse_toolchain_output(lines: list[str]) -> CudaToolchainInfo:
             flush()
             source, _, rest = arg.partition(" ")
             realpath, _, path = rest.partition(" ")
-            current = {"source": source, "realpath": realpath, "path": path or realpath,
-                       "version": [], "archs": []}
+            current = {"source": source, "realpath": realpath, "path": path or realpath, "version": [], "archs": []}
         elif name == "version" and current is not None:
             current["version"] = body
         elif name == "archs" and current is not None:
@@ -94,14 +96,14 @@ class CudaToolchain(FactBase[CudaToolchainInfo]):
         home = quote(cuda_home) if cuda_home else '"${CUDA_HOME:-}"'
         return (
             f"H={home}; echo \"{MARKER}cuda_home $H\"; SEEN=' '; "
-            "probe() { [ -f \"$2\" ] && [ -x \"$2\" ] || return 0; "
-            "R=$(readlink -f \"$2\" 2>/dev/null || echo \"$2\"); "
-            "case \"$SEEN\" in *\" $R \"*) return 0;; esac; SEEN=\"$SEEN$R \"; "
-            f"echo \"{MARKER}nvcc $1 $R $2\"; echo '{MARKER}version'; \"$2\" --version 2>&1 </dev/null; "
+            'probe() { [ -f "$2" ] && [ -x "$2" ] || return 0; '
+            'R=$(readlink -f "$2" 2>/dev/null || echo "$2"); '
+            'case "$SEEN" in *" $R "*) return 0;; esac; SEEN="$SEEN$R "; '
+            f'echo "{MARKER}nvcc $1 $R $2"; echo \'{MARKER}version\'; "$2" --version 2>&1 </dev/null; '
             f"echo '{MARKER}archs'; \"$2\" --list-gpu-arch 2>&1 </dev/null; }}; "
-            "if [ -n \"$H\" ]; then probe CUDA_HOME \"$H/bin/nvcc\"; fi; "
-            "for N in /usr/local/cuda-*/bin/nvcc /usr/local/cuda/bin/nvcc; do probe usr_local \"$N\"; done; "
-            "N=$(command -v nvcc 2>/dev/null) && probe PATH \"$N\"; "
+            'if [ -n "$H" ]; then probe CUDA_HOME "$H/bin/nvcc"; fi; '
+            'for N in /usr/local/cuda-*/bin/nvcc /usr/local/cuda/bin/nvcc; do probe usr_local "$N"; done; '
+            'N=$(command -v nvcc 2>/dev/null) && probe PATH "$N"; '
             f"if command -v ninja >/dev/null 2>&1; then echo '{MARKER}ninja'; ninja --version 2>&1 </dev/null; fi; "
             "true"
         )

@@ -58,15 +58,15 @@ class EngineInstall(FactBase[EngineInstallInfo]):
     def command(self, base_dir: str) -> str:
         self._base_dir = base_dir
         return (
-            f"B={quote(base_dir)}; if [ -d \"$B\" ]; then echo \"{MARKER}base $B\"; "
-            "for D in \"$B\"/*/; do D=${D%/}; [ -d \"$D\" ] && [ ! -L \"$D\" ] || continue; "
+            f'B={quote(base_dir)}; if [ -d "$B" ]; then echo "{MARKER}base $B"; '
+            'for D in "$B"/*/; do D=${D%/}; [ -d "$D" ] && [ ! -L "$D" ] || continue; '
             "N=${D##*/}; "
-            "if [ -f \"$D/pyvenv.cfg\" ]; then "
-            f"echo \"{MARKER}venv $N\"; "
-            "for M in \"$D\"/lib/python3*/site-packages/freetoken-*.dist-info/METADATA; do "
-            "[ -f \"$M\" ] && awk '/^Version:/{print; exit} /^$/{exit}' \"$M\" && break; done; "
-            f"else echo \"{MARKER}dir $N\"; fi; done; "
-            f"if [ -L \"$B/active\" ]; then echo \"{MARKER}active $(readlink \"$B/active\")\"; fi; "
+            'if [ -f "$D/pyvenv.cfg" ]; then '
+            f'echo "{MARKER}venv $N"; '
+            'for M in "$D"/lib/python3*/site-packages/freetoken-*.dist-info/METADATA; do '
+            '[ -f "$M" ] && awk \'/^Version:/{print; exit} /^$/{exit}\' "$M" && break; done; '
+            f'else echo "{MARKER}dir $N"; fi; done; '
+            f'if [ -L "$B/active" ]; then echo "{MARKER}active $(readlink "$B/active")"; fi; '
             "fi; true"
         )
 
@@ -130,11 +130,31 @@ def parse_health_body(http_status: int | None, body: str) -> EngineHealthInfo:
     try:
         data = json.loads(body)
     except ValueError:
-        return EngineHealthInfo(True, None, None, None, None, None, None, None,
-                                f"non-JSON /health body: {body.strip()[:200]!r}", http_status)
+        return EngineHealthInfo(
+            True,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            f"non-JSON /health body: {body.strip()[:200]!r}",
+            http_status,
+        )
     if not isinstance(data, dict):
-        return EngineHealthInfo(True, None, None, None, None, None, None, None,
-                                f"unexpected /health JSON: {body.strip()[:200]!r}", http_status)
+        return EngineHealthInfo(
+            True,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            f"unexpected /health JSON: {body.strip()[:200]!r}",
+            http_status,
+        )
     raw_progress = data.get("progress")
     progress: dict[str, Any] = raw_progress if isinstance(raw_progress, dict) else {}
     uptime = data.get("uptime_s")
@@ -161,20 +181,29 @@ def parse_health_output(lines: list[str]) -> EngineHealthInfo:
     for line in lines:
         if line.startswith(MARKER + "unreachable "):
             try:
-                why = json.loads(line[len(MARKER + "unreachable "):])
+                why = json.loads(line[len(MARKER + "unreachable ") :])
             except ValueError:
                 why = None
-            return EngineHealthInfo(False, None, None, None, None, None, None, None,
-                                    str(why) if why else "unreachable")
+            return EngineHealthInfo(False, None, None, None, None, None, None, None, str(why) if why else "unreachable")
         if line.startswith(MARKER + "no-python"):
             return EngineHealthInfo(False, None, None, None, None, None, None, None, "python3 not found")
         if line.startswith(MARKER + "http "):
             http_status = parse_int(line.split()[1])
         elif line.startswith(MARKER + "body") and http_status is not None:
-            raw = b64decode_lines([line[len(MARKER + "body"):]])
+            raw = b64decode_lines([line[len(MARKER + "body") :]])
             if raw is None:
-                return EngineHealthInfo(True, None, None, None, None, None, None, None,
-                                        "the /health body did not arrive intact (bad base64)", http_status)
+                return EngineHealthInfo(
+                    True,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    "the /health body did not arrive intact (bad base64)",
+                    http_status,
+                )
             return parse_health_body(http_status, raw.decode("utf-8", "replace"))
     return EngineHealthInfo(False, None, None, None, None, None, None, None, "no output")
 

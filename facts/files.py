@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import base64
-from typing import Optional
 
 from pyinfra.api import FactBase
 
 from ._output import MARKER, quote
 
 
-class FileBytes(FactBase[Optional[bytes]]):
+class FileBytes(FactBase[bytes | None]):
     """
     Returns the file's exact bytes (any encoding, CRLF kept), or None when it does not exist.
     """
@@ -19,13 +18,13 @@ class FileBytes(FactBase[Optional[bytes]]):
         p = quote(path)
         return f"if [ -f {p} ]; then echo '{MARKER}file'; base64 < {p}; else echo '{MARKER}missing'; fi"
 
-    def process(self, output: list[str]) -> Optional[bytes]:
+    def process(self, output: list[str]) -> bytes | None:
         if not output or output[0].strip() != f"{MARKER}file":
             return None
         return base64.b64decode("".join(line.strip() for line in output[1:]))
 
 
-class FileText(FactBase[Optional[str]]):
+class FileText(FactBase[str | None]):
     """
     Returns a small text file's UTF-8 contents, or None when it does not exist.
     """
@@ -33,6 +32,6 @@ class FileText(FactBase[Optional[str]]):
     def command(self, path: str) -> str:
         return FileBytes().command(path)
 
-    def process(self, output: list[str]) -> Optional[str]:
+    def process(self, output: list[str]) -> str | None:
         data = FileBytes().process(output)
         return None if data is None else data.decode("utf-8", "replace")

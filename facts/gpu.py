@@ -152,10 +152,14 @@ def parse_table_gpus(table: str) -> tuple[TableGpu, ...]:
         if not match:
             continue
         memory = _TABLE_MEM_RE.search(lines[number + 1]) if number + 1 < len(lines) else None
-        gpus.append(TableGpu(
-            int(match.group(1)), match.group(2).strip(),
-            int(memory.group(1)) if memory else None, int(memory.group(2)) if memory else None,
-        ))
+        gpus.append(
+            TableGpu(
+                int(match.group(1)),
+                match.group(2).strip(),
+                int(memory.group(1)) if memory else None,
+                int(memory.group(2)) if memory else None,
+            )
+        )
     return tuple(gpus)
 
 
@@ -182,12 +186,12 @@ class NvidiaGpus(FactBase[GpuReport]):
     def command(self) -> str:
         return (
             "S=$(command -v nvidia-smi 2>/dev/null); "
-            f"if [ -z \"$S\" ] && [ -x {WSL_NVIDIA_SMI} ]; then S={WSL_NVIDIA_SMI}; fi; "
+            f'if [ -z "$S" ] && [ -x {WSL_NVIDIA_SMI} ]; then S={WSL_NVIDIA_SMI}; fi; '
             "if [ -z \"$S\" ]; then echo '@@ft:missing'; else "
             "echo \"@@ft:path $S\"; echo '@@ft:query'; "
-            f"\"$S\" --query-gpu={QUERY_FIELDS} --format=csv,noheader,nounits 2>&1 </dev/null; "
-            "echo \"@@ft:query-rc $?\"; "
-            "echo '@@ft:table'; \"$S\" 2>&1 </dev/null; echo \"@@ft:table-rc $?\"; fi; true"
+            f'"$S" --query-gpu={QUERY_FIELDS} --format=csv,noheader,nounits 2>&1 </dev/null; '
+            'echo "@@ft:query-rc $?"; '
+            'echo \'@@ft:table\'; "$S" 2>&1 </dev/null; echo "@@ft:table-rc $?"; fi; true'
         )
 
     @staticmethod

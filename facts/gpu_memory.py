@@ -115,17 +115,29 @@ def classify_probe(result: dict) -> GpuMemoryProbeResult:
     large_bytes = result.get("large_bytes")
     error = result.get("error")
     if free is None or result.get("failed_step") in {
-        "dlopen", "cuInit", "cuDeviceGet", "cuCtxCreate_v2", "cuMemGetInfo_v2", "python",
+        "dlopen",
+        "cuInit",
+        "cuDeviceGet",
+        "cuCtxCreate_v2",
+        "cuMemGetInfo_v2",
+        "python",
     }:
         return GpuMemoryProbeResult(
-            "no_cuda", free, total, small_ok, large_ok, large_bytes,
+            "no_cuda",
+            free,
+            total,
+            small_ok,
+            large_ok,
+            large_bytes,
             error or f"CUDA probe failed at {result.get('failed_step')}",
         )
     if small_ok is False or large_ok is False:
         failed = []
         if small_ok is False:
-            failed.append(f"{result.get('small_bytes', SMALL_ALLOC_BYTES)} B allocation failed: "
-                          f"{_name(int(result.get('small_code') or 0))}")
+            failed.append(
+                f"{result.get('small_bytes', SMALL_ALLOC_BYTES)} B allocation failed: "
+                f"{_name(int(result.get('small_code') or 0))}"
+            )
         if large_ok is False:
             failed.append(f"{large_bytes} B allocation failed: {_name(int(result.get('large_code') or 0))}")
         detail = "; ".join(failed)
@@ -144,15 +156,22 @@ def parse_probe_output(lines: list[str]) -> GpuMemoryProbeResult:
             return GpuMemoryProbeResult("no_cuda", None, None, None, None, None, "python3 not found")
         if line.startswith(MARKER + "probe "):
             try:
-                result = json.loads(line[len(MARKER + "probe "):])
+                result = json.loads(line[len(MARKER + "probe ") :])
             except ValueError:
                 break
             if isinstance(result, dict):
                 return classify_probe(result)
             break
     tail = " ".join(line.strip() for line in lines[-5:] if not line.startswith(MARKER))
-    return GpuMemoryProbeResult("no_cuda", None, None, None, None, None,
-                                f"probe gave no result: {tail[:300]}" if tail else "probe gave no result")
+    return GpuMemoryProbeResult(
+        "no_cuda",
+        None,
+        None,
+        None,
+        None,
+        None,
+        f"probe gave no result: {tail[:300]}" if tail else "probe gave no result",
+    )
 
 
 class GpuMemoryProbe(FactBase[GpuMemoryProbeResult]):

@@ -49,7 +49,7 @@ class GuardState(FactBase[dict | None]):
         return (
             f"F={quote(state_file)}; "
             f"if [ ! -e \"$F\" ]; then echo '{MARKER}missing'; "
-            f"elif [ ! -r \"$F\" ]; then echo \"{MARKER}unreadable $F\"; "
+            f'elif [ ! -r "$F" ]; then echo "{MARKER}unreadable $F"; '
             f"else echo '{MARKER}state'; base64 < \"$F\"; fi; true"
         )
 

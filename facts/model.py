@@ -89,12 +89,12 @@ class ModelDirectory(FactBase[ModelDirInfo]):
     def command(self, path: str) -> str:
         self._path = path
         return (
-            f"P={quote(path)}; if [ -d \"$P\" ]; then echo \"{MARKER}dir $P\"; echo '{MARKER}names0'; "
+            f'P={quote(path)}; if [ -d "$P" ]; then echo "{MARKER}dir $P"; echo \'{MARKER}names0\'; '
             "find -L \"$P\" -mindepth 1 -maxdepth 2 \\( -type d -name '.*' -prune \\) "
             "-o -type f -printf '%s\\t%P\\0' 2>/dev/null | base64; "
             "for F in config.json hf_quant_config.json; do "
-            f"if [ -f \"$P/$F\" ]; then echo \"{MARKER}json $F\"; base64 < \"$P/$F\"; fi; done; "
-            f"else echo \"{MARKER}absent $P\"; fi; true"
+            f'if [ -f "$P/$F" ]; then echo "{MARKER}json $F"; base64 < "$P/$F"; fi; done; '
+            f'else echo "{MARKER}absent $P"; fi; true'
         )
 
     @staticmethod

@@ -36,7 +36,7 @@ def parse_model_manifest_output(path: str, lines: list[str]) -> ModelManifestInf
     manifest = None
     error = None
     on_disk: dict[str, tuple[int, int]] = {}
-    for name, arg, body in sections(lines):
+    for name, _arg, body in sections(lines):
         if name == "manifest":
             data = b64decode_lines(body)
             try:

@@ -80,11 +80,11 @@ class HostResources(FactBase[ResourcesInfo]):
     def command(self, path: str) -> str:
         self._path = path
         return (
-            f"P={quote(path)}; echo \"@@ft:path $P\"; "
+            f'P={quote(path)}; echo "@@ft:path $P"; '
             "echo '@@ft:meminfo'; cat /proc/meminfo 2>/dev/null; "
             "echo '@@ft:nproc'; nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null; "
-            "D=$P; while [ ! -e \"$D\" ] && [ \"$D\" != / ] && [ \"$D\" != . ]; do D=$(dirname \"$D\"); done; "
-            "echo \"@@ft:df $D\"; df -Pk \"$D\" 2>&1; true"
+            'D=$P; while [ ! -e "$D" ] && [ "$D" != / ] && [ "$D" != . ]; do D=$(dirname "$D"); done; '
+            'echo "@@ft:df $D"; df -Pk "$D" 2>&1; true'
         )
 
     @staticmethod

@@ -14,7 +14,7 @@ from ._output import MARKER, quote
 
 
 def parse_restart_pending_output(lines: list[str]) -> list[str]:
-    return [line[len(MARKER + "newer "):] for line in lines if line.startswith(MARKER + "newer ")]
+    return [line[len(MARKER + "newer ") :] for line in lines if line.startswith(MARKER + "newer ")]
 
 
 class RestartPending(FactBase[list]):
@@ -34,10 +34,10 @@ class RestartPending(FactBase[list]):
             "boot=$(awk '/^btime/{print $2}' /proc/stat 2>/dev/null); "
             "ticks=$(sed 's/.*) //' /proc/1/stat 2>/dev/null | awk '{print $20}'); "
             "hz=$(getconf CLK_TCK 2>/dev/null); "
-            "[ -n \"$boot\" ] && [ -n \"$ticks\" ] && [ -n \"$hz\" ] || exit 0; "
+            '[ -n "$boot" ] && [ -n "$ticks" ] && [ -n "$hz" ] || exit 0; '
             "since=$((boot + ticks / hz)); "
-            f"for p in {files}; do m=$(stat -c %Y \"$p\" 2>/dev/null) || continue; "
-            f"[ \"$m\" -gt \"$since\" ] && echo \"{MARKER}newer $p\"; done; true"
+            f'for p in {files}; do m=$(stat -c %Y "$p" 2>/dev/null) || continue; '
+            f'[ "$m" -gt "$since" ] && echo "{MARKER}newer $p"; done; true'
         )
 
     @staticmethod

@@ -30,8 +30,11 @@ def windows_exe(var: str, exe: str, system32: str = WINDOWS_SYSTEM32) -> str:
     yet interop still runs the program by its full path.
     """
     fallback = f"{system32}/{exe}"
-    return (f'{var}=$(command -v {exe} 2>/dev/null); '
-            f'if [ -z "${var}" ] && [ -f {quote(fallback)} ]; then {var}={quote(fallback)}; fi')
+    return (
+        f"{var}=$(command -v {exe} 2>/dev/null); "
+        f'if [ -z "${var}" ] && [ -f {quote(fallback)} ]; then {var}={quote(fallback)}; fi'
+    )
+
 
 # --------------------------------------------------------------------------- user profile
 
@@ -107,7 +110,7 @@ class WindowsUserProfile(FactBase[WindowsProfileInfo]):
             "if [ -z \"$C\" ]; then echo '@@ft:no-cmd'; "
             f"elif ! [ -d {drive_c} ]; then echo '@@ft:no-drive-c' {drive_c}; "
             "else "
-            f"P=$(cd {drive_c} && \"$C\" /c echo %UserProfile% 2>/dev/null </dev/null); "
+            f'P=$(cd {drive_c} && "$C" /c echo %UserProfile% 2>/dev/null </dev/null); '
             "echo '@@ft:cmd'; printf '%s\\n' \"$P\" | base64; "
             "if command -v wslpath >/dev/null 2>&1; then "
             "Q=$(wslpath -u \"$(printf '%s' \"$P\" | tr -d '\\r\\n')\" 2>&1); R=$?; "

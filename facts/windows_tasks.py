@@ -17,7 +17,7 @@ class ScheduledTaskExists(FactBase[bool]):
     def command(self, task_name: str) -> str:
         return (
             f"cd /mnt/c 2>/dev/null; {windows_exe('S', 'schtasks.exe')}; "
-            f"if [ -n \"$S\" ] && \"$S\" /Query /TN {quote(task_name)} >/dev/null 2>&1; "
+            f'if [ -n "$S" ] && "$S" /Query /TN {quote(task_name)} >/dev/null 2>&1; '
             f"then echo '{MARKER}yes'; else echo '{MARKER}no'; fi"
         )
 

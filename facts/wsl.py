@@ -13,9 +13,9 @@ from typing import Literal
 
 from pyinfra.api import FactBase
 
-from ._output import b64decode_lines, parse_int, section_map
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT
 
+from ._output import b64decode_lines, parse_int, section_map
 from .windows import system32, windows_exe
 
 # --------------------------------------------------------------------------- kernel
@@ -145,8 +145,9 @@ def parse_wsl_exe_version(data: bytes, rc: int | None) -> WslVersionInfo:
         if version is not None:
             return WslVersionInfo("ok", version, "wsl.exe", detail)
         if line:
-            return WslVersionInfo("unavailable", None, "wsl.exe",
-                                  f"first line is not a labelled WSL version: {line[:200]}")
+            return WslVersionInfo(
+                "unavailable", None, "wsl.exe", f"first line is not a labelled WSL version: {line[:200]}"
+            )
         return WslVersionInfo("unavailable", None, "wsl.exe", detail or "empty output")
     if text:
         # The inbox WSL of older Windows builds: usage text, non-zero exit.
@@ -199,12 +200,12 @@ class WslVersion(FactBase[WslVersionInfo]):
             "if command -v wslinfo >/dev/null 2>&1; then "
             "V=$(wslinfo --wsl-version 2>&1); R=$?; "
             "echo '@@ft:wslinfo'; printf '%s\\n' \"$V\"; echo \"@@ft:wslinfo-rc $R\"; "
-            "case \"$R:$V\" in 0:[0-9]*.[0-9]*) exit 0;; esac; fi; "
+            'case "$R:$V" in 0:[0-9]*.[0-9]*) exit 0;; esac; fi; '
             f"{windows_exe('W', 'wsl.exe', system32(drive_root))}; "
-            "if [ -n \"$W\" ]; then "
+            'if [ -n "$W" ]; then '
             "echo '@@ft:wsl.exe'; "
             # The exit status rides behind the raw bytes (see split_exit_status).
-            "{ \"$W\" --version 2>&1 </dev/null; printf '\\n@@rc:%s' \"$?\"; } | base64; "
+            '{ "$W" --version 2>&1 </dev/null; printf \'\\n@@rc:%s\' "$?"; } | base64; '
             "fi; true"
         )
 

@@ -6,7 +6,7 @@ Used by deploys/doctor.py (read-only) and deploys/freetoken.py (first step).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import click
 from pyinfra.api.exceptions import PyinfraError
@@ -15,19 +15,18 @@ from facts import batch
 from facts.cuda import CudaToolchain
 from facts.engine import EngineHealth, EngineInstall
 from facts.gpu import NvidiaGpus
-from facts.guard import GuardState
 from facts.gpu_memory import GpuMemoryProbe
+from facts.guard import GuardState
 from facts.init import InitSystem
 from facts.model import ModelDirectory
 from facts.resources import HostResources
 from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import rules
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSLCONFIG_NAME
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSLCONFIG_NAME, HostLayout
+from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
 from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.report import findings_table, fleet_summary
-from freetoken_infra.core.layout import HostLayout
-from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
 
 # Findings of every host of this run, for the fleet summary (keyed by the run's State: the CLI
 # may run more than once in one process).
@@ -74,13 +73,24 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
     measure the engine's own use. A stopped, loading or failed engine is probed as before.
     """
     engine_health = (EngineHealth, {"host": str(settings.listen_host), "port": settings.listen_port})
-    batch.prefetch(host.state, host, [
-        (WslKernel, {}), (NvidiaGpus, {}), (WindowsUserProfile, {}), (WslVersion, {}), (InitSystem, {}),
-        (CudaToolchain, {"cuda_home": settings.cuda_home}), (HostResources, {"path": settings.model_dir}),
-        (WslConfFile, {}), (EngineInstall, {"base_dir": settings.engine_base_dir}),
-        (ModelDirectory, {"path": settings.model_dir}),
-        (GuardState, {"state_file": HostLayout.of(settings).guard_state_file}), engine_health,
-    ])
+    batch.prefetch(
+        host.state,
+        host,
+        [
+            (WslKernel, {}),
+            (NvidiaGpus, {}),
+            (WindowsUserProfile, {}),
+            (WslVersion, {}),
+            (InitSystem, {}),
+            (CudaToolchain, {"cuda_home": settings.cuda_home}),
+            (HostResources, {"path": settings.model_dir}),
+            (WslConfFile, {}),
+            (EngineInstall, {"base_dir": settings.engine_base_dir}),
+            (ModelDirectory, {"path": settings.model_dir}),
+            (GuardState, {"state_file": HostLayout.of(settings).guard_state_file}),
+            engine_health,
+        ],
+    )
     kernel = host.get_fact(WslKernel)
     gpus = host.get_fact(NvidiaGpus)
     health = host.get_fact(engine_health[0], **engine_health[1])
@@ -114,7 +124,9 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
 
 def unreachable_finding() -> rules.Finding:
     return rules.Finding(
-        "unreachable", "block", "pyinfra could not connect to this host (its error is above)",
+        "unreachable",
+        "block",
+        "pyinfra could not connect to this host (its error is above)",
         "check that the host is up and reachable over SSH with the inventory's settings",
     )
 
@@ -159,15 +171,17 @@ def fail_host(state, host, reason: str) -> None:
 
 def run_ended_line(host_name: str, reason: str) -> str:
     """The last line of a run whose every host was stopped before any change."""
-    return (f"no host left to go on: the last one, {host_name}, stopped at preflight ({reason}); "
-            "nothing was changed on any host; the findings above say what to do")
+    return (
+        f"no host left to go on: the last one, {host_name}, stopped at preflight ({reason}); "
+        "nothing was changed on any host; the findings above say what to do"
+    )
 
 
 def run_preflight(
     state,
     host,
-    on_fixable: Optional[Callable[[rules.Observations], None]] = None,
-    on_findings: Optional[Callable[[Settings, rules.Observations, list[rules.Finding]], None]] = None,
+    on_fixable: Callable[[rules.Observations], None] | None = None,
+    on_findings: Callable[[Settings, rules.Observations, list[rules.Finding]], None] | None = None,
 ) -> tuple[Settings, rules.Observations, list[rules.Finding], bool]:
     """Gather, evaluate, print. Returns (settings, observations, findings, ok).
 

@@ -16,7 +16,7 @@ stops there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from facts.cuda import CudaToolchainInfo
 from facts.engine import EngineHealthInfo, EngineInstallInfo
@@ -69,13 +69,13 @@ class Observations:
     cuda: CudaToolchainInfo
     resources: ResourcesInfo
     wslconf: IniFileInfo
-    windows_profile: Optional[WindowsProfileInfo] = None
-    wslconfig: Optional[IniFileInfo] = None
-    gpu_memory: Optional[GpuMemoryProbeResult] = None
-    engine: Optional[EngineInstallInfo] = None
-    model: Optional[ModelDirInfo] = None
-    health: Optional[EngineHealthInfo] = None
-    guard_state: Optional[dict] = None
+    windows_profile: WindowsProfileInfo | None = None
+    wslconfig: IniFileInfo | None = None
+    gpu_memory: GpuMemoryProbeResult | None = None
+    engine: EngineInstallInfo | None = None
+    model: ModelDirInfo | None = None
+    health: EngineHealthInfo | None = None
+    guard_state: dict | None = None
 
 
 def _v(version: tuple[int, ...]) -> str:
@@ -91,11 +91,15 @@ def check_wsl2(obs: Observations) -> Finding:
         return Finding("wsl2", "pass", f"kernel {k.release}")
     if k.kind == "wsl1":
         return Finding(
-            "wsl2", "block", f"WSL1 kernel ({k.release}): no GPU access in WSL1",
+            "wsl2",
+            "block",
+            f"WSL1 kernel ({k.release}): no GPU access in WSL1",
             "convert the distro from Windows: `wsl.exe --set-version <distro> 2`",
         )
     return Finding(
-        "wsl2", "block", f"not a WSL distro (kernel {k.release or 'unknown'})",
+        "wsl2",
+        "block",
+        f"not a WSL distro (kernel {k.release or 'unknown'})",
         "run this on a WSL2 distro of a Windows workstation (or point the inventory at one)",
     )
 
@@ -108,26 +112,30 @@ def check_wsl_version(settings: Settings, obs: Observations) -> Finding:
         if w.version[: len(floor)] >= floor:
             return Finding("wsl_version", "pass", f"WSL {_v(w.version)} (from {w.source})")
         return Finding(
-            "wsl_version", "block",
+            "wsl_version",
+            "block",
             f"WSL {_v(w.version)} < {settings.wsl_min_version}: older WSL reaps the engine and "
             "locks GPU memory (fake OOMs)",
             update,
         )
     if w.status == "no_version_flag":
         return Finding(
-            "wsl_version", "block",
+            "wsl_version",
+            "block",
             f"`wsl.exe --version` is not supported: inbox WSL, older than {settings.wsl_min_version}",
             "install WSL from the Store or `wsl.exe --update` (needs >= " + settings.wsl_min_version + ")",
         )
     if obs.kernel.kind == "none":
         return Finding("wsl_version", "block", "WSL not detected (no wslinfo, no wsl.exe)", update)
     return Finding(
-        "wsl_version", "block", f"WSL version unknown: {w.detail or 'no wslinfo and no wsl.exe'}",
+        "wsl_version",
+        "block",
+        f"WSL version unknown: {w.detail or 'no wslinfo and no wsl.exe'}",
         "check Windows interop (wsl.exe reachable), then " + update,
     )
 
 
-def _wslconf_systemd_plan(obs: Observations) -> Optional[wsl_ini.MergeResult]:
+def _wslconf_systemd_plan(obs: Observations) -> wsl_ini.MergeResult | None:
     """What the deploy's merge of `[boot] systemd=true` into /etc/wsl.conf would do."""
     if not obs.wslconf.exists:
         return None
@@ -141,7 +149,9 @@ def check_systemd(obs: Observations) -> Finding:
         return Finding("systemd", "pass", f"PID 1 is systemd, system {i.system_state}")
     if i.systemd_pid1:
         return Finding(
-            "systemd", "block", f"systemd is PID 1 but the system is '{i.system_state}'",
+            "systemd",
+            "block",
+            f"systemd is PID 1 but the system is '{i.system_state}'",
             "see `systemctl --failed`; wait for boot to finish and re-run",
         )
     # WSL's reading of the file: first occurrence wins, keys before any header and everything
@@ -150,19 +160,24 @@ def check_systemd(obs: Observations) -> Finding:
     enabled = ini is not None and wsl_ini.same_value(ini.value("boot", "systemd"), "true")
     if enabled:
         return Finding(
-            "systemd", "block",
-            f"PID 1 is {i.pid1 or 'unknown'}; /etc/wsl.conf already enables systemd", RESTART_REMEDY,
+            "systemd",
+            "block",
+            f"PID 1 is {i.pid1 or 'unknown'}; /etc/wsl.conf already enables systemd",
+            RESTART_REMEDY,
         )
     plan = _wslconf_systemd_plan(obs)
     if plan is not None and plan.problem is not None:
         return Finding(
-            "systemd", "block",
+            "systemd",
+            "block",
             f"PID 1 is {i.pid1 or 'unknown'}; /etc/wsl.conf {plan.problem}",
             "fix that line of /etc/wsl.conf by hand (the deploy writes nothing to a file it cannot "
             "merge safely), then re-run",
         )
     return Finding(
-        "systemd", "block", f"PID 1 is {i.pid1 or 'unknown'}, not systemd (the engine runs as a systemd unit)",
+        "systemd",
+        "block",
+        f"PID 1 is {i.pid1 or 'unknown'}, not systemd (the engine runs as a systemd unit)",
         "the deploy sets `[boot] systemd=true` in /etc/wsl.conf; then " + RESTART_REMEDY,
         deploy_fixes=obs.kernel.kind == "wsl2",
     )
@@ -174,7 +189,9 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
     if obs.windows_profile is None or obs.windows_profile.path is None:
         err = obs.windows_profile.error if obs.windows_profile else "not probed"
         return Finding(
-            "wslconfig", "warn", f"Windows profile not found ({err})",
+            "wslconfig",
+            "warn",
+            f"Windows profile not found ({err})",
             "enable interop (`[interop] enabled=true`) or set %UserProfile%\\.wslconfig by hand",
         )
     want = settings.wslconfig_values()
@@ -192,17 +209,20 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
     # The networking mode WSL runs with, and where it reads it (WSL 2.0 read [experimental]).
     seen_mode = f"; networkingMode={mode.value} ([{mode.section}] line {mode.line})" if mode else ""
     if not differ:
-        return Finding("wslconfig", "pass",
-                       ".wslconfig [wsl2] matches the settings (as WSL reads it)" + seen_mode)
+        return Finding("wslconfig", "pass", ".wslconfig [wsl2] matches the settings (as WSL reads it)" + seen_mode)
     plan = wsl_ini.merge_parsed(ini, "wsl2", want)
     if plan.problem is not None:
         return Finding(
-            "wslconfig", "warn", f".wslconfig differs ({', '.join(differ)}) and {plan.problem}",
+            "wslconfig",
+            "warn",
+            f".wslconfig differs ({', '.join(differ)}) and {plan.problem}",
             "the deploy leaves this file unchanged: fix that line by hand (or set the keys yourself); "
             "then " + RESTART_REMEDY,
         )
     return Finding(
-        "wslconfig", "warn", ".wslconfig differs: " + ", ".join(differ) + seen_mode,
+        "wslconfig",
+        "warn",
+        ".wslconfig differs: " + ", ".join(differ) + seen_mode,
         "the deploy merges these keys into .wslconfig (keeping yours); then " + RESTART_REMEDY,
         deploy_fixes=True,
     )
@@ -211,7 +231,7 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
 # --- GPU ---------------------------------------------------------------------------
 
 
-def primary_gpu(obs: Observations) -> Optional[GpuInfo]:
+def primary_gpu(obs: Observations) -> GpuInfo | None:
     return obs.gpus.gpus[0] if obs.gpus.gpus else None
 
 
@@ -220,12 +240,15 @@ def check_gpu(obs: Observations) -> Finding:
     if gpu is None:
         why = obs.gpus.error or "nvidia-smi lists no GPU"
         return Finding(
-            "gpu", "block", f"no NVIDIA GPU: {why}",
+            "gpu",
+            "block",
+            f"no NVIDIA GPU: {why}",
             "install or update the NVIDIA driver on Windows (never a Linux driver inside WSL); "
             "check that /dev/dxg and /usr/lib/wsl/lib/nvidia-smi exist",
         )
     return Finding(
-        "gpu", "pass",
+        "gpu",
+        "pass",
         f"GPU {gpu.index}: {gpu.name}, {gpu.memory_total_mib} MiB, driver {gpu.driver_version}, "
         f"CUDA {obs.gpus.cuda_version or '?'}",
     )
@@ -236,11 +259,13 @@ def check_compute_capability(obs: Observations) -> Finding:
     if gpu is None:
         return Finding("compute_capability", "block", "no GPU", "see the gpu check")
     if gpu.compute_cap is None:
-        return Finding("compute_capability", "warn", "nvidia-smi did not report compute_cap",
-                       "update the Windows NVIDIA driver")
+        return Finding(
+            "compute_capability", "warn", "nvidia-smi did not report compute_cap", "update the Windows NVIDIA driver"
+        )
     if gpu.compute_cap < MIN_COMPUTE:
         return Finding(
-            "compute_capability", "block",
+            "compute_capability",
+            "block",
             f"compute {gpu.compute_cap[0]}.{gpu.compute_cap[1]} < 8.0: FreeToken needs Ampere or newer",
             "use an Ampere (RTX 30xx) or newer GPU",
         )
@@ -250,27 +275,40 @@ def check_compute_capability(obs: Observations) -> Finding:
 def check_gpu_memory(obs: Observations) -> Finding:
     p = obs.gpu_memory
     if p is None and obs.health is not None and obs.health.status == "ok":
-        return Finding("gpu_memory", "pass", "not probed: the engine serves on this GPU (/health ok), "
-                       "so allocations work; a probe beside it would measure only the engine's use")
+        return Finding(
+            "gpu_memory",
+            "pass",
+            "not probed: the engine serves on this GPU (/health ok), "
+            "so allocations work; a probe beside it would measure only the engine's use",
+        )
     if p is None:
         return Finding("gpu_memory", "pass", "not probed (nothing it guards is about to change)")
-    free = f"{p.free_bytes / GiB:.1f} GiB free of {p.total_bytes / GiB:.1f} GiB" if p.free_bytes is not None and p.total_bytes else "memory unknown"
+    free = (
+        f"{p.free_bytes / GiB:.1f} GiB free of {p.total_bytes / GiB:.1f} GiB"
+        if p.free_bytes is not None and p.total_bytes
+        else "memory unknown"
+    )
     if p.status == "healthy":
         return Finding("gpu_memory", "pass", f"{free}; 32 MiB and large allocations succeed")
     if p.status == "allocation_locked" and not p.free_bytes:
         return Finding(
-            "gpu_memory", "block", f"{free}: the card is full, allocations fail",
+            "gpu_memory",
+            "block",
+            f"{free}: the card is full, allocations fail",
             "stop what holds GPU memory (see nvidia-smi on Windows), then re-run",
         )
     if p.status == "allocation_locked":
         return Finding(
-            "gpu_memory", "block",
+            "gpu_memory",
+            "block",
             f"{free} but allocations fail ({p.error or 'CUDA_ERROR_OUT_OF_MEMORY'}): WDDM has locked "
             "this process's GPU memory (pitfall 4B, the fake OOM)",
             "update WSL: `wsl.exe --update` then `wsl.exe --shutdown` (fixed in WSL >= 2.7.13)",
         )
     return Finding(
-        "gpu_memory", "block", f"CUDA unusable: {p.error or 'libcuda.so.1 missing'}",
+        "gpu_memory",
+        "block",
+        f"CUDA unusable: {p.error or 'libcuda.so.1 missing'}",
         "check the Windows NVIDIA driver and /usr/lib/wsl/lib/libcuda.so.1",
     )
 
@@ -289,7 +327,9 @@ def check_nvcc(obs: Observations) -> Finding:
     best, best_version = right[0]
     if arch and arch not in best.archs:
         return Finding(
-            "nvcc", "warn", f"{best.path} {_v(best_version)} does not list {arch}",
+            "nvcc",
+            "warn",
+            f"{best.path} {_v(best_version)} does not list {arch}",
             installs + " (`nvcc fatal: Unsupported gpu architecture` otherwise)",
         )
     return Finding("nvcc", "pass", f"{best.path} {_v(best_version)}" + (f" lists {arch}" if arch else ""))
@@ -301,11 +341,15 @@ def check_nvcc(obs: Observations) -> Finding:
 def check_ram(settings: Settings, obs: Observations) -> Finding:
     need = (settings.model_expert_ram_gb + settings.ram_margin_gb) * GB
     have = obs.resources.mem_total_bytes
-    evidence = f"{have / GiB:.1f} GiB RAM; experts {settings.model_expert_ram_gb} GB + margin {settings.ram_margin_gb} GB"
+    evidence = (
+        f"{have / GiB:.1f} GiB RAM; experts {settings.model_expert_ram_gb} GB + margin {settings.ram_margin_gb} GB"
+    )
     if have >= need:
         return Finding("ram", "pass", evidence)
     return Finding(
-        "ram", "block", evidence + f" = {need / GiB:.1f} GiB needed",
+        "ram",
+        "block",
+        evidence + f" = {need / GiB:.1f} GiB needed",
         f"raise `memory=` in .wslconfig (setting wslconfig_memory, now {settings.wslconfig_memory}) "
         "and restart WSL, or add RAM",
     )
@@ -338,7 +382,7 @@ def check_disk(settings: Settings, obs: Observations) -> Finding:
 # --- model and launch plan ---------------------------------------------------------
 
 
-def check_model_quantisation(quant: Optional[QuantSummary], where: str) -> Finding:
+def check_model_quantisation(quant: QuantSummary | None, where: str) -> Finding:
     """Decided from config.json / hf_quant_config.json alone, before any weights."""
     if quant is None:
         return Finding("model_quant", "pass", f"{where}: no config yet (checked again before download)")
@@ -346,7 +390,8 @@ def check_model_quantisation(quant: Optional[QuantSummary], where: str) -> Findi
     desc = f"{quant.method or 'unquantized'} {quant.algo or ''}".strip()
     if bad:
         return Finding(
-            "model_quant", "block",
+            "model_quant",
+            "block",
             f"{where}: {desc} with {', '.join(sorted(bad))} experts; FreeToken has no MoE method for it "
             "(`NotImplementedError: no quant method for moe.fp8_tensor`, pitfall 2)",
             "use NVIDIA's modelopt build: model_repo = 'nvidia/Qwen3.6-35B-A3B-NVFP4'",
@@ -362,12 +407,16 @@ def check_model(settings: Settings, obs: Observations) -> Finding:
     if m.error:
         # Not a blocker: every file in model_dir is the downloader's, checked against the hub's
         # hash, so a broken config.json is replaced (and the quantisation checked) by the deploy.
-        return Finding("model_quant", "warn", f"{settings.model_dir}: {m.error}",
-                       "nothing to do: the deploy fetches it again, verified, before any weight")
+        return Finding(
+            "model_quant",
+            "warn",
+            f"{settings.model_dir}: {m.error}",
+            "nothing to do: the deploy fetches it again, verified, before any weight",
+        )
     return check_model_quantisation(m.quant, settings.model_dir)
 
 
-def plan_for(settings: Settings, obs: Observations) -> Optional[LaunchPlan]:
+def plan_for(settings: Settings, obs: Observations) -> LaunchPlan | None:
     gpu = primary_gpu(obs)
     if gpu is None or gpu.compute_cap is None:
         return None
@@ -385,7 +434,8 @@ def check_hardware_profile(settings: Settings, obs: Observations) -> Finding:
     seen = nominal_vram_gb(gpu.memory_total_mib)
     if seen != want:
         return Finding(
-            "hardware_profile", "block",
+            "hardware_profile",
+            "block",
             f"declared {declared} ({want} GB) but the GPU has {seen} GB ({gpu.name})",
             "fix the host's group in the inventory or its hardware_profile",
         )
@@ -402,33 +452,45 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
     if plan.moe_cache_size == "auto":
         if vram_gb <= 16:
             return Finding(
-                "launch_plan", "block",
+                "launch_plan",
+                "block",
                 f"moe cache 'auto' on a {vram_gb} GB card ran out of GPU memory (pitfall 1)",
                 "remove launch_moe_cache_size (the plan uses 256 on 16 GB) or set a number",
             )
-        return Finding("launch_plan", "warn", f"moe cache 'auto' on {vram_gb} GB: the engine sizes it",
-                       "prefer a number; see the README's launch plan")
+        return Finding(
+            "launch_plan",
+            "warn",
+            f"moe cache 'auto' on {vram_gb} GB: the engine sizes it",
+            "prefer a number; see the README's launch plan",
+        )
     need = estimated_vram_gb(plan)
     assert need is not None  # an integer cache size (only 'auto' has no estimate, handled above)
     summary = f"cache {plan.moe_cache_size}, {plan.num_tokens} tokens: ~{need:.1f} GB of {usable:.1f} GB usable"
     if need > usable:
         return Finding(
-            "launch_plan", "block", summary + " - does not fit",
+            "launch_plan",
+            "block",
+            summary + " - does not fit",
             "lower launch_moe_cache_size / launch_num_tokens (or drop the overrides to use the derived plan)",
         )
     if plan.num_tokens > plan.kv_reserve_tokens:
-        return Finding("launch_plan", "block",
-                       f"num_tokens {plan.num_tokens} > kv_reserve_tokens {plan.kv_reserve_tokens}",
-                       "keep launch_num_tokens <= launch_kv_reserve_tokens")
+        return Finding(
+            "launch_plan",
+            "block",
+            f"num_tokens {plan.num_tokens} > kv_reserve_tokens {plan.kv_reserve_tokens}",
+            "keep launch_num_tokens <= launch_kv_reserve_tokens",
+        )
     return Finding("launch_plan", "pass", summary)
 
 
-def check_guard(obs: Observations) -> Optional[Finding]:
+def check_guard(obs: Observations) -> Finding | None:
     state = obs.guard_state
     if not state or not state.get("tripped"):
         return None
     return Finding(
-        "guard", "warn", f"guard stopped the engine at {state.get('time', '?')}: {state.get('reason', '?')}",
+        "guard",
+        "warn",
+        f"guard stopped the engine at {state.get('time', '?')}: {state.get('reason', '?')}",
         "free memory (close apps, lower launch_num_tokens), then `systemctl start freetoken`",
     )
 

@@ -44,8 +44,10 @@ def pin_text() -> str:
 
 def profile_text(settings: Settings) -> str:
     # Sourced by every login shell: the value is one quoted word whatever it holds.
-    return (f"export CUDA_HOME={shlex.quote(settings.cuda_home)}\n"
-            'case ":$PATH:" in *":$CUDA_HOME/bin:"*) ;; *) PATH="$CUDA_HOME/bin:$PATH";; esac\n')
+    return (
+        f"export CUDA_HOME={shlex.quote(settings.cuda_home)}\n"
+        'case ":$PATH:" in *":$CUDA_HOME/bin:"*) ;; *) PATH="$CUDA_HOME/bin:$PATH";; esac\n'
+    )
 
 
 @operation()
@@ -122,9 +124,7 @@ def toolkit(settings: Settings, gpu_arch: str | None):
         yield from files.put._inner(src=_text(profile_text(settings)), dest=PROFILE_FILE, mode="644")
     if gpu_arch:
         toolchain = host.get_fact(CudaToolchain, cuda_home=settings.cuda_home)
-        ok = any(
-            n.path.startswith(settings.cuda_home + "/") and gpu_arch in n.archs for n in toolchain.nvcc
-        )
+        ok = any(n.path.startswith(settings.cuda_home + "/") and gpu_arch in n.archs for n in toolchain.nvcc)
         if missing or not ok:
             nvcc = f"{settings.cuda_home}/bin/nvcc"
             why = shlex.quote(f"{nvcc} does not list {gpu_arch}: FreeToken cannot JIT its kernels")

@@ -41,56 +41,64 @@ def guard_textfile(settings: Settings) -> str:
 
 def guard_service_unit(settings: Settings) -> str:
     args = [
-        "/usr/bin/python3", GUARD_SCRIPT,
-        "--unit", ENGINE_UNIT,
-        "--swap-limit-gb", f"{settings.guard_swap_limit_gb:g}",
-        "--state-file", guard_state_file(settings),
-        "--textfile", guard_textfile(settings),
+        "/usr/bin/python3",
+        GUARD_SCRIPT,
+        "--unit",
+        ENGINE_UNIT,
+        "--swap-limit-gb",
+        f"{settings.guard_swap_limit_gb:g}",
+        "--state-file",
+        guard_state_file(settings),
+        "--textfile",
+        guard_textfile(settings),
     ]
-    return "\n".join([
-        "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
-        "[Unit]",
-        "Description=FreeToken memory guard: stop the engine when swap or GPU memory runs out",
-        "After=freetoken.service",
-        "",
-        "[Service]",
-        "Type=oneshot",
-        # Root, not the engine's user: it must be able to stop the engine.
-        "ExecStart=" + unit_command(args),
-        "SyslogIdentifier=freetoken-guard",
-        # `systemctl stop` waits for the engine to exit; a hung nvidia-smi must not pile up runs.
-        "TimeoutStartSec=600",
-        "NoNewPrivileges=yes",
-        "PrivateTmp=yes",
-        "ProtectSystem=strict",
-        "ProtectHome=read-only",
-        # '-': no failure when the folder is not there yet. Root's own folder only, never the
-        # engine's state_dir (the guard is root: a link planted there would aim its writes).
-        f"ReadWritePaths=-{unit_word(DEPLOY_STATE_DIR, variables=False)}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
+            "[Unit]",
+            "Description=FreeToken memory guard: stop the engine when swap or GPU memory runs out",
+            "After=freetoken.service",
+            "",
+            "[Service]",
+            "Type=oneshot",
+            # Root, not the engine's user: it must be able to stop the engine.
+            "ExecStart=" + unit_command(args),
+            "SyslogIdentifier=freetoken-guard",
+            # `systemctl stop` waits for the engine to exit; a hung nvidia-smi must not pile up runs.
+            "TimeoutStartSec=600",
+            "NoNewPrivileges=yes",
+            "PrivateTmp=yes",
+            "ProtectSystem=strict",
+            "ProtectHome=read-only",
+            # '-': no failure when the folder is not there yet. Root's own folder only, never the
+            # engine's state_dir (the guard is root: a link planted there would aim its writes).
+            f"ReadWritePaths=-{unit_word(DEPLOY_STATE_DIR, variables=False)}",
+            "",
+        ]
+    )
 
 
 def guard_timer_unit(settings: Settings) -> str:
-    return "\n".join([
-        "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
-        "[Unit]",
-        "Description=Run the FreeToken memory guard every "
-        f"{settings.guard_interval_s} s",
-        "",
-        "[Timer]",
-        "OnBootSec=60",
-        f"OnUnitActiveSec={settings.guard_interval_s}s",
-        "AccuracySec=1s",
-        f"Unit={GUARD_SERVICE}",
-        "",
-        "[Install]",
-        "WantedBy=timers.target",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
+            "[Unit]",
+            f"Description=Run the FreeToken memory guard every {settings.guard_interval_s} s",
+            "",
+            "[Timer]",
+            "OnBootSec=60",
+            f"OnUnitActiveSec={settings.guard_interval_s}s",
+            "AccuracySec=1s",
+            f"Unit={GUARD_SERVICE}",
+            "",
+            "[Install]",
+            "WantedBy=timers.target",
+            "",
+        ]
+    )
 
 
-def _changed(commands) -> "tuple[list, bool]":
+def _changed(commands) -> tuple[list, bool]:
     commands = list(commands)
     return commands, bool(commands)
 
@@ -119,31 +127,51 @@ def guard(settings: Settings):
         return
 
     yield from files.put._inner(
-        src=_LOCAL_SCRIPT, dest=GUARD_SCRIPT, user="root", group="root", mode="755",
+        src=_LOCAL_SCRIPT,
+        dest=GUARD_SCRIPT,
+        user="root",
+        group="root",
+        mode="755",
         add_deploy_dir=False,
     )
     # node_exporter (not root) reads the metrics; the guard creates the folder too, but a
     # collector pointed at it before the first run must find it.
     yield from files.directory._inner(
-        path=os.path.dirname(guard_textfile(settings)), user="root", group="root", mode="755",
+        path=os.path.dirname(guard_textfile(settings)),
+        user="root",
+        group="root",
+        mode="755",
     )
 
-    service_cmds, service_changed = _changed(files.put._inner(
-        src=StringIO(guard_service_unit(settings)), dest=f"{UNIT_DIR}/{GUARD_SERVICE}",
-        user="root", group="root", mode="644",
-    ))
+    service_cmds, service_changed = _changed(
+        files.put._inner(
+            src=StringIO(guard_service_unit(settings)),
+            dest=f"{UNIT_DIR}/{GUARD_SERVICE}",
+            user="root",
+            group="root",
+            mode="644",
+        )
+    )
     yield from service_cmds
-    timer_cmds, timer_changed = _changed(files.put._inner(
-        src=StringIO(guard_timer_unit(settings)), dest=f"{UNIT_DIR}/{GUARD_TIMER}",
-        user="root", group="root", mode="644",
-    ))
+    timer_cmds, timer_changed = _changed(
+        files.put._inner(
+            src=StringIO(guard_timer_unit(settings)),
+            dest=f"{UNIT_DIR}/{GUARD_TIMER}",
+            user="root",
+            group="root",
+            mode="644",
+        )
+    )
     yield from timer_cmds
 
     if service_changed or timer_changed:
         yield from systemd.daemon_reload._inner()
     # A running timer keeps its old interval until restarted.
     yield from systemd.service._inner(
-        service=GUARD_TIMER, running=True, enabled=True, restarted=timer_changed,
+        service=GUARD_TIMER,
+        running=True,
+        enabled=True,
+        restarted=timer_changed,
     )
 
 

@@ -17,8 +17,9 @@ import os
 import shlex
 import socket
 import time
+from collections.abc import Mapping, Sequence
 from io import StringIO
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import click
 from pyinfra import host as current_host
@@ -51,9 +52,22 @@ _LOCAL_CACHE_SCRIPT = os.path.join(_HERE, "scripts", "model_cache.py")
 
 # The operation's privilege arguments also apply to the callback's commands (a python
 # callback does not inherit them).
-_ELEVATION_ARGS = ("_sudo", "_sudo_user", "_use_sudo_login", "_sudo_password", "_preserve_sudo_env",
-                   "_su_user", "_use_su_login", "_preserve_su_env", "_su_shell", "_su_password",
-                   "_doas", "_doas_user", "_dzdo", "_dzdo_user")
+_ELEVATION_ARGS = (
+    "_sudo",
+    "_sudo_user",
+    "_use_sudo_login",
+    "_sudo_password",
+    "_preserve_sudo_env",
+    "_su_user",
+    "_use_su_login",
+    "_preserve_su_env",
+    "_su_shell",
+    "_su_password",
+    "_doas",
+    "_doas_user",
+    "_dzdo",
+    "_dzdo_user",
+)
 
 # fetch_model.py's exit codes that are refusals, not failures: restarting cannot help.
 _REFUSAL_EXIT_CODES = (3, 4)
@@ -79,8 +93,7 @@ def as_service_user(settings: Settings, *argv: str) -> str:
     status) must not follow a link that user planted there to a file of its choosing.
     ``setpriv`` (util-linux) changes the ids without a PAM session or a login shell."""
     user = shlex.quote(settings.service_user)
-    return " ".join([f"setpriv --reuid={user} --regid={user} --clear-groups --",
-                     *(shlex.quote(a) for a in argv)])
+    return " ".join([f"setpriv --reuid={user} --regid={user} --clear-groups --", *(shlex.quote(a) for a in argv)])
 
 
 def unit_word(value: str, variables: bool = True) -> str:
@@ -97,7 +110,7 @@ def unit_word(value: str, variables: bool = True) -> str:
         value = value.replace("$", "$$")
     if value == ";":
         return "\\;"
-    if any(c in value for c in ' \t"\'\\'):
+    if any(c in value for c in " \t\"'\\"):
         value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return value
 
@@ -108,17 +121,25 @@ def unit_command(argv: Sequence[str]) -> str:
     return " ".join([unit_word(argv[0], variables=False), *(unit_word(a) for a in argv[1:])])
 
 
-def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: Optional[str] = None) -> list[str]:
+def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: str | None = None) -> list[str]:
     """The downloader's command line (no token in it: at most the name of its file)."""
     argv = [
-        "/usr/bin/python3", FETCH_SCRIPT,
-        "--endpoint", str(settings.hub_endpoint).rstrip("/"),
-        "--repo", settings.model_repo,
-        "--revision", settings.model_revision,
-        "--dest", settings.model_dir,
-        "--status-file", fetch_status_file(settings),
-        "--disk-margin-gb", f"{settings.disk_margin_gb:g}",
-        "--reverify-request", reverify_request_file(settings),
+        "/usr/bin/python3",
+        FETCH_SCRIPT,
+        "--endpoint",
+        str(settings.hub_endpoint).rstrip("/"),
+        "--repo",
+        settings.model_repo,
+        "--revision",
+        settings.model_revision,
+        "--dest",
+        settings.model_dir,
+        "--status-file",
+        fetch_status_file(settings),
+        "--disk-margin-gb",
+        f"{settings.disk_margin_gb:g}",
+        "--reverify-request",
+        reverify_request_file(settings),
     ]
     for source in sources:
         argv += ["--source", source]
@@ -130,8 +151,17 @@ def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: Opti
 def check_argv(settings: Settings) -> list[str]:
     """``fetch_model.py --check``: exit 0 only when the model directory holds the verified model
     (no network, no hashing). The engine's unit runs it before every start."""
-    return ["/usr/bin/python3", FETCH_SCRIPT, "--check", "--repo", settings.model_repo,
-            "--revision", settings.model_revision, "--dest", settings.model_dir]
+    return [
+        "/usr/bin/python3",
+        FETCH_SCRIPT,
+        "--check",
+        "--repo",
+        settings.model_repo,
+        "--revision",
+        settings.model_revision,
+        "--dest",
+        settings.model_dir,
+    ]
 
 
 def cache_sources(settings: Settings, host_name: str, inventory) -> list[str]:
@@ -147,7 +177,7 @@ def cache_sources(settings: Settings, host_name: str, inventory) -> list[str]:
     return sources + [str(u).rstrip("/") for u in settings.model_sources]
 
 
-def cache_bind_address(settings: Settings, host_name: str, ssh_hostname: Optional[str]) -> str:
+def cache_bind_address(settings: Settings, host_name: str, ssh_hostname: str | None) -> str:
     """Where the cache host's cache listens: ``model_cache_bind``, else the address the rest of
     the fleet reaches it by (what ``cache_sources`` gives them: its ``ssh_hostname``, else its
     inventory name), resolved here when it is a name, never every interface."""
@@ -161,8 +191,10 @@ def cache_bind_address(settings: Settings, host_name: str, ssh_hostname: Optiona
     try:
         found = socket.getaddrinfo(address, settings.model_cache_port, type=socket.SOCK_STREAM)
     except OSError as exc:
-        raise OperationError(f"{host_name}: cannot resolve {address} for the LAN model cache's bind address "
-                             f"({exc}); set model_cache_bind") from None
+        raise OperationError(
+            f"{host_name}: cannot resolve {address} for the LAN model cache's bind address "
+            f"({exc}); set model_cache_bind"
+        ) from None
     return str(found[0][4][0])
 
 
@@ -170,8 +202,16 @@ def cache_unit(settings: Settings, bind: str) -> str:
     """Text of ``freetoken-model-cache.service``: the verified model, read-only, to the LAN, on
     ``bind`` only. A gated repository (``hub_token_file``) makes it ask every client for the key
     derived from the hub token, handed over as a credential like the fetcher's."""
-    argv = ["/usr/bin/python3", CACHE_SCRIPT, "--dir", settings.model_dir, "--bind", bind,
-            "--port", str(settings.model_cache_port)]
+    argv = [
+        "/usr/bin/python3",
+        CACHE_SCRIPT,
+        "--dir",
+        settings.model_dir,
+        "--bind",
+        bind,
+        "--port",
+        str(settings.model_cache_port),
+    ]
     token_lines = []
     if settings.hub_token_file:
         source = unit_word(settings.hub_token_file, variables=False)
@@ -179,30 +219,32 @@ def cache_unit(settings: Settings, bind: str) -> str:
         argv_text = unit_command(argv) + f" --token-file %d/{TOKEN_CREDENTIAL}"
     else:
         argv_text = unit_command(argv)
-    return "\n".join([
-        "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
-        "[Unit]",
-        f"Description=LAN cache of the verified model {settings.model_repo} for the fleet",
-        "Wants=network-online.target",
-        "After=network-online.target",
-        "",
-        "[Service]",
-        f"User={settings.service_user}",
-        f"Group={settings.service_user}",
-        *token_lines,
-        "ExecStart=" + argv_text,
-        "Restart=on-failure",
-        "RestartSec=5",
-        "SyslogIdentifier=freetoken-model-cache",
-        "NoNewPrivileges=yes",
-        "PrivateTmp=yes",
-        "ProtectSystem=strict",
-        "ProtectHome=read-only",
-        "",
-        "[Install]",
-        "WantedBy=multi-user.target",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
+            "[Unit]",
+            f"Description=LAN cache of the verified model {settings.model_repo} for the fleet",
+            "Wants=network-online.target",
+            "After=network-online.target",
+            "",
+            "[Service]",
+            f"User={settings.service_user}",
+            f"Group={settings.service_user}",
+            *token_lines,
+            "ExecStart=" + argv_text,
+            "Restart=on-failure",
+            "RestartSec=5",
+            "SyslogIdentifier=freetoken-model-cache",
+            "NoNewPrivileges=yes",
+            "PrivateTmp=yes",
+            "ProtectSystem=strict",
+            "ProtectHome=read-only",
+            "",
+            "[Install]",
+            "WantedBy=multi-user.target",
+            "",
+        ]
+    )
 
 
 def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
@@ -211,8 +253,7 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
     lines = [
         "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
         "[Unit]",
-        f"Description=Fetch the FreeToken model {settings.model_repo}@{settings.model_revision} "
-        "(resumable, verified)",
+        f"Description=Fetch the FreeToken model {settings.model_repo}@{settings.model_revision} (resumable, verified)",
         "Wants=network-online.target",
         "After=network-online.target",
         "",
@@ -279,26 +320,35 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
         model_fetcher(name="Model downloader", settings=settings, _sudo=True)
         model_present(name="Model present and verified", settings=settings, _sudo=True)
     """
-    for src, dest in ((_LOCAL_SCRIPT, FETCH_SCRIPT), (_LOCAL_QUANT, QUANT_MODULE),
-                      (_LOCAL_MANIFEST, MANIFEST_MODULE)):
+    for src, dest in ((_LOCAL_SCRIPT, FETCH_SCRIPT), (_LOCAL_QUANT, QUANT_MODULE), (_LOCAL_MANIFEST, MANIFEST_MODULE)):
         yield from files.put._inner(
-            src=src, dest=dest, user="root", group="root", mode="644", add_deploy_dir=False,
+            src=src,
+            dest=dest,
+            user="root",
+            group="root",
+            mode="644",
+            add_deploy_dir=False,
         )
     user = settings.service_user
     yield from files.directory._inner(path=settings.model_dir, user=user, group=user, mode="755")
     yield from files.directory._inner(path=fetch_status_dir(settings), user=user, group=user, mode="755")
 
-    unit_commands = list(files.put._inner(
-        src=StringIO(fetch_unit(settings, sources)), dest=f"{UNIT_DIR}/{FETCH_UNIT}",
-        user="root", group="root", mode="644",
-    ))
+    unit_commands = list(
+        files.put._inner(
+            src=StringIO(fetch_unit(settings, sources)),
+            dest=f"{UNIT_DIR}/{FETCH_UNIT}",
+            user="root",
+            group="root",
+            mode="644",
+        )
+    )
     yield from unit_commands
     if unit_commands:
         yield from systemd.daemon_reload._inner()
 
 
 @operation()
-def model_cache(settings: Settings, present: bool = True, bind: Optional[str] = None):
+def model_cache(settings: Settings, present: bool = True, bind: str | None = None):
     """
     Serve this host's verified model to the rest of the fleet: ``model_cache.py`` (only files
     the manifest vouches for, with HTTP Range) as ``freetoken-model-cache.service`` on
@@ -330,18 +380,33 @@ def model_cache(settings: Settings, present: bool = True, bind: Optional[str] = 
             yield from files.file._inner(path=CACHE_SCRIPT, present=False)
             yield from systemd.daemon_reload._inner()
         return
-    script_commands = list(files.put._inner(
-        src=_LOCAL_CACHE_SCRIPT, dest=CACHE_SCRIPT, user="root", group="root", mode="644",
-        add_deploy_dir=False,
-    ))
+    script_commands = list(
+        files.put._inner(
+            src=_LOCAL_CACHE_SCRIPT,
+            dest=CACHE_SCRIPT,
+            user="root",
+            group="root",
+            mode="644",
+            add_deploy_dir=False,
+        )
+    )
     bind = bind or cache_bind_address(settings, current_host.name, current_host.data.get("ssh_hostname"))
-    unit_commands = list(files.put._inner(
-        src=StringIO(cache_unit(settings, bind)), dest=unit_path, user="root", group="root", mode="644",
-    ))
+    unit_commands = list(
+        files.put._inner(
+            src=StringIO(cache_unit(settings, bind)),
+            dest=unit_path,
+            user="root",
+            group="root",
+            mode="644",
+        )
+    )
     yield from script_commands
     yield from unit_commands
     yield from systemd.service._inner(
-        service=CACHE_UNIT, running=True, enabled=True, restarted=bool(script_commands or unit_commands),
+        service=CACHE_UNIT,
+        running=True,
+        enabled=True,
+        restarted=bool(script_commands or unit_commands),
         daemon_reload=bool(unit_commands),
     )
 
@@ -357,7 +422,7 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def _duration(seconds: Optional[float]) -> str:
+def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "?"
     seconds = int(seconds)
@@ -390,7 +455,7 @@ def _probe_command(settings: Settings) -> str:
     )
 
 
-def _parse_probe(lines: list[str]) -> tuple[dict[str, str], Optional[dict]]:
+def _parse_probe(lines: list[str]) -> tuple[dict[str, str], dict | None]:
     unit: dict[str, str] = {}
     status = None
     for line in lines:
@@ -406,26 +471,39 @@ def _parse_probe(lines: list[str]) -> tuple[dict[str, str], Optional[dict]]:
     return unit, status
 
 
-def wait_for_fetch(state, host, settings: Settings, elevation: Optional[Mapping[str, Any]] = None,
-                   timeout_s: float = 12 * 3600, poll_s: float = 5.0, print_every_s: float = 30.0) -> dict:
+def wait_for_fetch(
+    state,
+    host,
+    settings: Settings,
+    elevation: Mapping[str, Any] | None = None,
+    timeout_s: float = 12 * 3600,
+    poll_s: float = 5.0,
+    print_every_s: float = 30.0,
+) -> dict:
     """Execution-time half of ``model_present``: start the unit, show progress, fail loudly."""
     elevation = dict(elevation or {})
     status_file = fetch_status_file(settings)
     # A finished earlier run's status must not be read as this run's result.
-    start = (f"systemctl is-active -q {FETCH_UNIT} || {as_service_user(settings, 'rm', '-f', status_file)}; "
-             f"systemctl start --no-block {FETCH_UNIT}")
+    start = (
+        f"systemctl is-active -q {FETCH_UNIT} || {as_service_user(settings, 'rm', '-f', status_file)}; "
+        f"systemctl start --no-block {FETCH_UNIT}"
+    )
     if settings.model_reverify:
         # As the service user, and a fresh file: a link planted under the request's name goes,
         # it is never followed.
         request = reverify_request_file(settings)
-        start = (f"{as_service_user(settings, 'rm', '-f', request)} && "
-                 f"{as_service_user(settings, 'touch', request)} && {start}")
+        start = (
+            f"{as_service_user(settings, 'rm', '-f', request)} && "
+            f"{as_service_user(settings, 'touch', request)} && {start}"
+        )
     ok, output = host.run_shell_command(start, **elevation)
     if not ok:
-        raise OperationError(f"host {host.name}: cannot start {FETCH_UNIT}: "
-                             + " ".join(output.output_lines[-3:]))
-    click.echo(f"{host.print_prefix}model: fetching {settings.model_repo}@{settings.model_revision} into "
-               f"{settings.model_dir} ({FETCH_UNIT}; it keeps running if this session drops)", err=True)
+        raise OperationError(f"host {host.name}: cannot start {FETCH_UNIT}: " + " ".join(output.output_lines[-3:]))
+    click.echo(
+        f"{host.print_prefix}model: fetching {settings.model_repo}@{settings.model_revision} into "
+        f"{settings.model_dir} ({FETCH_UNIT}; it keeps running if this session drops)",
+        err=True,
+    )
     t0 = time.monotonic()
     last_print = 0.0
     last_state = None
@@ -448,17 +526,22 @@ def wait_for_fetch(state, host, settings: Settings, elevation: Optional[Mapping[
         time.sleep(poll_s)
 
     if status and status.get("state") == "done":
-        click.echo(f"{host.print_prefix}model: {settings.model_repo} verified in {settings.model_dir} "
-                   f"({_human(status.get('bytes_transferred') or 0)} transferred)", err=True)
+        click.echo(
+            f"{host.print_prefix}model: {settings.model_repo} verified in {settings.model_dir} "
+            f"({_human(status.get('bytes_transferred') or 0)} transferred)",
+            err=True,
+        )
         return status
     _, journal = host.run_shell_command(
-        f"journalctl -u {FETCH_UNIT} -n {JOURNAL_LINES} --no-pager -o cat", **elevation,
+        f"journalctl -u {FETCH_UNIT} -n {JOURNAL_LINES} --no-pager -o cat",
+        **elevation,
     )
     journal_text = "\n".join("    " + line for line in journal.output_lines) or "    (no journal lines)"
     exit_status = unit.get("ExecMainStatus", "?")
     what = "refused" if status and status.get("state") == "refused" else "failed"
-    error = (status or {}).get("error") or f"the unit ended with {unit.get('Result', '?')} (exit {exit_status}) " \
-                                           "before writing a status"
+    error = (status or {}).get(
+        "error"
+    ) or f"the unit ended with {unit.get('Result', '?')} (exit {exit_status}) before writing a status"
     raise OperationError(
         f"host {host.name}: the model download {what}: {error}\n"
         f"  last {JOURNAL_LINES} lines of `journalctl -u {FETCH_UNIT}`:\n{journal_text}"

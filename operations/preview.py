@@ -19,7 +19,8 @@ pin) keeps pyinfra's own diff.
 from __future__ import annotations
 
 import re
-from typing import Any, Generator, Iterable, Optional
+from collections.abc import Generator, Iterable
+from typing import Any
 
 from pyinfra import host, logger, state
 from pyinfra.operations import files
@@ -36,7 +37,7 @@ def diff_wanted() -> bool:
     return bool(getattr(state.config, "DIFF", False))
 
 
-def _env_pairs(text: Optional[str]) -> dict[str, str]:
+def _env_pairs(text: str | None) -> dict[str, str]:
     pairs = {}
     for line in (text or "").splitlines():
         name, sep, value = line.partition("=")
@@ -45,7 +46,7 @@ def _env_pairs(text: Optional[str]) -> dict[str, str]:
     return pairs
 
 
-def mask_env_lines(text: Optional[str], before: Optional[str] = None) -> list[str]:
+def mask_env_lines(text: str | None, before: str | None = None) -> list[str]:
     """The lines of an environment file (``NAME=value``) with secret values masked: the value
     of a secret-looking name, and a password in a URL. With `before` (the host's text), a
     secret that differs from it is marked ``(changed)`` or ``(new)``, so a diff still says
@@ -65,12 +66,12 @@ def mask_env_lines(text: Optional[str], before: Optional[str] = None) -> list[st
     return out
 
 
-def diff_lines(current: Optional[list[str]], desired: list[str]) -> list[str]:
+def diff_lines(current: list[str] | None, desired: list[str]) -> list[str]:
     """pyinfra's unified diff lines (colour codes included) of two lists of lines."""
     return list(generate_color_diff(current or [], desired))
 
 
-def log_diff(path: str, current: Optional[list[str]], desired: list[str]) -> None:
+def log_diff(path: str, current: list[str] | None, desired: list[str]) -> None:
     """Print ``Will create``/``Will modify PATH`` and the diff, as pyinfra's files.put does."""
     if not diff_wanted() or current == desired:
         return
@@ -84,7 +85,7 @@ def text_lines(text: str) -> list[str]:
     return [line.rstrip("\r\n") + "\n" for line in text.splitlines()]
 
 
-def log_env_diff(path: str, current: Optional[str], desired: str) -> None:
+def log_env_diff(path: str, current: str | None, desired: str) -> None:
     """The diff of an environment file, secret values masked (see ``mask_env_lines``)."""
     if not diff_wanted():
         return

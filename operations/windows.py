@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import shlex
-from typing import Mapping
+from collections.abc import Mapping
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -17,15 +17,16 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.operations import server
 
 from facts.files import FileBytes
-from facts.windows_tasks import ScheduledTaskExists
 from facts.windows import dialect_of, system32, windows_exe
+from facts.windows_tasks import ScheduledTaskExists
 from freetoken_infra.core import wsl_ini
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, drive_path
 from operations import preview
 
 
-def merge_ini(original: bytes | None, section: str, values: Mapping[str, str],
-              dialect: wsl_ini.Dialect = wsl_ini.WSLCONFIG) -> bytes:
+def merge_ini(
+    original: bytes | None, section: str, values: Mapping[str, str], dialect: wsl_ini.Dialect = wsl_ini.WSLCONFIG
+) -> bytes:
     """The bytes after setting `values` in `[section]` as WSL reads them (wsl_ini.merge):
     the original bytes when WSL already reads them, or when the file cannot be merged safely."""
     return wsl_ini.merge(original, dialect, section, values).data
@@ -78,8 +79,11 @@ def ini_values(path: str, section: str, values: Mapping[str, str]):
         return
     # --diff: the decoded text (pyinfra's own diff takes the bytes for UTF-8; .wslconfig may be UTF-16)
     before = None if current is None else wsl_ini.decode(current, dialect)[0]
-    preview.log_diff(path, None if before is None else preview.text_lines(before),
-                     preview.text_lines(wsl_ini.decode(plan.data, dialect)[0]))
+    preview.log_diff(
+        path,
+        None if before is None else preview.text_lines(before),
+        preview.text_lines(wsl_ini.decode(plan.data, dialect)[0]),
+    )
     yield from preview.put_without_pyinfra_diff(src=io.BytesIO(plan.data), dest=path)
 
 
@@ -104,13 +108,12 @@ def windows_autostart(task_name: str, distro: str):
     yield from server.shell._inner(commands=[autostart_command(host.name, task_name, distro)])
 
 
-def autostart_command(host_name: str, task_name: str, distro: str,
-                      drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
+def autostart_command(host_name: str, task_name: str, distro: str, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
     """``schtasks.exe /Create`` for the logon task, found on PATH or in System32."""
     drive_c = drive_path(drive_root)
     return (
         f"cd {shlex.quote(drive_c)} && {windows_exe('S', 'schtasks.exe', system32(drive_root))}; "
-        f"if [ -z \"$S\" ]; then echo 'host {host_name}: windows_autostart: schtasks.exe is neither "
+        f'if [ -z "$S" ]; then echo \'host {host_name}: windows_autostart: schtasks.exe is neither '
         "on PATH nor in C:\\Windows\\System32 (is WSL interop enabled?)' >&2; exit 1; fi; "
         f"\"$S\" /Create /F /SC ONLOGON /TN '{task_name}' /TR 'wsl.exe -d {distro} --exec /bin/true'"
     )

@@ -24,8 +24,7 @@ def free_port(with_next: bool = False) -> int:
             continue
 
 
-def wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path | None = None,
-                   timeout: float = 15) -> None:
+def wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path | None = None, timeout: float = 15) -> None:
     """Wait until `proc` (a server started on 127.0.0.1:`port`) accepts connections; raise
     RuntimeError with its log's tail when it exits or the time is up."""
     deadline = time.monotonic() + timeout

@@ -20,7 +20,6 @@ The rule (documented in the README's "Launch plan" section):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
 
 from freetoken_infra.core.hardware import nominal_vram_gb
 from freetoken_infra.core.settings import Settings
@@ -41,14 +40,14 @@ KV_RESERVE_TOKENS_MIN = 8192
 @dataclass(frozen=True)
 class LaunchPlan:
     moe_strategy: str
-    moe_cache_size: Union[int, str]
+    moe_cache_size: int | str
     num_tokens: int
     kv_reserve_tokens: int
     max_prefill_length: int
     max_running_requests: int
     moe_cpu_layers: str
     attention_backend: str
-    memory_ratio: Optional[float]
+    memory_ratio: float | None
 
 
 def derive_plan(settings: Settings, vram_total_mib: int, compute_cap: tuple[int, int]) -> LaunchPlan:
@@ -73,15 +72,11 @@ def derive_plan(settings: Settings, vram_total_mib: int, compute_cap: tuple[int,
     return replace(plan, **overrides)
 
 
-def estimated_vram_gb(plan: LaunchPlan) -> Optional[float]:
+def estimated_vram_gb(plan: LaunchPlan) -> float | None:
     """Peak GPU memory the plan needs; None when the engine sizes the cache itself."""
     if not isinstance(plan.moe_cache_size, int):
         return None
-    return (
-        VRAM_BASE_GB
-        + plan.moe_cache_size * VRAM_PER_CACHE_SLOT_GB
-        + plan.num_tokens * VRAM_PER_TOKEN_GB
-    )
+    return VRAM_BASE_GB + plan.moe_cache_size * VRAM_PER_CACHE_SLOT_GB + plan.num_tokens * VRAM_PER_TOKEN_GB
 
 
 def usable_vram_gb(plan: LaunchPlan, vram_total_mib: int) -> float:
@@ -101,20 +96,24 @@ def engine_command(settings: Settings, plan: LaunchPlan) -> list[str]:
         f"{settings.engine_active_link}/bin/python",
         "-m",
         "freetoken",
-        "--model-path", settings.model_dir,
-        "--moe-strategy", plan.moe_strategy,
+        "--model-path",
+        settings.model_dir,
+        "--moe-strategy",
+        plan.moe_strategy,
         # 0.2.1's --moe-cache-size takes an int; "auto" is its own flag.
-        *(
-            ["--moe-cache-auto"]
-            if plan.moe_cache_size == "auto"
-            else ["--moe-cache-size", str(plan.moe_cache_size)]
-        ),
-        "--num-tokens", str(plan.num_tokens),
-        "--kv-reserve-tokens", str(plan.kv_reserve_tokens),
-        "--max-prefill-length", str(plan.max_prefill_length),
-        "--max-running-requests", str(plan.max_running_requests),
-        "--moe-cpu-layers", plan.moe_cpu_layers,
-        "--attention-backend", plan.attention_backend,
+        *(["--moe-cache-auto"] if plan.moe_cache_size == "auto" else ["--moe-cache-size", str(plan.moe_cache_size)]),
+        "--num-tokens",
+        str(plan.num_tokens),
+        "--kv-reserve-tokens",
+        str(plan.kv_reserve_tokens),
+        "--max-prefill-length",
+        str(plan.max_prefill_length),
+        "--max-running-requests",
+        str(plan.max_running_requests),
+        "--moe-cpu-layers",
+        plan.moe_cpu_layers,
+        "--attention-backend",
+        plan.attention_backend,
     ]
     if plan.memory_ratio is not None:
         args += ["--memory-ratio", str(plan.memory_ratio)]

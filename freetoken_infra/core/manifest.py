@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 MANIFEST_NAME = ".freetoken-manifest.json"
 PARTIAL_DIR = ".partial"
 
 
-def load(model_dir: str) -> Tuple[Optional[dict[str, Any]], Optional[str]]:
+def load(model_dir: str) -> tuple[dict[str, Any] | None, str | None]:
     """``(manifest, None)``; ``(None, None)`` when there is none; ``(None, why)`` when it is
     unreadable or not a download manifest."""
     path = os.path.join(model_dir, MANIFEST_NAME)
@@ -38,10 +39,10 @@ def load(model_dir: str) -> Tuple[Optional[dict[str, Any]], Optional[str]]:
     return doc, None
 
 
-def files_on_disk(model_dir: str) -> dict[str, Tuple[int, int]]:
+def files_on_disk(model_dir: str) -> dict[str, tuple[int, int]]:
     """``{relative name: (size, mtime_ns)}`` of every file under ``model_dir`` (``.partial/``
     and the manifest itself left out)."""
-    found: dict[str, Tuple[int, int]] = {}
+    found: dict[str, tuple[int, int]] = {}
     for root, dirs, names in os.walk(model_dir):
         if root == model_dir:
             dirs[:] = [d for d in dirs if d != PARTIAL_DIR]
@@ -58,18 +59,27 @@ def files_on_disk(model_dir: str) -> dict[str, Tuple[int, int]]:
     return found
 
 
-def verified_files(manifest: Optional[Mapping[str, Any]], on_disk: Mapping[str, Tuple[int, int]]) -> dict[str, Mapping[str, Any]]:
+def verified_files(
+    manifest: Mapping[str, Any] | None, on_disk: Mapping[str, tuple[int, int]]
+) -> dict[str, Mapping[str, Any]]:
     """The manifest's entries whose file is still exactly as it was when verified."""
     if not manifest or not isinstance(manifest.get("files"), Mapping):
         return {}
     return {
-        name: entry for name, entry in manifest["files"].items()
+        name: entry
+        for name, entry in manifest["files"].items()
         if isinstance(entry, Mapping) and on_disk.get(name) == (entry.get("size"), entry.get("mtime_ns"))
     }
 
 
-def covers(manifest: Optional[Mapping[str, Any]], on_disk: Mapping[str, Tuple[int, int]], repo: str, revision: str,
-           where: str, error: Optional[str] = None) -> Tuple[bool, str]:
+def covers(
+    manifest: Mapping[str, Any] | None,
+    on_disk: Mapping[str, tuple[int, int]],
+    repo: str,
+    revision: str,
+    where: str,
+    error: str | None = None,
+) -> tuple[bool, str]:
     """Whether a complete, untouched download of ``repo`` at ``revision`` is in ``where``, and why not."""
     m = manifest
     if m is None:

@@ -12,7 +12,8 @@ it. pyproject.toml allows only the pyinfra releases those tests passed on.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pyinfra.api.host import Host
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
 HOST_METHODS_THAT_RUN = ("run_shell_command", "put_file", "get_file")
 
 
-def handle_fact_kwargs(state: State, host: Host, cls: type, args: list[Any],
-                       kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def handle_fact_kwargs(
+    state: State, host: Host, cls: type, args: list[Any], kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(fact kwargs, global kwargs)`` of a ``get_fact`` call, normalised as pyinfra does
     (``pyinfra.api.facts._handle_fact_kwargs``)."""
     from pyinfra.api.facts import _handle_fact_kwargs
@@ -90,8 +92,7 @@ def _cli_originals() -> dict[str, Any]:
     import pyinfra.api.connect
     import pyinfra_cli.inventory
 
-    return {"connect_all": pyinfra.api.connect.connect_all,
-            "make_inventory": pyinfra_cli.inventory.make_inventory}
+    return {"connect_all": pyinfra.api.connect.connect_all, "make_inventory": pyinfra_cli.inventory.make_inventory}
 
 
 def _params(func: Callable[..., Any]) -> list[str]:

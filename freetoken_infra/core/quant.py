@@ -103,8 +103,9 @@ def _summarize_modelopt(cfg: dict[str, Any]) -> tuple[str | None, set[str], set[
         return (str(algo) if algo is not None else None), expert, other
     scheme = modelopt_scheme(algo)
     excludes = [str(p) for p in (cfg.get("exclude_modules") or cfg.get("ignore") or [])]
-    expert_excluded = any(is_expert_name(p) or fnmatch.fnmatch("model.layers.0.mlp.experts.0.down_proj", p)
-                          for p in excludes)
+    expert_excluded = any(
+        is_expert_name(p) or fnmatch.fnmatch("model.layers.0.mlp.experts.0.down_proj", p) for p in excludes
+    )
     expert.add("unquantized" if expert_excluded else scheme)
     other.add(scheme)
     if any(not is_expert_name(p) for p in excludes):

@@ -33,8 +33,9 @@ WSL's parser is ``ParseConfigFile`` in microsoft/WSL ``src/shared/configfile/con
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal
 
 Dialect = Literal["wslconfig", "wslconf"]
 Encoding = Literal["utf-8", "utf-8-sig", "utf-16-le"]
@@ -266,22 +267,30 @@ class _Parser:
                 elif _alpha(c):
                     self.key_value(start, line)
                 elif c == "\ufeff":
-                    raise _Invalid("a UTF-8 byte-order mark: WSL's Linux side reads it as an invalid "
-                                   "first line (save the file as UTF-8 without BOM)")
+                    raise _Invalid(
+                        "a UTF-8 byte-order mark: WSL's Linux side reads it as an invalid "
+                        "first line (save the file as UTF-8 without BOM)"
+                    )
                 else:
                     raise _Invalid("invalid key: a key starts with a letter a-z")
             except _Invalid as bad:
                 self.problems.append(IniProblem(line, bad.message))
                 if self.dialect == WSLCONF:
-                    self.problems.append(IniProblem(
-                        line, "WSL stops reading /etc/wsl.conf at this line: it ignores the rest"))
+                    self.problems.append(
+                        IniProblem(line, "WSL stops reading /etc/wsl.conf at this line: it ignores the rest")
+                    )
                     stopped = line
                     break
                 # WSL skips the rest of the line it is on (after a continuation: the later line).
                 self.end_line()
         return WslIniFile(
-            self.dialect, self.text, encoding, tuple(self.entries), tuple(self.headers),
-            tuple(self.problems), stopped,
+            self.dialect,
+            self.text,
+            encoding,
+            tuple(self.entries),
+            tuple(self.headers),
+            tuple(self.problems),
+            stopped,
         )
 
     def header(self, start: int, line: int) -> None:
@@ -291,7 +300,7 @@ class _Parser:
         name_start = self.i
         while _alnum(self.ch()):
             self.i += 1
-        self.buffer = self.text[name_start:self.i]
+        self.buffer = self.text[name_start : self.i]
         if self.ch() != "]":
             raise _Invalid("expected ']' (a section name has only letters and digits)")
         self.i += 1
@@ -309,7 +318,7 @@ class _Parser:
         key_start = self.i
         while _alnum(self.ch()):
             self.i += 1
-        key = self.text[key_start:self.i]
+        key = self.text[key_start : self.i]
         self.buffer = f"{prefix}.{key}" if self.section_length else key
         self.skip_blanks()
         if self.ch() != "=":
@@ -345,8 +354,10 @@ class _Parser:
                         self.i += 2  # the Linux side skips the CR; the LF then ends the value
                 else:
                     raise _Invalid(
-                        f"invalid escaped character {nxt!r} (write a backslash as \\\\)" if nxt
-                        else "a backslash at the end of the file")
+                        f"invalid escaped character {nxt!r} (write a backslash as \\\\)"
+                        if nxt
+                        else "a backslash at the end of the file"
+                    )
             elif c == "#" and not in_quote:
                 break
             else:
@@ -359,10 +370,19 @@ class _Parser:
         if in_quote:
             raise _Invalid("expected '\"' (a quote is not closed)")
         self.end_line()
-        self.entries.append(IniEntry(
-            section=section, key=key, value="".join(chars[:kept]), line=line, line_start=start,
-            value_start=value_start, value_end=value_end, line_end=self.i, continued=continued,
-        ))
+        self.entries.append(
+            IniEntry(
+                section=section,
+                key=key,
+                value="".join(chars[:kept]),
+                line=line,
+                line_start=start,
+                value_start=value_start,
+                value_end=value_end,
+                line_end=self.i,
+                continued=continued,
+            )
+        )
 
 
 # --------------------------------------------------------------------------- editing
@@ -396,8 +416,7 @@ def same_value(seen: str | None, want: str) -> bool:
     return seen is not None and seen.strip().lower() == want.strip().lower()
 
 
-def merge(original: bytes | None, dialect: Dialect, section: str,
-          values: Mapping[str, str]) -> MergeResult:
+def merge(original: bytes | None, dialect: Dialect, section: str, values: Mapping[str, str]) -> MergeResult:
     """Make WSL read ``values`` in ``[section]``, changing nothing else it reads.
 
     ``original`` None: the file does not exist (it is created with just that section).
@@ -412,8 +431,9 @@ def merge(original: bytes | None, dialect: Dialect, section: str,
     return merge_parsed(ini, section, values, original)
 
 
-def merge_parsed(ini: WslIniFile, section: str, values: Mapping[str, str],
-                 original: bytes | None = None) -> MergeResult:
+def merge_parsed(
+    ini: WslIniFile, section: str, values: Mapping[str, str], original: bytes | None = None
+) -> MergeResult:
     """:func:`merge` on a file already parsed (``original``: its bytes, when at hand)."""
     dialect = ini.dialect
     if original is not None:
@@ -487,20 +507,25 @@ def merge_parsed(ini: WslIniFile, section: str, values: Mapping[str, str],
 
     if ini.stopped_at is not None:
         # wsl.conf: WSL ignores everything from its first invalid line on.
-        problem = IniProblem(ini.stopped_at, next(
-            (p.message for p in ini.problems if p.line == ini.stopped_at), "invalid line"))
+        problem = IniProblem(
+            ini.stopped_at, next((p.message for p in ini.problems if p.line == ini.stopped_at), "invalid line")
+        )
         check = parse(encode(out, ini.encoding, dialect), dialect)
         if any(not same_value(check.value(section, k), v) for k, v in values.items()):
-            return MergeResult(raw, problem=IniProblem(
-                problem.line, f"{problem.message}; WSL stops reading the file there, so "
-                f"[{section}] {', '.join(changed)} added after it would be ignored: fix that line"))
+            return MergeResult(
+                raw,
+                problem=IniProblem(
+                    problem.line,
+                    f"{problem.message}; WSL stops reading the file there, so "
+                    f"[{section}] {', '.join(changed)} added after it would be ignored: fix that line",
+                ),
+            )
     data = encode(out, ini.encoding, dialect)
     check = parse(data, dialect)
     wrong = [k for k, v in values.items() if not same_value(check.value(section, k), v)]
     if wrong:  # never write a file WSL would not read as asked
         line = check.stopped_at or 1
-        return MergeResult(raw, problem=IniProblem(
-            line, f"after the merge WSL would not read {', '.join(wrong)}"))
+        return MergeResult(raw, problem=IniProblem(line, f"after the merge WSL would not read {', '.join(wrong)}"))
     return MergeResult(data, tuple(changed), None, tuple(notes))
 
 
@@ -512,12 +537,10 @@ class _Unsafe(Exception):
 
 def differences(ini: WslIniFile, section: str, values: Mapping[str, str]) -> dict[str, str | None]:
     """``{key: value WSL reads now}`` for each key whose reading differs from ``values``."""
-    return {k: ini.value(section, k) for k, want in values.items()
-            if not same_value(ini.value(section, k), want)}
+    return {k: ini.value(section, k) for k, want in values.items() if not same_value(ini.value(section, k), want)}
 
 
 def drive_root(wslconf: WslIniFile) -> str:
     """Where WSL mounts Windows drives (``[automount] root``, default ``/mnt/``), ending in ``/``."""
     root = wslconf.value("automount", "root") or "/mnt/"
     return root if root.endswith("/") else root + "/"
-

@@ -226,8 +226,10 @@ def hub_error(exc: urllib.error.HTTPError, url: str) -> str:
     message = exc.headers.get("X-Error-Message") if exc.headers else None
     where = strip_query(url)
     if exc.code == 401 or code == "GatedRepo":
-        return (f"{where}: HTTP 401 ({code or 'unauthorized'}): the hub wants a token; put an accepted "
-                "token in the file named by --token-file (setting hub_token_file)")
+        return (
+            f"{where}: HTTP 401 ({code or 'unauthorized'}): the hub wants a token; put an accepted "
+            "token in the file named by --token-file (setting hub_token_file)"
+        )
     if code == "RepoNotFound":
         return f"{where}: repository not found (check model_repo, or the token for a private repo)"
     if code == "RevisionNotFound":
@@ -263,7 +265,7 @@ def _safe_name(name: object) -> bool:
     line-based record it reaches: status, journal, the fact protocol; issue 13) nor backslash."""
     if not isinstance(name, str) or not name or name.startswith("/"):
         return False
-    if any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f or c == "\\" for c in name):
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c == "\\" for c in name):
         return False
     parts = name.split("/")
     return all(p not in ("", ".", "..") for p in parts) and parts[0] not in (PARTIAL_DIR, MANIFEST)
@@ -281,11 +283,9 @@ def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[
     if siblings and all(isinstance(s, dict) and isinstance(s.get("size"), int) for s in siblings):
         for s in siblings:
             lfs = s.get("lfs") or {}
-            entries[str(s.get("rfilename"))] = {"size": s["size"], "sha256": lfs.get("sha256"),
-                                                "oid": s.get("blobId")}
+            entries[str(s.get("rfilename"))] = {"size": s["size"], "sha256": lfs.get("sha256"), "oid": s.get("blobId")}
             if not _safe_name(s.get("rfilename")):
-                raise Failed(f"the hub listed an unsafe file name {s.get('rfilename')!r}; "
-                             "refusing to write it")
+                raise Failed(f"the hub listed an unsafe file name {s.get('rfilename')!r}; refusing to write it")
     else:  # a mirror without ?blobs=true: the tree API has the same data
         tree = http.get_json(f"{base}/api/models/{repo}/tree/{commit}?recursive=true")
         for item in tree:
@@ -317,11 +317,23 @@ class Status:
         self.path = path
         self.lock = threading.Lock()
         self.doc: dict[str, Any] = {
-            "state": "checking", "repo": repo, "commit": None, "bytes_total": 0,
-            "bytes_missing_at_start": 0, "bytes_done": 0, "bytes_transferred": 0,
-            "bytes_hashed": 0, "files_total": 0, "files_trusted": 0, "rate_bps": 0.0,
-            "eta_s": None, "current_file": None, "error": None, "pid": os.getpid(),
-            "started_at": now_iso(), "updated_at": now_iso(),
+            "state": "checking",
+            "repo": repo,
+            "commit": None,
+            "bytes_total": 0,
+            "bytes_missing_at_start": 0,
+            "bytes_done": 0,
+            "bytes_transferred": 0,
+            "bytes_hashed": 0,
+            "files_total": 0,
+            "files_trusted": 0,
+            "rate_bps": 0.0,
+            "eta_s": None,
+            "current_file": None,
+            "error": None,
+            "pid": os.getpid(),
+            "started_at": now_iso(),
+            "updated_at": now_iso(),
         }
         self._samples: list[tuple[float, int]] = [(time.monotonic(), 0)]
         self._stop = threading.Event()
@@ -407,7 +419,10 @@ class Fetcher:
         st = os.stat(os.path.join(self.dest, f.name))
         key, value = f.digest_key
         self.manifest["files"][f.name] = {
-            "size": f.size, key: value, "verified_at": now_iso(), "mtime_ns": st.st_mtime_ns,
+            "size": f.size,
+            key: value,
+            "verified_at": now_iso(),
+            "mtime_ns": st.st_mtime_ns,
         }
         self.save_manifest()
 
@@ -492,8 +507,9 @@ class Fetcher:
                 except (OSError, http.client.HTTPException) as exc:
                     out.flush()
                     os.fsync(out.fileno())
-                    raise Transient(f"{source}: link dropped after {human(have + got)} of {f.name} "
-                                    f"({reason(exc)})") from None
+                    raise Transient(
+                        f"{source}: link dropped after {human(have + got)} of {f.name} ({reason(exc)})"
+                    ) from None
                 out.flush()
                 os.fsync(out.fileno())
             if got < expected:
@@ -614,7 +630,7 @@ class Fetcher:
             except Transient as exc:
                 if attempt == self.args.retries:
                     raise Failed(f"cannot list {self.repo}: {exc}") from None
-                time.sleep(min(self.args.backoff_s * 2 ** attempt, 30.0))
+                time.sleep(min(self.args.backoff_s * 2**attempt, 30.0))
         total = sum(f.size for f in self.files)
         st.set(commit=self.commit, bytes_total=total, files_total=len(self.files))
 
@@ -622,7 +638,10 @@ class Fetcher:
         old_files = old.get("files", {}) if isinstance(old.get("files"), dict) else {}
         listed = {f.name for f in self.files}
         self.manifest = {
-            "repo": self.repo, "revision": self.args.revision, "commit": self.commit, "complete": False,
+            "repo": self.repo,
+            "revision": self.args.revision,
+            "commit": self.commit,
+            "complete": False,
             "files": {k: v for k, v in old_files.items() if k in listed},
         }
 
@@ -656,8 +675,10 @@ class Fetcher:
 
         missing_files = [f for f in config_first if f.name not in ok]
         missing = sum(f.size - self.partial_size(f) for f in missing_files)
-        st.set(bytes_missing_at_start=missing,
-               bytes_done=total - sum(f.size for f in missing_files) + (sum(f.size for f in missing_files) - missing))
+        st.set(
+            bytes_missing_at_start=missing,
+            bytes_done=total - sum(f.size for f in missing_files) + (sum(f.size for f in missing_files) - missing),
+        )
 
         # Quantisation first, from the small config files, before any weight (pitfall 2).
         docs: dict[str, dict | None] = {}
@@ -706,9 +727,11 @@ class Fetcher:
             pass
         doc = st.doc
         st.set(state="done", current_file=None, bytes_done=total)
-        log(f"done: {self.repo}@{self.commit[:12]}: {len(self.files)} files, {human(total)} verified; "
+        log(
+            f"done: {self.repo}@{self.commit[:12]}: {len(self.files)} files, {human(total)} verified; "
             f"transferred {human(doc['bytes_transferred'])}, hashed {human(doc['bytes_hashed'])}, "
-            f"{trusted} trusted from the manifest")
+            f"{trusted} trusted from the manifest"
+        )
 
 
 def read_token(path: str | None) -> str | None:
@@ -725,20 +748,30 @@ def read_token(path: str | None) -> str | None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="fetch_model.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint", help="hub or hub mirror, e.g. the HF_ENDPOINT value (required unless --check)")
-    p.add_argument("--check", action="store_true",
-                   help="no download: exit 0 only if DEST holds a verified, untouched REPO@REVISION")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="no download: exit 0 only if DEST holds a verified, untouched REPO@REVISION",
+    )
     p.add_argument("--repo", required=True, help="owner/name")
     p.add_argument("--revision", default="main", help="branch, tag or commit sha")
     p.add_argument("--dest", required=True, help="model directory")
     p.add_argument("--token-file", help="file holding the hub token (never pass the token itself)")
     p.add_argument("--status-file", help="JSON progress, atomically rewritten at least every second")
     p.add_argument("--reverify", action="store_true", help="re-hash every file, trusting no manifest entry")
-    p.add_argument("--reverify-request", metavar="FILE",
-                   help="act as --reverify while FILE exists; removed once every file verified (a "
-                        "re-verify asked for by the deploy survives an interrupted run)")
+    p.add_argument(
+        "--reverify-request",
+        metavar="FILE",
+        help="act as --reverify while FILE exists; removed once every file verified (a "
+        "re-verify asked for by the deploy survives an interrupted run)",
+    )
     p.add_argument("--disk-margin-gb", type=float, default=5.0, help="free space to keep beyond the download")
-    p.add_argument("--source", action="append", default=[],
-                   help="LAN cache with the hub's endpoints, tried before --endpoint (repeatable)")
+    p.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        help="LAN cache with the hub's endpoints, tried before --endpoint (repeatable)",
+    )
     p.add_argument("--retries", type=int, default=8, help="attempts per file and source after a failure")
     p.add_argument("--backoff-s", type=float, default=2.0, help="first retry delay, doubled each time (max 30)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="socket timeout: a stalled link is retried")
@@ -758,8 +791,10 @@ def check(args) -> int:
     if ok:
         log(f"{args.repo}@{args.revision} in {dest}: verified")
         return EXIT_OK
-    log(f"NOT VERIFIED: {why}; the engine must not start on it. Run the deploy (or "
-        f"`systemctl start freetoken-model-fetch`) to fetch and verify the model.")
+    log(
+        f"NOT VERIFIED: {why}; the engine must not start on it. Run the deploy (or "
+        f"`systemctl start freetoken-model-fetch`) to fetch and verify the model."
+    )
     return EXIT_FAILED
 
 

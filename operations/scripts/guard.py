@@ -36,7 +36,7 @@ from typing import Any
 
 PREFIX = "freetoken-guard:"
 # "GB" as in .wslconfig (swap=4GB is 4 GiB) and in `free -h`, which the field report read.
-GB = 1024 ** 3
+GB = 1024**3
 # What counts as the engine running out of GPU memory: the engine's own error records, never a
 # phrase anywhere in its journal (FreeToken logs request text and model output there, so a
 # prompt could otherwise stop a healthy engine; issue 13). Shapes read from the real 0.2.1 wheel:
@@ -54,14 +54,17 @@ GB = 1024 ** 3
 #    "CUDA error: out of memory".
 ENGINE_ERROR_RE = re.compile(
     r"\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d(?:\|pid=\d+)?\|FrontendAPI(?:\|core\|rank=\d+)?\]\x1b\[0m "
-    r"\x1b\[31mERROR   \x1b\[0m (?P<message>.*)")
-TORCH_OOM = (r"(?:torch\.(?:cuda\.)?)?OutOfMemoryError: CUDA out of memory\. "
-             r"|RuntimeError: CUDA error: out of memory|RuntimeError: CUDA out of memory\. ")
-LOAD_OOM_RE = re.compile(r"Backend supervisor: (?P<oom>(?:%s).*)" % TORCH_OOM)
+    r"\x1b\[31mERROR   \x1b\[0m (?P<message>.*)"
+)
+TORCH_OOM = (
+    r"(?:torch\.(?:cuda\.)?)?OutOfMemoryError: CUDA out of memory\. "
+    r"|RuntimeError: CUDA error: out of memory|RuntimeError: CUDA out of memory\. "
+)
+LOAD_OOM_RE = re.compile(rf"Backend supervisor: (?P<oom>(?:{TORCH_OOM}).*)")
 WORKER_DIED_RE = re.compile(r"Backend supervisor: backend worker freetoken-TP[0-9]+-scheduler\b.* exited\b")
 # The last line of a Python traceback starts the line (column 0, "torch.OutOfMemoryError: ...").
 # PyTorch before 1.13 raised the allocator's OOM as RuntimeError (tests/fixtures/real).
-TRACEBACK_OOM_RE = re.compile(r"(?:%s).*" % TORCH_OOM)
+TRACEBACK_OOM_RE = re.compile(rf"(?:{TORCH_OOM}).*")
 # The supervisor polls its workers every second; a traceback older than this whose death record
 # never came belongs to no death.
 PENDING_OOM_S = 120
@@ -96,8 +99,11 @@ def read_meminfo(path: str) -> dict:
     except OSError as exc:
         log(f"cannot read {path}: {exc}")
     samples = {}
-    for name, key in (("ram_total_bytes", "MemTotal"), ("ram_available_bytes", "MemAvailable"),
-                      ("swap_total_bytes", "SwapTotal")):
+    for name, key in (
+        ("ram_total_bytes", "MemTotal"),
+        ("ram_available_bytes", "MemAvailable"),
+        ("swap_total_bytes", "SwapTotal"),
+    ):
         if key in fields:
             samples[name] = fields[key]
     if "SwapTotal" in fields and "SwapFree" in fields:
@@ -125,7 +131,9 @@ def read_gpus() -> list:
     try:
         proc = subprocess.run(
             [binary, "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20,
+            capture_output=True,
+            text=True,
+            timeout=20,
         )
     except (OSError, subprocess.SubprocessError) as exc:
         log(f"nvidia-smi failed: {exc}")
@@ -188,7 +196,7 @@ def find_ooms(lines: list, pending: str | None = None) -> tuple[list, str | None
             if load:
                 found.append(load.group("oom"))
             elif pending and WORKER_DIED_RE.match(message):
-                found.append(f"{pending} ({message[len('Backend supervisor: '):]})")
+                found.append(f"{pending} ({message[len('Backend supervisor: ') :]})")
                 pending = None
         elif TRACEBACK_OOM_RE.fullmatch(line.rstrip("\r\n")):
             pending = line.strip()
@@ -210,13 +218,17 @@ def scan_journal(unit: str, position_file: str, now: float) -> tuple[list, dict]
     records = []
     for line in lines:
         if line.startswith("-- cursor: "):
-            cursor = line[len("-- cursor: "):].strip()
+            cursor = line[len("-- cursor: ") :].strip()
         else:
             records.append(line)
     # A worker's traceback and the supervisor's record of its death may fall either side of a run.
     carried: Any = previous.get("pending_oom")
-    fresh = (isinstance(carried, dict) and isinstance(carried.get("line"), str)
-             and isinstance(carried.get("time"), (int, float)) and now - carried["time"] <= PENDING_OOM_S)
+    fresh = (
+        isinstance(carried, dict)
+        and isinstance(carried.get("line"), str)
+        and isinstance(carried.get("time"), (int, float))
+        and now - carried["time"] <= PENDING_OOM_S
+    )
     before = carried["line"] if fresh else None
     found, pending = find_ooms(records, before)
     keep = None
@@ -275,7 +287,7 @@ def render_metrics(samples: dict, tripped: bool, now: float) -> str:
     for name, help_text in METRICS:
         full = f"freetoken_guard_{name}"
         if name.startswith("gpu_"):
-            key = name[len("gpu_"):]
+            key = name[len("gpu_") :]
             rows = [(f'{{gpu="{gpu["index"]}"}}', gpu[key]) for gpu in samples.get("gpus", []) if key in gpu]
         else:
             rows = [("", values[name])] if name in values else []
@@ -338,11 +350,15 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--state-file", default="/var/lib/freetoken-deploy/guard-state.json")
     parser.add_argument("--textfile", default="/var/lib/freetoken-deploy/metrics/freetoken.prom")
     parser.add_argument("--meminfo", default="/proc/meminfo")
-    parser.add_argument("--journal-position-file", default=None,
-                        help="where the journal position is kept (default: beside --state-file)")
+    parser.add_argument(
+        "--journal-position-file",
+        default=None,
+        help="where the journal position is kept (default: beside --state-file)",
+    )
     args = parser.parse_args(argv)
     position_file = args.journal_position_file or os.path.join(
-        os.path.dirname(args.state_file) or ".", "guard-journal.json")
+        os.path.dirname(args.state_file) or ".", "guard-journal.json"
+    )
 
     now = time.time()
     samples = read_meminfo(args.meminfo)
@@ -365,9 +381,15 @@ def main(argv: list | None = None) -> int:
         else:
             log(f"stopped {args.unit}: {reason}", warning=True)
         stamp = datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(timespec="seconds")
-        write_atomic(args.state_file, json.dumps(
-            {"tripped": True, "reason": reason, "time": stamp, "unit": args.unit, "samples": samples},
-            indent=2, sort_keys=True) + "\n")
+        write_atomic(
+            args.state_file,
+            json.dumps(
+                {"tripped": True, "reason": reason, "time": stamp, "unit": args.unit, "samples": samples},
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n",
+        )
         tripped = True
 
     write_atomic(position_file, json.dumps(position) + "\n")

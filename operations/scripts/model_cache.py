@@ -75,7 +75,7 @@ def printable(text: str) -> str:
         o = ord(c)
         if c == "\\":
             out.append("\\\\")
-        elif o < 0x20 or 0x7f <= o <= 0x9f:
+        elif o < 0x20 or 0x7F <= o <= 0x9F:
             out.append(f"\\x{o:02x}")
         else:
             out.append(c)
@@ -109,7 +109,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 30.0  # every socket operation of a request (StreamRequestHandler sets it)
 
     def log_message(self, fmt, *args):  # one journal line per request, no client headers
-        sys.stderr.write(printable("%s %s" % (self.address_string(), fmt % args)) + "\n")
+        sys.stderr.write(printable(f"{self.address_string()} {fmt % args}") + "\n")
         sys.stderr.flush()
 
     def _allowed(self) -> bool:
@@ -142,11 +142,16 @@ class Handler(BaseHTTPRequestHandler):
         path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         m = manifest_rules.load(self.model_dir)[0]
         if path == "/health":
-            return self._send_json(200, {
-                "repo": (m or {}).get("repo"), "commit": (m or {}).get("commit"),
-                "revision": (m or {}).get("revision"), "complete": bool(m and m.get("complete")),
-                "files": len((m or {}).get("files") or {}),
-            })
+            return self._send_json(
+                200,
+                {
+                    "repo": (m or {}).get("repo"),
+                    "commit": (m or {}).get("commit"),
+                    "revision": (m or {}).get("revision"),
+                    "complete": bool(m and m.get("complete")),
+                    "files": len((m or {}).get("files") or {}),
+                },
+            )
         parts = path.lstrip("/").split("/", 4)
         if len(parts) != 5 or parts[2] != "resolve":
             return self._not_found("not a /<owner>/<name>/resolve/<revision>/<file> path")
@@ -195,8 +200,15 @@ class CacheServer:
     hands each ready connection to a bounded pool of workers; idle connections cost a file
     descriptor, never a worker, and are closed after ``idle_timeout_s``."""
 
-    def __init__(self, bind: str, port: int, handler: type, workers: int = 8,
-                 idle_timeout_s: float = 30.0, max_connections: int = 512):
+    def __init__(
+        self,
+        bind: str,
+        port: int,
+        handler: type,
+        workers: int = 8,
+        idle_timeout_s: float = 30.0,
+        max_connections: int = 512,
+    ):
         info = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         self.listener = socket.socket(info[0], socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -240,7 +252,7 @@ class CacheServer:
         try:
             conn.setblocking(True)
             self.handler(conn, address, self)
-        except Exception as exc:  # noqa: BLE001 - one client's failure never stops the service
+        except Exception as exc:
             sys.stderr.write(printable(f"model_cache: {address[0]}: {type(exc).__name__}: {exc}") + "\n")
         finally:
             try:
@@ -283,26 +295,44 @@ def read_token(path: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="model_cache.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", required=True, help="the verified model directory (with its manifest)")
-    p.add_argument("--bind", required=True,
-                   help="address to listen on: the one the fleet reaches this host by")
+    p.add_argument("--bind", required=True, help="address to listen on: the one the fleet reaches this host by")
     p.add_argument("--port", type=int, default=8090)
     p.add_argument("--workers", type=int, default=8, help="requests answered at once")
-    p.add_argument("--max-connections", type=int, default=512,
-                   help="connections waiting for their request; the oldest is closed beyond it")
-    p.add_argument("--idle-timeout-s", type=float, default=30.0,
-                   help="close a connection that sent no request for this long")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="connections waiting for their request; the oldest is closed beyond it",
+    )
+    p.add_argument(
+        "--idle-timeout-s", type=float, default=30.0, help="close a connection that sent no request for this long"
+    )
     p.add_argument("--timeout-s", type=float, default=30.0, help="limit of each socket read or write")
-    p.add_argument("--token-file", help="the hub token (gated repository): ask every client for the "
-                                        f"key derived from it ({TOKEN_HEADER}); never pass the token itself")
+    p.add_argument(
+        "--token-file",
+        help="the hub token (gated repository): ask every client for the "
+        f"key derived from it ({TOKEN_HEADER}); never pass the token itself",
+    )
     args = p.parse_args(argv)
     Handler.model_dir = os.path.abspath(args.dir)
     Handler.timeout = args.timeout_s
     Handler.token = cache_token(read_token(args.token_file)) if args.token_file else None
-    server = CacheServer(args.bind, args.port, Handler, workers=args.workers,
-                         idle_timeout_s=args.idle_timeout_s, max_connections=args.max_connections)
+    server = CacheServer(
+        args.bind,
+        args.port,
+        Handler,
+        workers=args.workers,
+        idle_timeout_s=args.idle_timeout_s,
+        max_connections=args.max_connections,
+    )
     gated = "; gated: clients must send the cache token" if Handler.token else ""
-    sys.stderr.write(printable(f"model_cache: serving the verified files of {Handler.model_dir} on "
-                               f"{args.bind}:{server.server_address[1]}{gated}") + "\n")
+    sys.stderr.write(
+        printable(
+            f"model_cache: serving the verified files of {Handler.model_dir} on "
+            f"{args.bind}:{server.server_address[1]}{gated}"
+        )
+        + "\n"
+    )
     sys.stderr.flush()
     try:
         server.serve_forever()

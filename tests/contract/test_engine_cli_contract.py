@@ -68,9 +68,7 @@ def _literal_values(field: str) -> tuple:
 # so this list must then shrink.
 KNOWN_REJECTED: dict = {}
 SWEEP = [
-    (field, value)
-    for field in ("launch_attention_backend", "launch_moe_strategy")
-    for value in _literal_values(field)
+    (field, value) for field in ("launch_attention_backend", "launch_moe_strategy") for value in _literal_values(field)
 ]
 
 
@@ -86,14 +84,10 @@ def real_parser_python() -> str:
     explicit = os.environ.get("FREETOKEN_CONTRACT_PYTHON")
     if explicit:
         return explicit
-    proc = subprocess.run(
-        ["bash", str(SETUP)], capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL
-    )
+    proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)
     sys.stderr.write(proc.stdout[-4000:])  # shown with -s, or on failure
     if proc.returncode != 0:
-        pytest.fail(
-            f"{SETUP.name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
+        pytest.fail(f"{SETUP.name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("FREETOKEN_CONTRACT_PYTHON="), proc.stdout[-2000:]
     return line.split("=", 1)[1]
@@ -135,23 +129,32 @@ def _cases(model_dir: Path) -> list[dict]:
         # without the env var the engine serves open: that is what a missing key file means
         {"name": "no-key-in-env", "argv": base, "env": {"FREETOKEN_API_KEY": None}},
         # --- negative controls: the real parser must refuse each of these ---
-        {"name": "neg:moe-cache-size-auto",
-         "argv": _replace(base, ["--moe-cache-size", "256"], ["--moe-cache-size", "auto"]), "env": {}},
-        {"name": "neg:attn-backend-flag",
-         "argv": _replace(base, ["--attention-backend"], ["--attn-backend"]), "env": {}},
+        {
+            "name": "neg:moe-cache-size-auto",
+            "argv": _replace(base, ["--moe-cache-size", "256"], ["--moe-cache-size", "auto"]),
+            "env": {},
+        },
+        {
+            "name": "neg:attn-backend-flag",
+            "argv": _replace(base, ["--attention-backend"], ["--attn-backend"]),
+            "env": {},
+        },
         {"name": "neg:num-tokens-with-num-pages", "argv": base + ["--num-pages", "64"], "env": {}},
         {"name": "neg:cache-size-with-cache-auto", "argv": base + ["--moe-cache-auto"], "env": {}},
-        {"name": "neg:unknown-attention-backend",
-         "argv": _replace(base, ["--attention-backend", "triton"], ["--attention-backend", "flashinfer"]),
-         "env": {}},
+        {
+            "name": "neg:unknown-attention-backend",
+            "argv": _replace(base, ["--attention-backend", "triton"], ["--attention-backend", "flashinfer"]),
+            "env": {},
+        },
         {"name": "neg:empty-api-key", "argv": base + ["--api-key", ""], "env": {}},
-        {"name": "neg:no-model-path",
-         "argv": _replace(base, ["--model-path", str(model_dir)], []), "env": {}},
+        {"name": "neg:no-model-path", "argv": _replace(base, ["--model-path", str(model_dir)], []), "env": {}},
         # --- facts the brief states, checked ---
-        {"name": "fact:attn-alias",
-         "argv": _replace(base, ["--attention-backend"], ["--attn"]), "env": {}},
-        {"name": "fact:fa-at-parse-time",
-         "argv": _replace(base, ["--attention-backend", "triton"], ["--attention-backend", "fa"]), "env": {}},
+        {"name": "fact:attn-alias", "argv": _replace(base, ["--attention-backend"], ["--attn"]), "env": {}},
+        {
+            "name": "fact:fa-at-parse-time",
+            "argv": _replace(base, ["--attention-backend", "triton"], ["--attention-backend", "fa"]),
+            "env": {},
+        },
     ]
     for field, value in SWEEP:
         s = _settings(model_dir, **{field: value})
@@ -176,7 +179,12 @@ def _run(python: str, cases: list[dict], tmp: Path, extra_env: dict[str, str] | 
     env.update(extra_env or {})
     proc = subprocess.run(
         [python, str(RUNNER), str(cases_file), str(results_file)],
-        env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp,
     )
     assert proc.returncode == 0 and results_file.exists(), (
         f"parser runner failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -296,10 +304,24 @@ def test_every_setting_value_we_allow_is_one_the_engine_accepts(real, field, val
 # The parsed values the deploy relies on. The stand-in leaves out what needs torch or the
 # checkpoint (dtype, hf_overrides, the tool/reasoning parsers inferred from config.json).
 DEPLOY_FIELDS = (
-    "model_path", "served_model_name", "moe_strategy", "moe_cache_size", "moe_cache_auto",
-    "moe_cache_rate", "moe_cache_mem", "num_token_override", "num_page_override",
-    "kv_reserve_tokens", "max_extend_tokens", "max_running_req", "moe_cpu_layers",
-    "attention_backend", "memory_ratio", "server_host", "server_port", "api_key",
+    "model_path",
+    "served_model_name",
+    "moe_strategy",
+    "moe_cache_size",
+    "moe_cache_auto",
+    "moe_cache_rate",
+    "moe_cache_mem",
+    "num_token_override",
+    "num_page_override",
+    "kv_reserve_tokens",
+    "max_extend_tokens",
+    "max_running_req",
+    "moe_cpu_layers",
+    "attention_backend",
+    "memory_ratio",
+    "server_host",
+    "server_port",
+    "api_key",
 )
 
 

@@ -23,7 +23,11 @@ SERVING = ("ws1", "ws2")
 def deploy(*extra: str, timeout: int = 1500) -> subprocess.CompletedProcess:
     run = subprocess.run(
         [PYINFRA, "-y", *extra, "inventories/sim.py", "deploys/freetoken.py"],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
         env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
     )
     print(run.stdout[-20000:], run.stderr[-20000:], sep="\n")
@@ -45,16 +49,22 @@ def chat(fleet, host, key: str) -> dict:
         "print(urllib.request.urlopen(req,timeout=60).read().decode())"
     )
     r = subprocess.run(
-        fleet.ssh_argv(host) + ["python3", "-c", json.dumps(script)], input=key + "\n",
-        capture_output=True, text=True, timeout=120,
+        fleet.ssh_argv(host) + ["python3", "-c", json.dumps(script)],
+        input=key + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
 def health(fleet, host) -> dict:
-    r = fleet.run(host, "python3 -c \"import urllib.request;print(urllib.request.urlopen("
-                  "'http://127.0.0.1:8000/health',timeout=5).read().decode())\"")
+    r = fleet.run(
+        host,
+        'python3 -c "import urllib.request;print(urllib.request.urlopen('
+        "'http://127.0.0.1:8000/health',timeout=5).read().decode())\"",
+    )
     return json.loads(r.stdout) if r.returncode == 0 else {"status": "down", "error": r.stderr}
 
 
@@ -75,7 +85,7 @@ def engine_pid(fleet, host) -> int:
 
 def parse_grand_total(output: str) -> tuple[str, str, str, str] | None:
     """pyinfra's results table, last line: (host-operations, changed, errors, unchanged); '-' = 0."""
-    total = re.search(r"Grand total\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)", output[output.rfind("--> Results:"):])
+    total = re.search(r"Grand total\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)", output[output.rfind("--> Results:") :])
     return total.groups() if total else None
 
 
@@ -111,7 +121,9 @@ def fault(fleet, host, kind: str, **options) -> dict:
     r = subprocess.run(
         fleet.ssh_argv(host) + ["python3", "-c", json.dumps(script)],
         input=key + "\n" + json.dumps({"kind": kind, **options}) + "\n",
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 0, f"{host}: fault {kind}: {r.stderr}"
     return json.loads(r.stdout)
@@ -143,9 +155,9 @@ def leftovers() -> list[str]:
             netns = os.readlink(entry / "ns" / "net")
             comm = (entry / "comm").read_text().strip()
         except OSError:
-            continue    # gone meanwhile
+            continue  # gone meanwhile
         if not cmd:
-            continue    # kernel threads
+            continue  # kernel threads
         if netns != own_netns:
             out.append(f"process {entry.name} in {netns}: {cmd[:120]}")
         elif comm == "systemd-nspawn":

@@ -6,6 +6,7 @@ tests need at least the profiled hosts. Needs root; without root the fleet tests
 (reported as skipped with the reason). After the final teardown the machine is checked for
 anything of the fleet left over (tests.fleet.client.leftovers, which does not trust the
 harness's own records); a leftover is an error in this fixture's teardown, so the run fails."""
+
 import os
 
 import pytest
@@ -20,8 +21,10 @@ def sim_fleet():
         pytest.skip("the simulated fleet needs root (systemd-nspawn, network namespaces)")
     n_hosts = harness.host_count()
     if n_hosts < len(PROFILES):
-        raise harness.FleetError(f"FREETOKEN_SIM_HOSTS={n_hosts}: the fleet tests need at least "
-                                 f"the {len(PROFILES)} profiled hosts ({', '.join(PROFILES)})")
+        raise harness.FleetError(
+            f"FREETOKEN_SIM_HOSTS={n_hosts}: the fleet tests need at least "
+            f"the {len(PROFILES)} profiled hosts ({', '.join(PROFILES)})"
+        )
     with harness.exclusive():
         fleet = harness.up(n_hosts)
         try:
@@ -30,11 +33,10 @@ def sim_fleet():
             harness.down()
             left = client.leftovers()
             if left:
-                raise harness.FleetError("the session's final teardown left these behind:\n  "
-                                         + "\n  ".join(left))
+                raise harness.FleetError("the session's final teardown left these behind:\n  " + "\n  ".join(left))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `slow` (tests/fleet/test_scale.py) bring up a 12-host fleet of their own:
     they run after every other test, so the session's fleet serves all the others first."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)   # stable: order kept
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: order kept

@@ -18,7 +18,15 @@ import pytest
 from freetoken_infra.core.settings import DRIVER_PACKAGE_RE, Settings
 from tests.fleet import harness
 from tests.fleet.client import (
-    SERVING, api_key, chat, deploy, engine_pid, fault, grand_total, swap_used_bytes, wait_healthy,
+    SERVING,
+    api_key,
+    chat,
+    deploy,
+    engine_pid,
+    fault,
+    grand_total,
+    swap_used_bytes,
+    wait_healthy,
 )
 from tests.fleet.standins.cuda_repo import DRIVER_FAMILIES, NOT_A_DRIVER, OLD_KEYRING_VERSION, keyring_deb
 
@@ -29,14 +37,14 @@ DEFAULTS = Settings()
 def gate_table(out: str) -> dict[str, dict[str, str]]:
     """The health gate table a deploy ends with (operations/health.py, GateReport), by host:
     column name -> cell."""
-    lines = out[out.rindex("== health gate =="):].splitlines()
+    lines = out[out.rindex("== health gate ==") :].splitlines()
     header = re.split(r"\s{2,}", lines[1].strip())
     rows = {}
     for line in lines[3:]:
         if re.match(r"\d+ host\(s\):", line):
             return rows
         cells = re.split(r"\s{2,}", line.strip())
-        rows[cells[0]] = dict(zip(header, cells))
+        rows[cells[0]] = dict(zip(header, cells, strict=False))
     raise AssertionError(f"health gate table without its summary line:\n{lines}")
 
 
@@ -63,13 +71,14 @@ def test_first_converge_serves_on_ws1_and_ws2(sim_fleet, converged):
         assert reply["choices"][0]["message"]["content"], reply
         assert table[host]["health"] == "ok", table
         assert float(table[host]["decode tok/s"]) > 0, table
-    assert "ws3" not in table or (table["ws3"]["health"] != "ok"
-                                  and "refused at preflight" in table["ws3"].get("note", "")), table
+    assert "ws3" not in table or (
+        table["ws3"]["health"] != "ok" and "refused at preflight" in table["ws3"].get("note", "")
+    ), table
 
 
 def test_ws3_is_refused_at_preflight_and_nothing_on_it_changed(sim_fleet, converged):
     out = converged["first"].stdout + converged["first"].stderr
-    ws3 = out[out.index("== ws3: preflight =="):]
+    ws3 = out[out.index("== ws3: preflight ==") :]
     assert re.search(r"^wsl_version\s+BLOCK", ws3, re.M)
     assert re.search(r"^gpu_memory\s+BLOCK.*pitfall 4B", ws3, re.M | re.S)
     assert "[ws3] stopped: preflight blockers" in out
@@ -79,7 +88,7 @@ def test_ws3_is_refused_at_preflight_and_nothing_on_it_changed(sim_fleet, conver
 def test_second_converge_changes_nothing(sim_fleet, converged):
     again = deploy()
     out = again.stdout + again.stderr
-    results = out[out.index("--> Results:"):]
+    results = out[out.index("--> Results:") :]
     hosts_ops, changed, errors, unchanged = grand_total(again)
     assert (changed, errors) == ("-", "-"), results
     assert unchanged == hosts_ops
@@ -106,8 +115,11 @@ def test_a_changed_wslconfig_says_restart_required_and_no_step_waits(sim_fleet, 
     wslconfig = f"/mnt/c/Users/{sim_fleet.hosts[host].profile['windows_user']}/.wslconfig"
 
     def restart_line(run):
-        lines = [line for line in (run.stdout + run.stderr).splitlines()
-                 if f"[{host}] restart required: run `wsl.exe --shutdown` from Windows" in line]
+        lines = [
+            line
+            for line in (run.stdout + run.stderr).splitlines()
+            if f"[{host}] restart required: run `wsl.exe --shutdown` from Windows" in line
+        ]
         assert len(lines) == 1, (run.stdout + run.stderr)[-5000:]
         return lines[0]
 
@@ -151,8 +163,11 @@ def test_no_driver_package_and_the_pin_blocks_them(sim_fleet, converged):
         pkgs = sim_fleet.run(host, "dpkg-query -W -f='${Package}\\n'", check=True).stdout.split()
         assert set(DEFAULTS.cuda_packages) <= set(pkgs)
         assert not [p for p in pkgs if DRIVER_PACKAGE_RE.match(p)]
-        known = {p for p in sim_fleet.run(host, "apt-cache pkgnames", check=True).stdout.split()
-                 if DRIVER_PACKAGE_RE.match(p)}
+        known = {
+            p
+            for p in sim_fleet.run(host, "apt-cache pkgnames", check=True).stdout.split()
+            if DRIVER_PACKAGE_RE.match(p)
+        }
         assert {"cuda-drivers", "cuda-13-0", *DRIVER_FAMILIES} <= known, sorted(known)
         for pkg in sorted(known):  # apt's own decision, one driver package at a time
             assert _candidate(sim_fleet, host, pkg) == "(none)", f"{host}: the pin lets {pkg} in"
@@ -171,8 +186,12 @@ def test_an_older_cuda_keyring_is_kept_and_apt_still_works(sim_fleet, converged)
     installed for the rest of the session, a state the deploy must accept anyway."""
     host = "ws2"
     url = sim_fleet.url("cuda_repo") + keyring_deb(OLD_KEYRING_VERSION)
-    sim_fleet.run(host, f"python3 -c \"import urllib.request as u; u.urlretrieve('{url}', '/tmp/k.deb')\" "
-                        "&& dpkg -i /tmp/k.deb && rm /tmp/k.deb", check=True)
+    sim_fleet.run(
+        host,
+        f"python3 -c \"import urllib.request as u; u.urlretrieve('{url}', '/tmp/k.deb')\" "
+        "&& dpkg -i /tmp/k.deb && rm /tmp/k.deb",
+        check=True,
+    )
     version = "dpkg-query -W -f='${Version}' cuda-keyring"
     installs = "grep -cE ' (install|upgrade) cuda-keyring:' /var/log/dpkg.log"
     assert sim_fleet.run(host, version, check=True).stdout == OLD_KEYRING_VERSION
@@ -215,11 +234,12 @@ def test_guard_stops_the_engine_on_an_oom_line_and_records_why(sim_fleet, conver
     time.sleep(2)
     sim_fleet.run(host, "systemctl start freetoken-guard.service", check=True)
     assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() != "active"
-    state = json.loads(sim_fleet.run(host, "cat /var/lib/freetoken-deploy/guard-state.json",
-                                     check=True).stdout)
+    state = json.loads(sim_fleet.run(host, "cat /var/lib/freetoken-deploy/guard-state.json", check=True).stdout)
     assert state["tripped"] and "out of memory" in state["reason"].lower()
-    assert "freetoken-guard: stopped freetoken.service" in sim_fleet.run(
-        host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
+    assert (
+        "freetoken-guard: stopped freetoken.service"
+        in sim_fleet.run(host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
+    )
 
 
 def test_guard_timer_stops_the_engine_when_swap_grows(sim_fleet, converged):
@@ -234,15 +254,15 @@ def test_guard_timer_stops_the_engine_when_swap_grows(sim_fleet, converged):
     deadline = time.monotonic() + 5 * DEFAULTS.guard_interval_s  # bounded, well above one period
     while sim_fleet.run(host, f"test -e {state_file}").returncode != 0:
         assert time.monotonic() < deadline, sim_fleet.run(
-            host, "systemctl list-timers --all --no-pager freetoken-guard.timer").stdout
+            host, "systemctl list-timers --all --no-pager freetoken-guard.timer"
+        ).stdout
         time.sleep(2)
     state = json.loads(sim_fleet.run(host, f"cat {state_file}", check=True).stdout)
     assert state["tripped"] and "swap" in state["reason"] and "stop failed" not in state["reason"], state
     # Stopped for good: not restarted by systemd (RestartSec=5) a while later, its swap freed.
     time.sleep(12)
     assert sim_fleet.run(host, "systemctl is-active freetoken.service").stdout.strip() == "inactive"
-    assert sim_fleet.run(host, "systemctl show -p NRestarts --value freetoken.service",
-                         check=True).stdout == restarts
+    assert sim_fleet.run(host, "systemctl show -p NRestarts --value freetoken.service", check=True).stdout == restarts
     assert swap_used_bytes(sim_fleet, host) < DEFAULTS.guard_swap_limit_gb * 1024**3
     log = sim_fleet.run(host, "journalctl -u freetoken-guard.service --no-pager -o cat", check=True).stdout
     assert re.search(r"^freetoken-guard: stopped freetoken\.service: swap", log, re.M), log

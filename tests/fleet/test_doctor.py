@@ -25,7 +25,11 @@ HOSTS = ("ws1", "ws2", "ws3")
 def doctor(*extra: str) -> subprocess.CompletedProcess:
     run = subprocess.run(
         [PYINFRA, "-y", *extra, "inventories/sim.py", "deploys/doctor.py"],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
         env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
     )
     print(run.stdout[-20000:], run.stderr[-20000:], sep="\n")
@@ -37,7 +41,7 @@ def table(out: str, host: str) -> list[str]:
     start = out.index(f"== {host}: preflight ==")
     end = out.find("\n== ", start + 1)
     rows = []
-    for line in out[start:end if end != -1 else None].splitlines()[3:]:
+    for line in out[start : end if end != -1 else None].splitlines()[3:]:
         parts = line.split()
         if len(parts) >= 2 and not line.startswith(" ") and parts[1] in ("pass", "WARN", "BLOCK"):
             rows.append((parts[0], parts[1]))
@@ -45,10 +49,10 @@ def table(out: str, host: str) -> list[str]:
 
 
 def summary(out: str) -> list[str]:
-    text = out[out.index("== fleet preflight summary =="):]
+    text = out[out.index("== fleet preflight summary ==") :]
     lines = text.splitlines()[1:]
     end = next(i for i, line in enumerate(lines) if re.match(r"\d+ of \d+ host\(s\) ready$", line))
-    return lines[:end + 1]
+    return lines[: end + 1]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def test_a_table_per_host_ws3_blocked_the_others_not(whole_fleet):
         assert len(rows) >= 10, (host, rows)
     ws3 = dict(table(out, "ws3"))
     assert ws3["wsl_version"] == "BLOCK" and ws3["gpu_memory"] == "BLOCK", ws3
-    ws3_text = out[out.index("== ws3: preflight =="):]
+    ws3_text = out[out.index("== ws3: preflight ==") :]
     assert re.search(r"^gpu_memory\s+BLOCK.*allocations fail.*pitfall 4B", ws3_text, re.M | re.S)
     for host in ("ws1", "ws2"):
         blocked = [check for check, status in table(out, host) if status == "BLOCK"]

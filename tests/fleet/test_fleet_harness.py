@@ -1,9 +1,10 @@
 """The simulated fleet itself: real systemd hosts that look like the profiles' WSL2 workstations,
 a working apt through the bridge, a fleet lock that hand-run `up`/`down` wait for, and a teardown
 that leaves nothing behind (also after a bring-up killed half-way)."""
+
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,8 +46,11 @@ def test_hosts_run_systemd_and_answer_ssh(sim_fleet):
 def test_gpu_standins_report_the_profile(sim_fleet):
     for name in sim_fleet.hosts:
         g = profile_for(name).gpu
-        r = sim_fleet.run(name, "/usr/lib/wsl/lib/nvidia-smi --query-gpu=name,compute_cap,"
-                                "memory.total,driver_version --format=csv,noheader,nounits")
+        r = sim_fleet.run(
+            name,
+            "/usr/lib/wsl/lib/nvidia-smi --query-gpu=name,compute_cap,"
+            "memory.total,driver_version --format=csv,noheader,nounits",
+        )
         assert r.stdout == f"{g.name}, {g.compute_cap}, {g.memory_total_mib}, {g.driver_version}\n"
         assert sim_fleet.run(name, "stat -c %t:%T /dev/dxg").stdout.strip() == "a:3f"
         # the engine stand-in's CUDA OOM line names this host's GPU
@@ -68,7 +72,7 @@ def test_memory_probe_healthy_on_ws1_locked_on_ws3(sim_fleet):
     ws1 = sim_fleet.run("ws1", f"python3 -c '{MEMORY_PROBE}'", check=True).stdout.split()
     assert ws1[2] == "CUDA_SUCCESS"
     ws3 = sim_fleet.run("ws3", f"python3 -c '{MEMORY_PROBE}'", check=True).stdout.split()
-    assert ws3[2] == "CUDA_ERROR_OUT_OF_MEMORY" and int(ws3[0]) > 11 * 1024 ** 3
+    assert ws3[2] == "CUDA_ERROR_OUT_OF_MEMORY" and int(ws3[0]) > 11 * 1024**3
 
 
 def test_windows_standins(sim_fleet):
@@ -80,15 +84,19 @@ def test_windows_standins(sim_fleet):
         label = "WSL 版本" if p.windows_language == "zh" else "WSL version"
         assert first == f"{label}: {p.wsl_version}.0"
         profile_dir = sim_fleet.run(
-            name, "cd /mnt/c && wslpath -u \"$(/mnt/c/Windows/System32/cmd.exe /c echo %UserProfile% | tr -d '\\r')\"")
+            name, "cd /mnt/c && wslpath -u \"$(/mnt/c/Windows/System32/cmd.exe /c echo %UserProfile% | tr -d '\\r')\""
+        )
         assert profile_dir.stdout.strip() == f"/mnt/c/Users/{p.windows_user}"
         wslconfig = sim_fleet.run(name, f"cat {profile_dir.stdout.strip()}/.wslconfig").stdout
         assert wslconfig.startswith("# my own settings - keep this comment\n")
 
 
 def test_apt_works_through_the_bridge_proxy(sim_fleet):
-    r = sim_fleet.run("ws2", "apt-get update -q && DEBIAN_FRONTEND=noninteractive "
-                             "apt-get install -y -q curl && curl --version", timeout=600)
+    r = sim_fleet.run(
+        "ws2",
+        "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q curl && curl --version",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     # the hosts reach nothing beyond the bridge
     assert sim_fleet.run("ws2", "ip route").stdout.strip().startswith("10.213.0.0/24")
@@ -97,10 +105,14 @@ def test_apt_works_through_the_bridge_proxy(sim_fleet):
 
 def test_cuda_repo_standin_installs_toolkit_packages(sim_fleet):
     keyring = sim_fleet.services["cuda_repo"]["keyring_url"]
-    r = sim_fleet.run("ws1", f"python3 -c \"import urllib.request as u; "
-                             f"u.urlretrieve('{keyring}', '/tmp/k.deb')\" && dpkg -i /tmp/k.deb && "
-                             "apt-get update -q && apt-get install -y -q cuda-nvcc-13-0 && "
-                             "/usr/local/cuda/bin/nvcc --version", timeout=600)
+    r = sim_fleet.run(
+        "ws1",
+        f'python3 -c "import urllib.request as u; '
+        f"u.urlretrieve('{keyring}', '/tmp/k.deb')\" && dpkg -i /tmp/k.deb && "
+        "apt-get update -q && apt-get install -y -q cuda-nvcc-13-0 && "
+        "/usr/local/cuda/bin/nvcc --version",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "release 13.0, V13.0.88" in r.stdout
     # The repository's own record (apt-cache show ignores pins, which a converged host has).
@@ -112,21 +124,34 @@ def test_swap_and_snapshot_and_reboot(sim_fleet):
     before = sim_fleet.snapshot("ws3")
     # an idle host: two snapshots agree (nothing in the covered trees changes by itself)
     assert harness.snapshot_diff(before, sim_fleet.snapshot("ws3")) == []
-    sim_fleet.set_swap_used("ws3", 3 * 1024 ** 3)
+    sim_fleet.set_swap_used("ws3", 3 * 1024**3)
     free_kb = sim_fleet.run("ws3", "awk '/SwapFree/ {print $2}' /proc/meminfo").stdout
-    assert int(free_kb) == (PROFILES["ws3"].swap_total_bytes - 3 * 1024 ** 3) // 1024
+    assert int(free_kb) == (PROFILES["ws3"].swap_total_bytes - 3 * 1024**3) // 1024
     sim_fleet.set_swap_used("ws3", 0)
     # a look through the Windows stand-ins (a query) is no change
-    sim_fleet.run("ws3", "/mnt/c/Windows/System32/wsl.exe --version >/dev/null; /mnt/c/Windows/System32/cmd.exe /c echo %UserProfile% >/dev/null", check=True)
+    sim_fleet.run(
+        "ws3",
+        "/mnt/c/Windows/System32/wsl.exe --version >/dev/null; /mnt/c/Windows/System32/cmd.exe /c echo %UserProfile% >/dev/null",
+        check=True,
+    )
     assert harness.snapshot_diff(before, sim_fleet.snapshot("ws3")) == []
     user = PROFILES["ws3"].windows_user
-    sim_fleet.run("ws3", f"touch /etc/sim-marker && echo '[x]' >> /mnt/c/Users/{user}/.wslconfig && "
-                         "touch /usr/share/keyrings/sim.gpg /var/cache/sim-marker && mkdir -p /home/u && "
-                         "/mnt/c/Windows/System32/wsl.exe --shutdown", check=True)
+    sim_fleet.run(
+        "ws3",
+        f"touch /etc/sim-marker && echo '[x]' >> /mnt/c/Users/{user}/.wslconfig && "
+        "touch /usr/share/keyrings/sim.gpg /var/cache/sim-marker && mkdir -p /home/u && "
+        "/mnt/c/Windows/System32/wsl.exe --shutdown",
+        check=True,
+    )
     diff = harness.snapshot_diff(before, sim_fleet.snapshot("ws3"))
-    for seen in ("added /etc/sim-marker", f"changed /mnt/c/Users/{user}/.wslconfig",
-                 "added /usr/share/keyrings/sim.gpg", "added /var/cache/sim-marker", "added /home/u",
-                 "windows_calls +wsl.exe --shutdown"):
+    for seen in (
+        "added /etc/sim-marker",
+        f"changed /mnt/c/Users/{user}/.wslconfig",
+        "added /usr/share/keyrings/sim.gpg",
+        "added /var/cache/sim-marker",
+        "added /home/u",
+        "windows_calls +wsl.exe --shutdown",
+    ):
         assert any(line.startswith(seen) for line in diff), (seen, diff)
     boot_id = sim_fleet.run("ws3", "cat /proc/sys/kernel/random/boot_id").stdout
     pid_before = sim_fleet.state["hosts"]["ws3"]["pid"]
@@ -140,9 +165,15 @@ def test_hand_run_down_waits_for_the_sessions_lock(sim_fleet):
     """`python -m tests.fleet down` by hand while this session holds the fleet: it says so and
     waits instead of tearing the session's hosts down."""
     env = {k: v for k, v in os.environ.items() if k != harness.LOCK_FD_ENV}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fleet", "down"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    watchdog = threading.Timer(120, proc.kill)   # a hung child ends the read with EOF
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fleet", "down"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(120, proc.kill)  # a hung child ends the read with EOF
     watchdog.start()
     try:
         first = proc.stderr.readline()
@@ -161,8 +192,9 @@ def test_down_leaves_nothing_and_up_recovers_from_a_killed_run(sim_fleet):
     records (client.leftovers), kills a bring-up half-way, and checks the next `up` cleans its
     debris and works. Leaves a fresh fleet up for the modules after this one (each converges its
     own); the session's final down is checked the same way by the sim_fleet fixture."""
-    pids = [h["pid"] for h in sim_fleet.state["hosts"].values()] + \
-        [s["pid"] for s in sim_fleet.services.values() if s.get("pid")]
+    pids = [h["pid"] for h in sim_fleet.state["hosts"].values()] + [
+        s["pid"] for s in sim_fleet.services.values() if s.get("pid")
+    ]
     harness.down()
     assert client.leftovers() == []
     assert not any(harness._alive(p) for p in pids)
@@ -170,8 +202,14 @@ def test_down_leaves_nothing_and_up_recovers_from_a_killed_run(sim_fleet):
     # A bring-up killed half-way (kill -9 after the first host started) leaves debris. The
     # killed `up` is the real CLI, acting under this session's fleet lock, which it inherits.
     env, fds = harness.lock_for_child()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fleet", "up"], cwd=REPO, env=env,
-                            pass_fds=fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fleet", "up"],
+        cwd=REPO,
+        env=env,
+        pass_fds=fds,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         state = harness.load_state()
@@ -184,7 +222,5 @@ def test_down_leaves_nothing_and_up_recovers_from_a_killed_run(sim_fleet):
     assert client.leftovers() != []
     # ... which the next `up` cleans before it works.
     harness.up()
-    assert set(json.loads(harness.state_file().read_text())["hosts"]) == \
-        set(harness.host_names(harness.host_count()))
-    assert sim_fleet.run("ws2", "systemctl is-system-running").stdout.strip() in (
-        "running", "degraded")
+    assert set(json.loads(harness.state_file().read_text())["hosts"]) == set(harness.host_names(harness.host_count()))
+    assert sim_fleet.run("ws2", "systemctl is-system-running").stdout.strip() in ("running", "degraded")

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from tests.fleet import harness
 from freetoken_infra.core.settings import Settings
+from tests.fleet import harness
 from tests.fleet.client import PYINFRA, ROOT, api_key, chat, deploy, health, hub, wait_healthy
 from tests.fleet.standins import hub_repos
 
@@ -64,8 +64,9 @@ def test_a_fleet_rollout_through_the_lan_cache_reads_the_hub_once(sim_fleet, cac
     fetch_log = sim_fleet.run("ws2", "journalctl -u freetoken-model-fetch --no-pager -o cat", check=True).stdout
     cache_url = f"http://{sim_fleet.hosts['ws1'].address}:{Settings().model_cache_port}"
     for shard in SHARDS:
-        assert re.search(rf"^fetch_model: {re.escape(shard)}: .* verified, from cache {re.escape(cache_url)} ",
-                         fetch_log, re.M), fetch_log
+        assert re.search(
+            rf"^fetch_model: {re.escape(shard)}: .* verified, from cache {re.escape(cache_url)} ", fetch_log, re.M
+        ), fetch_log
     assert sim_fleet.run("ws1", "systemctl is-active freetoken-model-cache.service").stdout.strip() == "active"
     assert sim_fleet.run("ws2", "systemctl is-active freetoken-model-cache.service").stdout.strip() != "active"
 
@@ -110,8 +111,12 @@ def test_a_transfer_cut_part_way_resumes_and_a_rerun_completes(sim_fleet, cached
     hub(sim_fleet, "/_standin/cut", {"after_bytes": 500_000, "times": 1})  # the first transfer drops
     controller = subprocess.Popen(
         [PYINFRA, "-y", *CACHE, "--limit", host, "inventories/sim.py", "deploys/freetoken.py"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())}, start_new_session=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 240
@@ -131,7 +136,9 @@ def test_a_transfer_cut_part_way_resumes_and_a_rerun_completes(sim_fleet, cached
         controller.wait()
     time.sleep(2)
     assert sim_fleet.run(host, "systemctl is-active freetoken-model-fetch.service").stdout.strip() in (
-        "active", "activating"), "the download died with the session that started it"
+        "active",
+        "activating",
+    ), "the download died with the session that started it"
     sim_fleet.run(host, "systemctl stop freetoken-model-fetch.service", check=True)  # the VM goes down
     log = sim_fleet.run(host, "journalctl -u freetoken-model-fetch --no-pager -o cat -n 60", check=True).stdout
     assert "link dropped" in log and "resuming" in log, log
@@ -173,8 +180,9 @@ def test_a_corrupt_shard_is_refetched_and_the_engine_waits_for_it(sim_fleet, cac
     assert f"{SHARDS[0]}: on disk but corrupt (hash mismatch); fetching it again" in fetch_log
     wait_healthy(sim_fleet, host)
     # Both units' lines in journal order: the download's end, then the engine's pre-start check.
-    lines = sim_fleet.run(host, "journalctl -u freetoken-model-fetch -u freetoken.service -o cat --no-pager -n 300",
-                          check=True).stdout.splitlines()
+    lines = sim_fleet.run(
+        host, "journalctl -u freetoken-model-fetch -u freetoken.service -o cat --no-pager -n 300", check=True
+    ).stdout.splitlines()
     done = max(i for i, line in enumerate(lines) if line.startswith("fetch_model: done:"))
     checked = max(i for i, line in enumerate(lines) if line.endswith(f"in {MODEL_DIR}: verified"))
     assert done < checked, lines[-40:]
@@ -184,8 +192,12 @@ def test_a_corrupt_shard_is_refetched_and_the_engine_waits_for_it(sim_fleet, cac
 def test_an_explicit_reverify_finds_corruption_that_kept_size_and_mtime(sim_fleet, cached_rollout):
     host = "ws2"
     shard = f"{MODEL_DIR}/{SHARDS[2]}"
-    sim_fleet.run(host, f"touch -r {shard} /tmp/mtime && printf 'X' | dd of={shard} bs=1 seek=100 conv=notrunc "
-                        f"status=none && touch -r /tmp/mtime {shard}", check=True)
+    sim_fleet.run(
+        host,
+        f"touch -r {shard} /tmp/mtime && printf 'X' | dd of={shard} bs=1 seek=100 conv=notrunc "
+        f"status=none && touch -r /tmp/mtime {shard}",
+        check=True,
+    )
     plain = deploy(*CACHE, "--limit", host)  # size and mtime match: nothing to see without hashing
     assert plain.returncode == 0
     assert "corrupt" not in sim_fleet.run(host, "journalctl -u freetoken-model-fetch --no-pager -o cat -n 5").stdout
@@ -202,8 +214,9 @@ def test_an_unsupported_model_is_refused_before_a_single_weight_byte(sim_fleet, 
     before = health(sim_fleet, host)
     hub(sim_fleet, "/_standin/reset", {})
     other = "/var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-unsloth"
-    run = deploy(*CACHE, "--limit", host, "--data", f"model_repo={hub_repos.UNSUPPORTED_REPO}",
-                 "--data", f"model_dir={other}")
+    run = deploy(
+        *CACHE, "--limit", host, "--data", f"model_repo={hub_repos.UNSUPPORTED_REPO}", "--data", f"model_dir={other}"
+    )
     assert run.returncode != 0
     assert f"refusing {hub_repos.UNSUPPORTED_REPO}" in out(run) and "No weights were downloaded" in out(run)
     stats = hub(sim_fleet, "/_standin/stats")

@@ -37,9 +37,12 @@ def rollout(*args: str, state_home: Path) -> tuple[subprocess.CompletedProcess, 
     is given no --json (as every rollout does: the path is the line ``report: PATH``)."""
     run = subprocess.run(
         [sys.executable, "-m", "freetoken_infra.rollout", "inventories/sim.py", *args],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1500,
-        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir()),
-             "XDG_STATE_HOME": str(state_home)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=1500,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir()), "XDG_STATE_HOME": str(state_home)},
     )
     print(run.stdout[-30000:], run.stderr[-5000:], sep="\n")
     report = re.findall(r"^report: (.+)$", run.stdout, re.M)
@@ -95,7 +98,7 @@ def test_a_powered_off_host_is_parked_not_failed(sim_fleet, parked, workdir):
     for host in ("ws2", "ws3"):
         assert r[host]["restart_pending"] is None and r[host]["health"] == "-", r[host]
         assert r[host]["model"] is None and r[host]["tokens_per_s"] is None, r[host]
-    table = out[out.index("== fleet report =="):]
+    table = out[out.index("== fleet report ==") :]
     for host in ("ws2", "ws3"):
         line = next(line for line in table.splitlines() if line.startswith(host + " "))
         cells = line.split(f"  {r[host]['result']}:")[0].split()
@@ -148,7 +151,11 @@ def preview(*extra: str, env: dict | None = None) -> str:
     """``pyinfra --dry --diff`` on ws1 (no -y: pyinfra's change detection shows the diffs)."""
     run = subprocess.run(
         [PYINFRA, "--dry", "--diff", *extra, "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1"],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
         env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir()), **(env or {})},
     )
     out = _ANSI.sub("", run.stdout + run.stderr)

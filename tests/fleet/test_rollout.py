@@ -31,11 +31,17 @@ GONE = ("ws-gone", "10.213.0.250")  # an address on the bridge where no host liv
 # Written by the guard timer every 30 s on a converged host: its own sampling, not the deploy.
 
 
-def rollout(tmp_path: Path, *args: str, inventory: str = "inventories/sim.py") -> tuple[subprocess.CompletedProcess, dict]:
+def rollout(
+    tmp_path: Path, *args: str, inventory: str = "inventories/sim.py"
+) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / f"report-{len(list(tmp_path.glob('report-*.json')))}.json"
     run = subprocess.run(
         [sys.executable, "-m", "freetoken_infra.rollout", inventory, "--json", str(out), *args],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1500,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=1500,
         env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
     )
     print(run.stdout[-30000:], run.stderr[-5000:], sep="\n")
@@ -85,7 +91,7 @@ def test_rollout_reports_every_host_and_parks_the_unreachable_one(sim_fleet, fir
     assert r["ws3"]["wsl_version"] == sim_fleet.hosts["ws3"].profile["wsl_version"]
     assert r[GONE[0]]["result"] == "parked" and r[GONE[0]]["reason"].startswith("unreachable:"), r[GONE[0]]
     # the printed table: a line per host with its state
-    table = out[out.index("== fleet report =="):]
+    table = out[out.index("== fleet report ==") :]
     for host, row in r.items():
         line = next(line for line in table.splitlines() if line.startswith(host + " "))
         assert f"{row['result']}: {row['reason']}" in line

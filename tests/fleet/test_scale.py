@@ -11,6 +11,7 @@ from the hub, and a no-op whole-fleet converge sends at most 2 remote commands p
 bench/converge.py's --pyinfra-hook mode, which records every call pyinfra's SSH connector makes).
 Timings and memory are printed (figures, not assertions: bench/converge.py, bench/rollout.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,16 +19,20 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from tests.fleet import client, harness
 from tests.fleet.client import ROOT, health, hub
 from tests.fleet.profiles import (
-    BRIDGE_ADDRESS, MAX_HOSTS, PROFILES, host_address, profile_for,
+    BRIDGE_ADDRESS,
+    MAX_HOSTS,
+    PROFILES,
+    host_address,
+    profile_for,
 )
 from tests.fleet.standins import hub_repos
 
@@ -89,10 +94,26 @@ def fleet12() -> Iterator[harness.Fleet]:
 def rollout(tmp_path: Path, name: str) -> tuple[subprocess.CompletedProcess, dict]:
     report = tmp_path / f"{name}.json"
     run = subprocess.run(
-        [sys.executable, "-m", "freetoken_infra.rollout", "inventories/sim.py", "--batches", "1,25%,100%",
-         *CACHE, "--max-fail-pct", MAX_FAIL_PCT, "--json", str(report)],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=3000,
-        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())})
+        [
+            sys.executable,
+            "-m",
+            "freetoken_infra.rollout",
+            "inventories/sim.py",
+            "--batches",
+            "1,25%,100%",
+            *CACHE,
+            "--max-fail-pct",
+            MAX_FAIL_PCT,
+            "--json",
+            str(report),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=3000,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+    )
     print(run.stdout[-20000:], run.stderr[-5000:], sep="\n")
     return run, json.loads(report.read_text()) if report.exists() else {}
 
@@ -116,11 +137,13 @@ def test_twelve_hosts_boot_as_their_profiles(fleet12):
     assert sorted(fleet12.hosts) == sorted(harness.host_names(SCALE_HOSTS))
     for name, host in fleet12.hosts.items():
         p = profile_for(name)
-        r = fleet12.run(name, "hostname; /usr/lib/wsl/lib/nvidia-smi --query-gpu=name,uuid "
-                              "--format=csv,noheader", check=True)
+        r = fleet12.run(
+            name, "hostname; /usr/lib/wsl/lib/nvidia-smi --query-gpu=name,uuid --format=csv,noheader", check=True
+        )
         assert r.stdout == f"{name}\n{p.gpu.name}, {p.gpu.uuid}\n"
         assert host.address == host_address(name)
     from bench.fleet_up import format_memory, host_memory
+
     print(format_memory("booted, idle", host_memory(), None))
 
 
@@ -138,6 +161,7 @@ def test_a_rollout_of_twelve_serves_every_allowed_host_and_reads_the_hub_once(fl
             assert health(fleet12, name).get("status") == "ok", name
     assert sent == model_size(), f"the hub sent {sent} bytes for a model of {model_size()}"
     from bench.fleet_up import format_memory, host_memory
+
     print(format_memory("converged, engines serving", host_memory(), None))
 
 
@@ -159,10 +183,24 @@ def test_a_no_op_converge_of_twelve_sends_at_most_two_commands_per_host(fleet12,
     client.deploy(*CACHE)
     out = tmp_path / "calls.json"
     run = subprocess.run(
-        [sys.executable, "bench/converge.py", "--pyinfra-hook", str(out), "--",
-         "-y", *CACHE, "inventories/sim.py", "deploys/freetoken.py"],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900,
-        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())})
+        [
+            sys.executable,
+            "bench/converge.py",
+            "--pyinfra-hook",
+            str(out),
+            "--",
+            "-y",
+            *CACHE,
+            "inventories/sim.py",
+            "deploys/freetoken.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=900,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+    )
     print(run.stdout[-5000:], run.stderr[-3000:], sep="\n")
     total = client.parse_grand_total(run.stdout + run.stderr)
     assert total is not None and total[1] == "-", "a no-op converge changed something"

@@ -1,6 +1,7 @@
 """The stand-ins print what the real tools print: layout, encoding, line endings and error texts
 are compared with the real-format fixtures in tests/fixtures/real/ (values differ by profile).
 Runs the stand-in programs locally; no containers, no root."""
+
 import json
 import re
 import shutil
@@ -32,14 +33,17 @@ def sim(request, tmp_path):
     (tmp_path / "gpu.conf").write_text(harness.gpu_conf_text(profile))
     drive_c = tmp_path / "c"
     drive_c.mkdir()
-    env = {"PATH": "/usr/bin:/bin", "FREETOKEN_SIM_DIR": str(tmp_path),
-           "FREETOKEN_SIM_DRIVE_C": str(drive_c), "FREETOKEN_SIM_GPU_CONF": str(tmp_path / "gpu.conf")}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "FREETOKEN_SIM_DIR": str(tmp_path),
+        "FREETOKEN_SIM_DRIVE_C": str(drive_c),
+        "FREETOKEN_SIM_GPU_CONF": str(tmp_path / "gpu.conf"),
+    }
     return profile, env, drive_c
 
 
 def tool(env, name, *args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BIN / name), *args], env=env, cwd=cwd,
-                          capture_output=True)
+    return subprocess.run([sys.executable, str(BIN / name), *args], env=env, cwd=cwd, capture_output=True)
 
 
 def skeleton(line: str) -> str:
@@ -52,7 +56,7 @@ def test_nvidia_smi_table_has_the_real_layout(sim):
     ours = tool(env, "nvidia-smi").stdout.decode().split("\n")
     theirs = real("nvidia-smi-5060ti.txt").decode().split("\n")
     assert len(ours) == len(theirs)
-    for a, b in zip(ours[1:], theirs[1:]):          # line 0 is the date
+    for a, b in zip(ours[1:], theirs[1:], strict=False):  # line 0 is the date
         assert len(a) == len(b), (a, b)
         assert skeleton(a) == skeleton(b), (a, b)
     assert re.fullmatch(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4} {7}", ours[0])
@@ -63,8 +67,10 @@ def test_nvidia_smi_table_has_the_real_layout(sim):
         assert ours[i] == theirs[i]
 
 
-@pytest.mark.parametrize("fixture,fmt", [("nvidia-smi-query-5060ti.csv", "csv,noheader,nounits"),
-                                         ("nvidia-smi-query-5060ti-header.csv", "csv,nounits")])
+@pytest.mark.parametrize(
+    "fixture,fmt",
+    [("nvidia-smi-query-5060ti.csv", "csv,noheader,nounits"), ("nvidia-smi-query-5060ti-header.csv", "csv,nounits")],
+)
 def test_nvidia_smi_query_csv_matches_real_format(sim, fixture, fmt):
     profile, env, _ = sim
     fields = "index,name,compute_cap,memory.total,memory.used,memory.free,driver_version"
@@ -79,8 +85,15 @@ def test_nvidia_smi_query_csv_matches_real_format(sim, fixture, fmt):
     row = o_lines[-1].split(", ")
     assert len(row) == len(t_lines[-1].split(", "))
     g = profile.gpu
-    assert row == ["0", g.name, g.compute_cap, str(g.memory_total_mib), str(g.memory_used_mib),
-                   str(g.memory_total_mib - g.memory_used_mib), g.driver_version]
+    assert row == [
+        "0",
+        g.name,
+        g.compute_cap,
+        str(g.memory_total_mib),
+        str(g.memory_used_mib),
+        str(g.memory_total_mib - g.memory_used_mib),
+        g.driver_version,
+    ]
 
 
 def test_nvidia_smi_units_and_unknown_field(sim):
@@ -143,11 +156,9 @@ def test_cmd_echo_userprofile_is_crlf(sim):
 
 def test_schtasks_create_query_delete(sim):
     _, env, drive_c = sim
-    create = tool(env, "schtasks.exe", "/Create", "/TN", "FreeToken", "/TR", "wsl.exe -u root",
-                  "/SC", "ONLOGON")
+    create = tool(env, "schtasks.exe", "/Create", "/TN", "FreeToken", "/TR", "wsl.exe -u root", "/SC", "ONLOGON")
     assert create.stdout == b'SUCCESS: The scheduled task "FreeToken" has successfully been created.\r\n'
-    assert tool(env, "schtasks.exe", "/Create", "/TN", "FreeToken", "/TR", "x", "/SC",
-                "ONLOGON").returncode == 1
+    assert tool(env, "schtasks.exe", "/Create", "/TN", "FreeToken", "/TR", "x", "/SC", "ONLOGON").returncode == 1
     assert b"FreeToken" in tool(env, "schtasks.exe", "/Query", "/TN", "FreeToken").stdout
     delete = tool(env, "schtasks.exe", "/Delete", "/TN", "FreeToken", "/F")
     assert delete.stdout == b'SUCCESS: The scheduled task "FreeToken" was successfully deleted.\r\n'
@@ -177,25 +188,22 @@ def test_proc_version_and_meminfo_have_the_real_layout(sim):
         assert len(mine[key]) == 27 and mine[key].endswith(" kB"), mine[key]
     fixture_lines = dict((ln.split(":")[0], ln) for ln in real("proc-meminfo-wsl-24g.txt").decode().splitlines())
     assert len(fixture_lines["MemTotal"]) == len(mine["MemTotal"])
-    swapped = harness.meminfo_text(profile, swap_used=3 * 1024 ** 3)
+    swapped = harness.meminfo_text(profile, swap_used=3 * 1024**3)
     free = int(re.search(r"SwapFree:\s+(\d+) kB", swapped).group(1))
-    assert free == profile.swap_total_bytes // 1024 - 3 * 1024 ** 2
+    assert free == profile.swap_total_bytes // 1024 - 3 * 1024**2
 
 
 def test_nvcc_standin_matches_the_real_nvcc_13():
     nvcc = BIN / "nvcc"
-    assert subprocess.run([nvcc, "--version"], capture_output=True).stdout == \
-        real("nvcc-13.0-version.txt")
-    assert subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True).stdout == \
-        real("nvcc-13.0-list-gpu-arch.txt")
+    assert subprocess.run([nvcc, "--version"], capture_output=True).stdout == real("nvcc-13.0-version.txt")
+    assert subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True).stdout == real("nvcc-13.0-list-gpu-arch.txt")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 def test_libcuda_healthy_and_allocation_locked(sim, tmp_path, monkeypatch):
     profile, env, _ = sim
     so = tmp_path / "libcuda.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so),
-                    str(BIN.parent / "libcuda.c")], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(BIN.parent / "libcuda.c")], check=True)
     script = (
         "import ctypes as c, json\n"
         f"l = c.CDLL({str(so)!r})\n"
@@ -206,13 +214,14 @@ def test_libcuda_healthy_and_allocation_locked(sim, tmp_path, monkeypatch):
         "f = c.c_size_t(); t = c.c_size_t(); assert l.cuMemGetInfo_v2(c.byref(f), c.byref(t)) == 0\n"
         "p = c.c_ulonglong(); r = l.cuMemAlloc_v2(c.byref(p), c.c_size_t(32 << 20))\n"
         "s = c.c_char_p(); l.cuGetErrorName(r, c.byref(s))\n"
-        "print(json.dumps([name.value.decode(), f.value, t.value, r, s.value.decode()]))\n")
+        "print(json.dumps([name.value.decode(), f.value, t.value, r, s.value.decode()]))\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     name, free, total, rc, err = json.loads(out.stdout)
     g = profile.gpu
-    assert name == g.name and total == g.memory_total_mib * 1024 ** 2
+    assert name == g.name and total == g.memory_total_mib * 1024**2
     if g.allocation_locked:
         assert (rc, err) == (2, "CUDA_ERROR_OUT_OF_MEMORY")
-        assert free == g.locked_free_mib * 1024 ** 2       # "11.6 GB free" yet nothing allocates
+        assert free == g.locked_free_mib * 1024**2  # "11.6 GB free" yet nothing allocates
     else:
         assert (rc, err) == (0, "CUDA_SUCCESS")

@@ -32,8 +32,7 @@ PLANTS = {
 
 def as_service_user(fleet, command: str) -> None:
     user = Settings().service_user
-    fleet.run(HOST, f"setpriv --reuid={user} --regid={user} --clear-groups -- sh -c {shlex.quote(command)}",
-              check=True)
+    fleet.run(HOST, f"setpriv --reuid={user} --regid={user} --clear-groups -- sh -c {shlex.quote(command)}", check=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +46,7 @@ def converged(sim_fleet):
 def test_roots_state_directory_is_roots_and_outside_the_engines_reach(sim_fleet, converged):
     stat = sim_fleet.run(HOST, f"stat -c '%U %G %a' {DEPLOY_STATE_DIR}", check=True).stdout.split()
     assert stat == ["root", "root", "755"]
-    writable = sim_fleet.run(HOST, "systemctl show -p ReadWritePaths --value freetoken.service",
-                             check=True).stdout
+    writable = sim_fleet.run(HOST, "systemctl show -p ReadWritePaths --value freetoken.service", check=True).stdout
     assert DEPLOY_STATE_DIR not in writable and LAYOUT.state_dir in writable
     gate = json.loads(sim_fleet.run(HOST, f"cat {LAYOUT.last_gate_file}", check=True).stdout)
     assert gate["ok"] is True
@@ -56,8 +54,7 @@ def test_roots_state_directory_is_roots_and_outside_the_engines_reach(sim_fleet,
     guard_unit = sim_fleet.run(HOST, "systemctl cat freetoken-guard.service", check=True).stdout
     assert f"ReadWritePaths=-{DEPLOY_STATE_DIR}" in guard_unit
     assert f"ReadWritePaths=-{LAYOUT.state_dir}\n" not in guard_unit
-    sim_fleet.run(HOST, f"rm -f {LAYOUT.guard_textfile} && systemctl start freetoken-guard.service",
-                  check=True)
+    sim_fleet.run(HOST, f"rm -f {LAYOUT.guard_textfile} && systemctl start freetoken-guard.service", check=True)
     prom = sim_fleet.run(HOST, f"cat {LAYOUT.guard_textfile}", check=True).stdout
     assert "freetoken_guard_swap_used_bytes" in prom
 
@@ -93,6 +90,9 @@ def test_a_deleted_key_file_stops_the_engine_instead_of_opening_it(sim_fleet, co
         assert "Failed to load environment files" in log, log
         assert health(sim_fleet, HOST)["status"] == "down", "something serves the API without the key"
     finally:
-        sim_fleet.run(HOST, f"mv {backup} {KEY_FILE} && systemctl reset-failed freetoken.service; "
-                            "systemctl restart freetoken.service", check=True)
+        sim_fleet.run(
+            HOST,
+            f"mv {backup} {KEY_FILE} && systemctl reset-failed freetoken.service; systemctl restart freetoken.service",
+            check=True,
+        )
     wait_healthy(sim_fleet, HOST)

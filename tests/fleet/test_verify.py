@@ -69,9 +69,28 @@ class Verified:
 def verify(tmp_path, *args: str) -> Verified:
     xml = tmp_path / f"verify-{len(list(tmp_path.glob('verify-*.xml')))}.xml"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/verify", "--inventory", "inventories/sim.py", *args,
-         "-p", "no:cacheprovider", "-o", "addopts=", "-q", "-rfEs", "--tb=line", f"--junitxml={xml}"],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/verify",
+            "--inventory",
+            "inventories/sim.py",
+            *args,
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-q",
+            "-rfEs",
+            "--tb=line",
+            f"--junitxml={xml}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
         env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
     )
     print(run.stdout[-6000:], run.stderr[-3000:], sep="\n")
@@ -134,9 +153,9 @@ def _py(code: str) -> str:
 def _edit_json(path: str, key: str, value) -> str:
     """Back the file up under SAVE (mode and mtime kept), then set one key."""
     name = os.path.basename(path)
-    return (f"cp -p {path} {SAVE}/{name} && " + _py(
-        f"import json; p={path!r}; d=json.load(open(p)); d[{key!r}]={value!r}; "
-        "open(p, 'w').write(json.dumps(d))"))
+    return f"cp -p {path} {SAVE}/{name} && " + _py(
+        f"import json; p={path!r}; d=json.load(open(p)); d[{key!r}]={value!r}; open(p, 'w').write(json.dumps(d))"
+    )
 
 
 def _restore(path: str) -> str:
@@ -193,61 +212,112 @@ def _breaks() -> list[Break]:
     key = key_path(DEFAULTS)
     repo = f"http://{BRIDGE_ADDRESS}:{harness.PORTS['cuda_repo']}/{harness.CUDA_REPO_PATH}"
     return [
-        Break("stop the service", frozenset(SERVING_CHECKS),
-              "systemctl stop freetoken.service", "systemctl start freetoken.service"),
-        Break("disable the service", frozenset({"test_service_enabled"}),
-              "systemctl disable --quiet freetoken.service", "systemctl enable --quiet freetoken.service"),
-        Break("restart policy off", frozenset({"test_service_restart_policy"}),
-              f"mkdir -p {dropin} && printf '[Service]\\nRestart=no\\n' > {dropin}/verify-break.conf && "
-              "systemctl daemon-reload",
-              f"rm {dropin}/verify-break.conf && rmdir {dropin} && systemctl daemon-reload"),
-        Break("a .wslconfig value", frozenset({"test_wslconfig_holds_the_configured_values"}),
-              f"cp -p {wslconfig} {SAVE}/ && sed -i 's/^memory=24GB/memory=16GB/' {wslconfig} && "
-              f"grep -q '^memory=16GB' {wslconfig}",
-              _restore(wslconfig)),
-        Break("wsl.conf without systemd", frozenset({"test_wsl_conf_boots_systemd"}),
-              f"cp -p /etc/wsl.conf {SAVE}/ && sed -i 's/^systemd=true/systemd=false/' /etc/wsl.conf && "
-              "grep -q '^systemd=false' /etc/wsl.conf",
-              _restore("/etc/wsl.conf")),
-        Break("WSL below the floor", frozenset({"test_wsl_version_at_or_above_the_floor"}),
-              _edit_json("/.sim/profile.json", "wsl_version", "2.6.1"), _restore("/.sim/profile.json")),
+        Break(
+            "stop the service",
+            frozenset(SERVING_CHECKS),
+            "systemctl stop freetoken.service",
+            "systemctl start freetoken.service",
+        ),
+        Break(
+            "disable the service",
+            frozenset({"test_service_enabled"}),
+            "systemctl disable --quiet freetoken.service",
+            "systemctl enable --quiet freetoken.service",
+        ),
+        Break(
+            "restart policy off",
+            frozenset({"test_service_restart_policy"}),
+            f"mkdir -p {dropin} && printf '[Service]\\nRestart=no\\n' > {dropin}/verify-break.conf && "
+            "systemctl daemon-reload",
+            f"rm {dropin}/verify-break.conf && rmdir {dropin} && systemctl daemon-reload",
+        ),
+        Break(
+            "a .wslconfig value",
+            frozenset({"test_wslconfig_holds_the_configured_values"}),
+            f"cp -p {wslconfig} {SAVE}/ && sed -i 's/^memory=24GB/memory=16GB/' {wslconfig} && "
+            f"grep -q '^memory=16GB' {wslconfig}",
+            _restore(wslconfig),
+        ),
+        Break(
+            "wsl.conf without systemd",
+            frozenset({"test_wsl_conf_boots_systemd"}),
+            f"cp -p /etc/wsl.conf {SAVE}/ && sed -i 's/^systemd=true/systemd=false/' /etc/wsl.conf && "
+            "grep -q '^systemd=false' /etc/wsl.conf",
+            _restore("/etc/wsl.conf"),
+        ),
+        Break(
+            "WSL below the floor",
+            frozenset({"test_wsl_version_at_or_above_the_floor"}),
+            _edit_json("/.sim/profile.json", "wsl_version", "2.6.1"),
+            _restore("/.sim/profile.json"),
+        ),
         # The pin blocks apt, so the package comes the way a user's manual install would: dpkg -i.
-        Break("a driver package installed", frozenset({"test_no_driver_package_installed"}),
-              f"python3 -c {shlex.quote(DRIVER_DEB)} {repo} && dpkg -i /tmp/cuda-drivers.deb",
-              "dpkg --purge cuda-drivers && rm /tmp/cuda-drivers.deb"),
-        Break("the driver pin removed", frozenset({"test_driver_packages_pinned_out"}),
-              f"mv {PIN_FILE} {SAVE}/pin", f"mv {SAVE}/pin {PIN_FILE}"),
-        Break("nvcc gone", frozenset({"test_nvcc_lists_the_gpu_arch"}),
-              f"mv {nvcc} {SAVE}/nvcc", f"mv {SAVE}/nvcc {nvcc}"),
-        Break("the engine link on another version", frozenset({"test_engine_environment_holds_the_configured_version"}),
-              f"cp -P {active} {SAVE}/active && ln -sfn {DEFAULTS.engine_base_dir}/0.0.0 {active}",
-              f"mv -T {SAVE}/active {active}"),
-        Break("a model byte changed", frozenset({"test_model_files_match_the_verified_manifest"}),
-              f"python3 -c {shlex.quote(MODEL_FLIP)} {SAVE} {DEFAULTS.model_dir}",
-              f"python3 -c {shlex.quote(MODEL_FLIP)} {SAVE} {DEFAULTS.model_dir}"),
-        Break("the API on every address", frozenset({"test_api_listens_only_on_the_configured_address_and_port"}),
-              f"cp -p {UNIT_PATH} {SAVE}/ && sed -i 's/--host 127.0.0.1/--host 0.0.0.0/' {UNIT_PATH} && "
-              f"grep -q -- '--host 0.0.0.0' {UNIT_PATH} && systemctl daemon-reload && "
-              "systemctl restart freetoken.service",
-              f"{_restore(UNIT_PATH)} && systemctl daemon-reload && systemctl restart freetoken.service",
-              restarts=True),
+        Break(
+            "a driver package installed",
+            frozenset({"test_no_driver_package_installed"}),
+            f"python3 -c {shlex.quote(DRIVER_DEB)} {repo} && dpkg -i /tmp/cuda-drivers.deb",
+            "dpkg --purge cuda-drivers && rm /tmp/cuda-drivers.deb",
+        ),
+        Break(
+            "the driver pin removed",
+            frozenset({"test_driver_packages_pinned_out"}),
+            f"mv {PIN_FILE} {SAVE}/pin",
+            f"mv {SAVE}/pin {PIN_FILE}",
+        ),
+        Break(
+            "nvcc gone", frozenset({"test_nvcc_lists_the_gpu_arch"}), f"mv {nvcc} {SAVE}/nvcc", f"mv {SAVE}/nvcc {nvcc}"
+        ),
+        Break(
+            "the engine link on another version",
+            frozenset({"test_engine_environment_holds_the_configured_version"}),
+            f"cp -P {active} {SAVE}/active && ln -sfn {DEFAULTS.engine_base_dir}/0.0.0 {active}",
+            f"mv -T {SAVE}/active {active}",
+        ),
+        Break(
+            "a model byte changed",
+            frozenset({"test_model_files_match_the_verified_manifest"}),
+            f"python3 -c {shlex.quote(MODEL_FLIP)} {SAVE} {DEFAULTS.model_dir}",
+            f"python3 -c {shlex.quote(MODEL_FLIP)} {SAVE} {DEFAULTS.model_dir}",
+        ),
+        Break(
+            "the API on every address",
+            frozenset({"test_api_listens_only_on_the_configured_address_and_port"}),
+            f"cp -p {UNIT_PATH} {SAVE}/ && sed -i 's/--host 127.0.0.1/--host 0.0.0.0/' {UNIT_PATH} && "
+            f"grep -q -- '--host 0.0.0.0' {UNIT_PATH} && systemctl daemon-reload && "
+            "systemctl restart freetoken.service",
+            f"{_restore(UNIT_PATH)} && systemctl daemon-reload && systemctl restart freetoken.service",
+            restarts=True,
+        ),
         # The engine stand-in's pace (its own knob, not a setting): a GPU decoding too slowly.
-        Break("decode below the floor", frozenset({"test_decode_tokens_per_s_at_or_above_the_floor"}),
-              _edit_json("/etc/freetoken-standin.json", "tokens_per_s", 10.0)
-              + " && systemctl restart freetoken.service",
-              _restore("/etc/freetoken-standin.json") + " && systemctl restart freetoken.service",
-              restarts=True),
-        Break("the key file readable by all", frozenset({"test_secret_files_are_0600"}),
-              f"chmod 644 {key}", f"chmod 600 {key}"),
+        Break(
+            "decode below the floor",
+            frozenset({"test_decode_tokens_per_s_at_or_above_the_floor"}),
+            _edit_json("/etc/freetoken-standin.json", "tokens_per_s", 10.0) + " && systemctl restart freetoken.service",
+            _restore("/etc/freetoken-standin.json") + " && systemctl restart freetoken.service",
+            restarts=True,
+        ),
+        Break(
+            "the key file readable by all",
+            frozenset({"test_secret_files_are_0600"}),
+            f"chmod 644 {key}",
+            f"chmod 600 {key}",
+        ),
         # A process started with the key as an argument (read from the file: never in this
         # command line, and never in the journal).
-        Break("the key on a command line", frozenset({"test_api_key_in_neither_ps_nor_the_journal"}),
-              f"k=$(sed -n 's/^FREETOKEN_API_KEY=//p' {key}) && "
-              "{ python3 -c 'import os, time; os.setsid(); time.sleep(900)' verify-leak \"$k\" "
-              f"</dev/null >/dev/null 2>&1 & echo $! > {SAVE}/leak.pid; }}",
-              f"kill $(cat {SAVE}/leak.pid) && rm {SAVE}/leak.pid"),
-        Break("the guard timer stopped", frozenset({"test_guard_timer_active"}),
-              f"systemctl stop {GUARD_TIMER}", f"systemctl start {GUARD_TIMER}"),
+        Break(
+            "the key on a command line",
+            frozenset({"test_api_key_in_neither_ps_nor_the_journal"}),
+            f"k=$(sed -n 's/^FREETOKEN_API_KEY=//p' {key}) && "
+            "{ python3 -c 'import os, time; os.setsid(); time.sleep(900)' verify-leak \"$k\" "
+            f"</dev/null >/dev/null 2>&1 & echo $! > {SAVE}/leak.pid; }}",
+            f"kill $(cat {SAVE}/leak.pid) && rm {SAVE}/leak.pid",
+        ),
+        Break(
+            "the guard timer stopped",
+            frozenset({"test_guard_timer_active"}),
+            f"systemctl stop {GUARD_TIMER}",
+            f"systemctl start {GUARD_TIMER}",
+        ),
     ]
 
 
@@ -266,7 +336,8 @@ def test_breaking_one_thing_fails_its_check_and_only_it(converged, baseline, tmp
         result = verify(tmp_path, "--limit", HOST, "--health-wait", "5")
         assert set(result.checks(HOST)) == all_checks
         assert result.not_passed(HOST) == broken.fails, {
-            k: v for k, v in result.messages.items() if k[0] in result.not_passed(HOST) ^ broken.fails}
+            k: v for k, v in result.messages.items() if k[0] in result.not_passed(HOST) ^ broken.fails
+        }
         assert all(result.outcomes[(c, HOST)] == "failed" for c in broken.fails)
     finally:
         fleet.run(HOST, broken.undo, check=True)

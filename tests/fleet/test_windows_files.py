@@ -82,10 +82,10 @@ def test_wslconfig_with_comments_and_quotes_equal_to_the_settings_is_left_alone(
     path = host_files["wslconfig"]
     # The values the deploy itself wrote (this host's settings), now written as users write them.
     managed = wsl_ini.parse(read(sim_fleet, path), wsl_ini.WSLCONFIG).sections()["wsl2"]
-    body = "".join(f'{key} = "{value}"   # {key} as I like it\r\n' for key, value in managed.items()
-                   if key != "guiapplications")
-    users = ("# my .wslconfig\r\n[wsl2]   # the VM\r\n" + body
-             + "guiApplications=false # no WSLg\r\n").encode()
+    body = "".join(
+        f'{key} = "{value}"   # {key} as I like it\r\n' for key, value in managed.items() if key != "guiapplications"
+    )
+    users = ("# my .wslconfig\r\n[wsl2]   # the VM\r\n" + body + "guiApplications=false # no WSLg\r\n").encode()
     write(sim_fleet, path, users)
     run = deploy("--limit", HOST)
     converged_ok(run)
@@ -97,8 +97,7 @@ def test_wslconfig_with_comments_and_quotes_equal_to_the_settings_is_left_alone(
 
 def test_automount_root_slash_still_gets_wslconfig_managed(sim_fleet, host_files):
     user = host_files["user"]
-    write(sim_fleet, host_files["wslconf"],
-          b"[boot]\nsystemd=true\n\n[automount]\nroot = /   # drives at /c\n")
+    write(sim_fleet, host_files["wslconf"], b"[boot]\nsystemd=true\n\n[automount]\nroot = /   # drives at /c\n")
     sim_fleet.run(HOST, "mv /mnt/c /c", check=True)
     wslconfig = f"/c/Users/{user}/.wslconfig"
     write(sim_fleet, wslconfig, b"# mine\r\n[wsl2]\r\nmemory=3GB\r\n")

@@ -50,8 +50,9 @@ def readme_main_command() -> str:
 
 def fresh_checkout(dst: Path) -> Path:
     """The working tree as a user's fresh checkout has it: no .venv, no build leftovers."""
-    shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "__pycache__", "*.egg-info", "build", ".pytest_cache"))
+    shutil.copytree(
+        ROOT, dst, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build", ".pytest_cache")
+    )
     return dst
 
 
@@ -60,7 +61,8 @@ def controller_env(tmp_path: Path) -> dict:
     # XDG_CACHE_HOME) is the controller's, not the machine state the doctor must leave alone:
     # it goes to a tmp dir, where the test sees what was written. pip keeps its usual cache.
     pip_cache = os.environ.get("PIP_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pip")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pip"
+    )
     return {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg-cache"), "PIP_CACHE_DIR": pip_cache}
 
 
@@ -74,8 +76,15 @@ def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path):
         # user's first run, and leave the shared one alone).
         argv, cwd = ["sh", "-c", readme_main_command()], fresh_checkout(tmp_path / "checkout")
     before = snapshot()
-    run = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                         env=controller_env(tmp_path), timeout=600)
+    run = subprocess.run(
+        argv,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=controller_env(tmp_path),
+        timeout=600,
+    )
     after = snapshot()
     out = run.stdout + run.stderr
     assert run.returncode != 0, out
@@ -84,8 +93,9 @@ def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path):
         assert any(line.split()[:2] == [check, "BLOCK"] for line in out.splitlines()), out
     assert "0 of 1 host(s) ready" in out
     assert before == after, "the preflight changed something on this machine"
-    written = {p.relative_to(tmp_path / "xdg-cache").parts[:2]
-               for p in (tmp_path / "xdg-cache").rglob("*") if p.is_file()}
+    written = {
+        p.relative_to(tmp_path / "xdg-cache").parts[:2] for p in (tmp_path / "xdg-cache").rglob("*") if p.is_file()
+    }
     assert written <= {("freetoken-infra", "fact-requests")}, written
 
 
@@ -96,22 +106,32 @@ def test_summary_covers_the_hosts_of_this_run_and_names_an_unreachable_one(tmp_p
 
     inv = tmp_path / "inventory.py"
     # ghost: 127.0.0.1 on a port nothing listens on (connection refused at once).
-    inv.write_text('hosts = ["@local", ("ghost", {"ssh_hostname": "127.0.0.1", '
-                   f'"ssh_port": {free_port()}, "ssh_user": "nobody"}})]\n')
+    inv.write_text(
+        'hosts = ["@local", ("ghost", {"ssh_hostname": "127.0.0.1", '
+        f'"ssh_port": {free_port()}, "ssh_user": "nobody"}})]\n'
+    )
 
     def doctor(*extra):
-        run = subprocess.run([PYINFRA, "-y", *extra, str(inv), "deploys/doctor.py"], cwd=ROOT,
-                             capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                             env=controller_env(tmp_path), timeout=300)
+        run = subprocess.run(
+            [PYINFRA, "-y", *extra, str(inv), "deploys/doctor.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            env=controller_env(tmp_path),
+            timeout=300,
+        )
         out = run.stdout + run.stderr
         assert run.returncode != 0 and "Traceback" not in out, out
-        lines = out[out.index("== fleet preflight summary =="):].splitlines()
-        return out, lines[1:next(i for i, line in enumerate(lines) if "host(s) ready" in line) + 1]
+        lines = out[out.index("== fleet preflight summary ==") :].splitlines()
+        return out, lines[1 : next(i for i, line in enumerate(lines) if "host(s) ready" in line) + 1]
 
     out, summary = doctor()
     assert "== @local: preflight ==" in out
     assert [line.split()[:3] for line in summary[:-1]] == [
-        ["@local", "BLOCKED", "blockers:"], ["ghost", "BLOCKED", "blockers:"]]
+        ["@local", "BLOCKED", "blockers:"],
+        ["ghost", "BLOCKED", "blockers:"],
+    ]
     assert summary[1].endswith("blockers: unreachable"), summary
     assert summary[-1] == "0 of 2 host(s) ready"
 

@@ -31,7 +31,7 @@ COMMANDS = [
     "true",
     "printf 'a\\n\\n\\n'",
     "printf 'crlf line\\r\\nsecond\\r\\n'",
-    "echo before; exit 0; echo never",   # facts that end early (WslVersion does)
+    "echo before; exit 0; echo never",  # facts that end early (WslVersion does)
     "echo partial; exit 3",
     "echo to stderr >&2; echo out",
     f"base64 < {FIXTURES / 'wsl-version-zh.utf16le'}",
@@ -90,10 +90,17 @@ def test_prefetched_facts_equal_unbatched_ones_in_one_command(local_prepare, tmp
 
     state, host, calls = local_prepare
     (tmp_path / "ft" / "0.2.1").mkdir(parents=True)
-    wanted = [(WslKernel, {}), (WslVersion, {}), (NvidiaGpus, {}), (InitSystem, {}),
-              (EngineInstall, {"base_dir": str(tmp_path / "ft")}), (Command, {"command": "id -u"}),
-              (File, {"path": "/etc/hostname"}), (Directory, {"path": str(tmp_path)}),
-              (File, {"path": str(tmp_path / "absent")})]
+    wanted = [
+        (WslKernel, {}),
+        (WslVersion, {}),
+        (NvidiaGpus, {}),
+        (InitSystem, {}),
+        (EngineInstall, {"base_dir": str(tmp_path / "ft")}),
+        (Command, {"command": "id -u"}),
+        (File, {"path": "/etc/hostname"}),
+        (Directory, {"path": str(tmp_path)}),
+        (File, {"path": str(tmp_path / "absent")}),
+    ]
     plain = [host.get_fact(cls, **kwargs) for cls, kwargs in wanted]
     assert len(calls) == len(wanted)
     calls.clear()
@@ -188,6 +195,7 @@ def test_a_request_with_a_password_is_never_written_down(local_prepare):
     state, host, _ = local_prepare
     plain = batch.make_request(state, host, Command, (), {"command": "id -u"})
     assert plain.to_json() is not None
-    secret = batch.FactRequest(plain.cls, plain.fact_kwargs,
-                               tuple(sorted({**dict(plain.executor), "_sudo_password": "hunter2"}.items())))
+    secret = batch.FactRequest(
+        plain.cls, plain.fact_kwargs, tuple(sorted({**dict(plain.executor), "_sudo_password": "hunter2"}.items()))
+    )
     assert secret.to_json() is None

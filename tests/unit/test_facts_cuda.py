@@ -30,18 +30,27 @@ def test_errors_parse_to_nothing():
 
 
 def test_full_output_two_nvccs():
-    lines = ["@@ft:cuda_home /usr/local/cuda-13.0",
-             "@@ft:nvcc CUDA_HOME /usr/local/cuda-13.0/bin/nvcc /usr/local/cuda-13.0/bin/nvcc", "@@ft:version",
-             *(FIX / "nvcc-13.0-version.txt").read_text().splitlines(), "@@ft:archs",
-             *(FIX / "nvcc-13.0-list-gpu-arch.txt").read_text().splitlines(),
-             "@@ft:nvcc PATH /usr/lib/nvidia-cuda-toolkit/bin/nvcc /usr/bin/nvcc", "@@ft:version",
-             *(FIX / "nvcc-12.0-version.txt").read_text().splitlines(), "@@ft:archs",
-             *(FIX / "nvcc-12.0-list-gpu-arch.txt").read_text().splitlines(),
-             "@@ft:ninja", "1.11.1.git.kitware.jobserver-1"]
+    lines = [
+        "@@ft:cuda_home /usr/local/cuda-13.0",
+        "@@ft:nvcc CUDA_HOME /usr/local/cuda-13.0/bin/nvcc /usr/local/cuda-13.0/bin/nvcc",
+        "@@ft:version",
+        *(FIX / "nvcc-13.0-version.txt").read_text().splitlines(),
+        "@@ft:archs",
+        *(FIX / "nvcc-13.0-list-gpu-arch.txt").read_text().splitlines(),
+        "@@ft:nvcc PATH /usr/lib/nvidia-cuda-toolkit/bin/nvcc /usr/bin/nvcc",
+        "@@ft:version",
+        *(FIX / "nvcc-12.0-version.txt").read_text().splitlines(),
+        "@@ft:archs",
+        *(FIX / "nvcc-12.0-list-gpu-arch.txt").read_text().splitlines(),
+        "@@ft:ninja",
+        "1.11.1.git.kitware.jobserver-1",
+    ]
     info = parse_toolchain_output(lines)
     assert info.cuda_home == "/usr/local/cuda-13.0"
     assert [(n.source, n.path, n.version) for n in info.nvcc] == [
-        ("CUDA_HOME", "/usr/local/cuda-13.0/bin/nvcc", (13, 0)), ("PATH", "/usr/bin/nvcc", (12, 0))]
+        ("CUDA_HOME", "/usr/local/cuda-13.0/bin/nvcc", (13, 0)),
+        ("PATH", "/usr/bin/nvcc", (12, 0)),
+    ]
     assert info.nvcc[1].realpath == "/usr/lib/nvidia-cuda-toolkit/bin/nvcc"
     assert info.ninja_version == "1.11.1.git.kitware.jobserver-1"
 

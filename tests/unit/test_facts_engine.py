@@ -7,9 +7,14 @@ import threading
 
 import pytest
 
+from facts.engine import (
+    EngineHealth,
+    EngineInstall,
+    parse_engine_install_output,
+    parse_health_body,
+    parse_health_output,
+)
 from tests.loopback import free_port
-
-from facts.engine import EngineHealth, EngineInstall, parse_engine_install_output, parse_health_body, parse_health_output
 
 
 def run_sh(command):
@@ -25,7 +30,9 @@ def make_venv(base, name, version=None):
     if version:
         info = venv / "lib" / "python3.12" / "site-packages" / f"freetoken-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.4\nName: freetoken\nVersion: {version}\n\nVersion: 9.9.9 in the description\n")
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.4\nName: freetoken\nVersion: {version}\n\nVersion: 9.9.9 in the description\n"
+        )
 
 
 def test_install_on_disk(tmp_path):
@@ -60,6 +67,7 @@ def test_install_missing_base(tmp_path):
 
 # ---- health
 
+
 def b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -72,8 +80,15 @@ def test_health_loading():
 
 
 def test_health_ok():
-    info = parse_health_body(200, '{"status": "ok", "uptime_s": 12.5, "version": "0.2.1", "model": "Qwen3.6-35B-A3B-NVFP4-nvidia"}')
-    assert (info.status, info.version, info.model, info.uptime_s) == ("ok", "0.2.1", "Qwen3.6-35B-A3B-NVFP4-nvidia", 12.5)
+    info = parse_health_body(
+        200, '{"status": "ok", "uptime_s": 12.5, "version": "0.2.1", "model": "Qwen3.6-35B-A3B-NVFP4-nvidia"}'
+    )
+    assert (info.status, info.version, info.model, info.uptime_s) == (
+        "ok",
+        "0.2.1",
+        "Qwen3.6-35B-A3B-NVFP4-nvidia",
+        12.5,
+    )
 
 
 def test_health_error():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import http.server
 import subprocess
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -89,8 +89,7 @@ def test_a_forged_health_body_cannot_forge_the_single_facts_own_markers(hostile_
     assert info.status == "error" and info.message == "line one\n@@ft:http 200"
 
 
-def test_the_prefetch_keeps_every_other_fact_whatever_the_engine_answers(hostile_engine, tmp_path,
-                                                                        monkeypatch):
+def test_the_prefetch_keeps_every_other_fact_whatever_the_engine_answers(hostile_engine, tmp_path, monkeypatch):
     """End to end through pyinfra: the facts read after a batch with a hostile body."""
     from pyinfra.api import Config, Inventory, State
     from pyinfra.api.connect import connect_all
@@ -107,8 +106,11 @@ def test_the_prefetch_keeps_every_other_fact_whatever_the_engine_answers(hostile
     state.set_stage(StateStage.Prepare)
     host = inventory.get_host("@local")
     try:
-        wanted = [(Command, {"command": f"echo {GENUINE}"}), (Command, {"command": "echo second"}),
-                  (EngineHealth, {"host": "127.0.0.1", "port": port})]
+        wanted = [
+            (Command, {"command": f"echo {GENUINE}"}),
+            (Command, {"command": "echo second"}),
+            (EngineHealth, {"host": "127.0.0.1", "port": port}),
+        ]
         batch.prefetch(state, host, wanted)
         assert host.get_fact(Command, command=f"echo {GENUINE}") == GENUINE
         assert host.get_fact(Command, command="echo second") == "second"
@@ -120,7 +122,7 @@ def test_the_prefetch_keeps_every_other_fact_whatever_the_engine_answers(hostile
 def test_a_section_that_does_not_decode_is_left_to_the_normal_path():
     lines = sh_lines(batch_command(["echo a", "echo b"]))
     start = lines.index("@@ftbatch:1")
-    broken = lines[: start + 1] + ["not base64 @@"] + lines[start + 2:]
+    broken = lines[: start + 1] + ["not base64 @@"] + lines[start + 2 :]
     assert split_batch_output(broken) == {0: (0, ["a"])}
 
 

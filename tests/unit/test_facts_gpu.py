@@ -9,8 +9,13 @@ FIX = Path(__file__).parent.parent / "fixtures" / "real"
 
 
 def smi_lines(query_fixture, query_rc, table_fixture=None, table_rc=0):
-    lines = ["@@ft:path /usr/lib/wsl/lib/nvidia-smi", "@@ft:query",
-             *(FIX / query_fixture).read_text().splitlines(), f"@@ft:query-rc {query_rc}", "@@ft:table"]
+    lines = [
+        "@@ft:path /usr/lib/wsl/lib/nvidia-smi",
+        "@@ft:query",
+        *(FIX / query_fixture).read_text().splitlines(),
+        f"@@ft:query-rc {query_rc}",
+        "@@ft:table",
+    ]
     if table_fixture:
         lines += (FIX / table_fixture).read_text().splitlines()
     return lines + [f"@@ft:table-rc {table_rc}"]
@@ -107,9 +112,12 @@ def test_command_with_fake_nvidia_smi(tmp_path):
     smi.write_text(
         "#!/bin/sh\n"
         f"case \"$1\" in --query-gpu=*) cat '{FIX / 'nvidia-smi-query-5060ti.csv'}';; "
-        f"*) cat '{FIX / 'nvidia-smi-5060ti.txt'}';; esac\n")
+        f"*) cat '{FIX / 'nvidia-smi-5060ti.txt'}';; esac\n"
+    )
     smi.chmod(0o755)
-    report = NvidiaGpus().process(run_sh(NvidiaGpus().command(), env=dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin")))
+    report = NvidiaGpus().process(
+        run_sh(NvidiaGpus().command(), env=dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin"))
+    )
     assert report.smi_path == str(smi) and report.cuda_version == "13.0"
     assert report.gpus[0].compute_cap == (12, 0)
 
@@ -117,11 +125,18 @@ def test_command_with_fake_nvidia_smi(tmp_path):
 # ---- the 600-series header: "KMD Version:" / "CUDA UMD Version:" (nvidia-smi docs deprecate
 # "Driver Version" and "CUDA Version"); both forms read the same.
 
+
 def test_kmd_header_gives_driver_and_cuda_version():
     table = (FIX / "nvidia-smi-610-rtx5070-laptop-kmd-mistralrs2287.txt").read_text()
-    lines = ["@@ft:path /usr/bin/nvidia-smi", "@@ft:query",
-             "0, NVIDIA GeForce RTX 5070 Laptop GPU, 12.0, 12227, 273, 11954, 610.43.02", "@@ft:query-rc 0",
-             "@@ft:table", *table.splitlines(), "@@ft:table-rc 0"]
+    lines = [
+        "@@ft:path /usr/bin/nvidia-smi",
+        "@@ft:query",
+        "0, NVIDIA GeForce RTX 5070 Laptop GPU, 12.0, 12227, 273, 11954, 610.43.02",
+        "@@ft:query-rc 0",
+        "@@ft:table",
+        *table.splitlines(),
+        "@@ft:table-rc 0",
+    ]
     report = parse_nvidia_smi_output(lines)
     assert report.cuda_version == "13.3" and report.driver_version == "610.43.02"
 

@@ -8,19 +8,34 @@ from pathlib import Path
 import pytest
 
 from facts.gpu_memory import (
-    PROBE_SCRIPT, GpuMemoryProbe, GpuMemoryProbeResult, classify_probe, parse_probe_output,
+    PROBE_SCRIPT,
+    GpuMemoryProbe,
+    GpuMemoryProbeResult,
+    classify_probe,
+    parse_probe_output,
 )
 from tests.fleet.harness import gpu_conf_text
 from tests.fleet.profiles import PROFILES
 
-GIB = 1024 ** 3
-MIB = 1024 ** 2
+GIB = 1024**3
+MIB = 1024**2
 
 
 def result(**kw):
-    base = {"lib": "libcuda.so.1", "failed_step": None, "code": None, "free": 11 * GIB, "total": 16 * GIB,
-            "small_bytes": 32 << 20, "small_ok": True, "small_code": 0, "large_bytes": GIB,
-            "large_ok": True, "large_code": 0, "error": None}
+    base = {
+        "lib": "libcuda.so.1",
+        "failed_step": None,
+        "code": None,
+        "free": 11 * GIB,
+        "total": 16 * GIB,
+        "small_bytes": 32 << 20,
+        "small_ok": True,
+        "small_code": 0,
+        "large_bytes": GIB,
+        "large_ok": True,
+        "large_code": 0,
+        "error": None,
+    }
     base.update(kw)
     return base
 
@@ -46,8 +61,18 @@ def test_large_alloc_fails_only():
 
 
 def test_no_device():
-    r = classify_probe(result(free=None, total=None, small_ok=None, large_ok=None, large_bytes=None,
-                              failed_step="cuInit", code=100, error="CUDA_ERROR_NO_DEVICE (100)"))
+    r = classify_probe(
+        result(
+            free=None,
+            total=None,
+            small_ok=None,
+            large_ok=None,
+            large_bytes=None,
+            failed_step="cuInit",
+            code=100,
+            error="CUDA_ERROR_NO_DEVICE (100)",
+        )
+    )
     assert r.status == "no_cuda" and r.error == "CUDA_ERROR_NO_DEVICE (100)"
 
 
@@ -66,9 +91,17 @@ def test_garbage_and_empty():
 
 def test_script_uses_only_the_stand_in_symbols():
     import re
+
     used = set(re.findall(r"\bcu[A-Z]\w+", PROBE_SCRIPT))
-    assert used == {"cuInit", "cuDeviceGet", "cuCtxCreate_v2", "cuMemGetInfo_v2", "cuMemAlloc_v2",
-                    "cuMemFree_v2", "cuCtxDestroy_v2"}
+    assert used == {
+        "cuInit",
+        "cuDeviceGet",
+        "cuCtxCreate_v2",
+        "cuMemGetInfo_v2",
+        "cuMemAlloc_v2",
+        "cuMemFree_v2",
+        "cuCtxDestroy_v2",
+    }
 
 
 # ---- the fact's real command and probe script, run against the fleet's libcuda.so.1 stand-in
@@ -84,8 +117,21 @@ def standin_libcuda(tmp_path_factory) -> Path:
     if gcc is None:
         pytest.skip("gcc is not installed (tests/run.sh installs it): cannot build the libcuda stand-in")
     out = tmp_path_factory.mktemp("libcuda")
-    subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-Wall", "-Wl,-soname,libcuda.so.1", "-o",
-                    str(out / "libcuda.so.1"), str(STANDIN_SRC)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            gcc,
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            str(out / "libcuda.so.1"),
+            str(STANDIN_SRC),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -157,8 +203,9 @@ def test_command_on_this_machine():
     """Whatever this machine is: no driver gives no_cuda naming libcuda; a driver gives a probe
     that got past loading it (healthy, allocation-locked, or a CUDA error such as no device)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "FREETOKEN_SIM_GPU_CONF")}
-    proc = subprocess.run(["sh", "-c", GpuMemoryProbe().command()], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        ["sh", "-c", GpuMemoryProbe().command()], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0
     r = GpuMemoryProbe().process(proc.stdout.splitlines())
     if _libcuda_loadable():

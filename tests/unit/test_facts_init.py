@@ -43,7 +43,11 @@ def test_command_on_this_machine():
     assert info.pid1 == pid1
     state = None
     if shutil.which("systemctl"):
-        state = subprocess.run(["systemctl", "is-system-running"], capture_output=True, text=True,
-                               timeout=30).stdout.strip() or None
+        state = (
+            subprocess.run(
+                ["systemctl", "is-system-running"], capture_output=True, text=True, timeout=30
+            ).stdout.strip()
+            or None
+        )
     assert info.system_state == state
     assert info.systemd_up == (pid1 == "systemd" and state in ("running", "degraded"))

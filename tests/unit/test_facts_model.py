@@ -76,20 +76,34 @@ def test_text_config_location_and_precedence():
 def test_unknown_scheme_kept_raw():
     q = summarize_quant({"quantization_config": {"quant_method": "awq", "bits": 4}}, None)
     assert q.expert_schemes == {"unknown:awq"}
-    q = summarize_quant({"quantization_config": {"quant_method": "modelopt", "quant_algo": "W8A8_SQ_PER_CHANNEL"}}, None)
+    q = summarize_quant(
+        {"quantization_config": {"quant_method": "modelopt", "quant_algo": "W8A8_SQ_PER_CHANNEL"}}, None
+    )
     assert q.expert_schemes == {"unknown:W8A8_SQ_PER_CHANNEL"}
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("model.layers.0.mlp.experts", True), ("model.layers.0.mlp.experts.7.down_proj", True),
-    (r"re:.*mlp\.experts\.\d+\.down_proj$", True), ("model.layers.*.mlp.experts*", True),
-    ("model.layers.0.mlp.shared_expert.up_proj", False), ("model.layers.0.mlp.shared_experts.up_proj", False),
-    ("model.layers.0.mlp.gate", False), ("lm_head", False),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("model.layers.0.mlp.experts", True),
+        ("model.layers.0.mlp.experts.7.down_proj", True),
+        (r"re:.*mlp\.experts\.\d+\.down_proj$", True),
+        ("model.layers.*.mlp.experts*", True),
+        ("model.layers.0.mlp.shared_expert.up_proj", False),
+        ("model.layers.0.mlp.shared_experts.up_proj", False),
+        ("model.layers.0.mlp.gate", False),
+        ("lm_head", False),
+    ],
+)
 def test_expert_names(name, expected):
     # Routed experts only: shared_expert(s) are dense MLPs, mlp.gate is the router.
-    cfg = {"quantization_config": {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
-                                   "quantized_layers": {name: {"quant_algo": "FP8"}}}}
+    cfg = {
+        "quantization_config": {
+            "quant_method": "modelopt",
+            "quant_algo": "MIXED_PRECISION",
+            "quantized_layers": {name: {"quant_algo": "FP8"}},
+        }
+    }
     q = summarize_quant(cfg, None)
     assert ("fp8_tensor" in q.expert_schemes) is expected
     assert ("fp8_tensor" in q.other_schemes) is (not expected)

@@ -13,13 +13,23 @@ def test_meminfo():
 
 def test_df():
     assert parse_df((FIX / "df-pk-wsl-root.txt").read_text()) == (903301268 * 1024, "/")
-    assert parse_df("Filesystem 1024-blocks Used Available Capacity Mounted on\nC:\\ 1 2 3 4% /mnt/c with space\n") == (3072, "/mnt/c with space")
+    assert parse_df("Filesystem 1024-blocks Used Available Capacity Mounted on\nC:\\ 1 2 3 4% /mnt/c with space\n") == (
+        3072,
+        "/mnt/c with space",
+    )
     assert parse_df("df: /x: No such file or directory\n") == (None, None)
 
 
 def test_full_output():
-    lines = ["@@ft:path /home/dev/models", "@@ft:meminfo", *(FIX / "proc-meminfo-wsl-24g.txt").read_text().splitlines(),
-             "@@ft:nproc", "8", "@@ft:df /home/dev", *(FIX / "df-pk-wsl-root.txt").read_text().splitlines()]
+    lines = [
+        "@@ft:path /home/dev/models",
+        "@@ft:meminfo",
+        *(FIX / "proc-meminfo-wsl-24g.txt").read_text().splitlines(),
+        "@@ft:nproc",
+        "8",
+        "@@ft:df /home/dev",
+        *(FIX / "df-pk-wsl-root.txt").read_text().splitlines(),
+    ]
     info = parse_resources_output("/home/dev/models", lines)
     assert info.mem_available_bytes == 22345678 * 1024
     assert info.swap_total_bytes == 4194304 * 1024 and info.swap_used_bytes == (4194304 - 4063232) * 1024

@@ -5,14 +5,22 @@ import subprocess
 from pathlib import Path
 
 from facts.windows import (
-    IniFileInfo, WindowsUserProfile, WslConfFile, WslConfigFile, parse_cmd_echo, parse_ini,
-    parse_ini_output, parse_user_profile_output,
+    IniFileInfo,
+    WindowsUserProfile,
+    WslConfFile,
+    WslConfigFile,
+    parse_cmd_echo,
+    parse_ini,
+    parse_ini_output,
+    parse_user_profile_output,
 )
 
 CMD_EXE = "/mnt/c/Windows/System32/cmd.exe"
 FIX = Path(__file__).parent.parent / "fixtures" / "real"
 
-REPORT_WSLCONFIG = b"[wsl2]\r\nmemory=24GB\r\nprocessors=8\r\nswap=4GB\r\nlocalhostForwarding=true\r\nvmIdleTimeout=0\r\n"
+REPORT_WSLCONFIG = (
+    b"[wsl2]\r\nmemory=24GB\r\nprocessors=8\r\nswap=4GB\r\nlocalhostForwarding=true\r\nvmIdleTimeout=0\r\n"
+)
 
 
 def run_sh(command, env=None):
@@ -40,8 +48,13 @@ def test_cmd_echo_oem_codepage():
 
 
 def test_profile_full_output():
-    lines = ["@@ft:cmd", *b64((FIX / "cmd-echo-userprofile.crlf").read_bytes()),
-             "@@ft:wslpath", *b64(b"/mnt/c/Users/dev\n"), "@@ft:wslpath-rc 0"]
+    lines = [
+        "@@ft:cmd",
+        *b64((FIX / "cmd-echo-userprofile.crlf").read_bytes()),
+        "@@ft:wslpath",
+        *b64(b"/mnt/c/Users/dev\n"),
+        "@@ft:wslpath-rc 0",
+    ]
     info = parse_user_profile_output(lines)
     assert (info.path, info.windows_path, info.error) == ("/mnt/c/Users/dev", "C:\\Users\\dev", None)
 
@@ -52,8 +65,13 @@ def test_profile_no_cmd_exe():
 
 
 def test_profile_wslpath_failure():
-    lines = ["@@ft:cmd", *b64(b"C:\\Users\\dev\r\n"), "@@ft:wslpath",
-             *b64(b"wslpath: C:\\Users\\dev: Invalid argument\n"), "@@ft:wslpath-rc 1"]
+    lines = [
+        "@@ft:cmd",
+        *b64(b"C:\\Users\\dev\r\n"),
+        "@@ft:wslpath",
+        *b64(b"wslpath: C:\\Users\\dev: Invalid argument\n"),
+        "@@ft:wslpath-rc 1",
+    ]
     info = parse_user_profile_output(lines)
     assert info.path is None and info.windows_path == "C:\\Users\\dev" and "wslpath" in info.error
 
@@ -75,16 +93,24 @@ def test_profile_command_on_this_machine():
 def test_profile_command_with_fake_tools(tmp_path):
     # Stand-ins only to prove the shell plumbing (CRLF stripped before wslpath).
     (tmp_path / "cmd.exe").write_text(f"#!/bin/sh\ncat '{FIX / 'cmd-echo-userprofile.crlf'}'\n")
-    (tmp_path / "wslpath").write_text('#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo /mnt/c/Users/dev || { echo "bad: $2"; exit 1; }\n')
+    (tmp_path / "wslpath").write_text(
+        '#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo /mnt/c/Users/dev || { echo "bad: $2"; exit 1; }\n'
+    )
     for tool in ("cmd.exe", "wslpath"):
         (tmp_path / tool).chmod(0o755)
-    command = WindowsUserProfile().command().replace("cd /mnt/c", f"cd {tmp_path}").replace("[ -d /mnt/c ]", f"[ -d {tmp_path} ]")
+    command = (
+        WindowsUserProfile()
+        .command()
+        .replace("cd /mnt/c", f"cd {tmp_path}")
+        .replace("[ -d /mnt/c ]", f"[ -d {tmp_path} ]")
+    )
     env = dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin")
     info = WindowsUserProfile().process(run_sh(command, env=env))
     assert info.path == "/mnt/c/Users/dev", info
 
 
 # ---- INI files
+
 
 def test_report_wslconfig():
     info = parse_ini("/mnt/c/Users/dev/.wslconfig", REPORT_WSLCONFIG)
@@ -117,7 +143,9 @@ def test_broken_wsl_conf_is_read_up_to_its_first_bad_line():
 
 
 def test_ini_output_absent_and_present():
-    assert parse_ini_output("/etc/wsl.conf", ["@@ft:absent /etc/wsl.conf"]) == IniFileInfo("/etc/wsl.conf", False, {}, None)
+    assert parse_ini_output("/etc/wsl.conf", ["@@ft:absent /etc/wsl.conf"]) == IniFileInfo(
+        "/etc/wsl.conf", False, {}, None
+    )
     info = parse_ini_output("", ["@@ft:file /etc/wsl.conf", *b64(b"[boot]\nsystemd=true\n")])
     assert info.path == "/etc/wsl.conf" and info.sections["boot"]["systemd"] == "true"
 
@@ -148,6 +176,7 @@ def test_wsl_conf_command_on_this_machine():
 # Over SSH (sshd under systemd) a real distro has no Windows folder on PATH: every .exe is found
 # on PATH first, else in C:\Windows\System32 (here a stand-in folder), by facts.windows.windows_exe.
 
+
 def _system32(tmp_path, exe: str, script: str) -> Path:
     folder = tmp_path / "System32"
     folder.mkdir(exist_ok=True)
@@ -163,14 +192,14 @@ def test_windows_exe_prefers_path_then_system32(tmp_path):
     from facts.windows import windows_exe
 
     system32 = _system32(tmp_path, "schtasks.exe", "")
-    lookup = f"{windows_exe('S', 'schtasks.exe', str(system32))}; echo \"$S\""
+    lookup = f'{windows_exe("S", "schtasks.exe", str(system32))}; echo "$S"'
     assert run_sh(lookup, env=LINUX_PATH) == [f"{system32}/schtasks.exe"]
     on_path = tmp_path / "interop"
     on_path.mkdir()
     (on_path / "schtasks.exe").write_text("#!/bin/sh\n")
     (on_path / "schtasks.exe").chmod(0o755)
     assert run_sh(lookup, env={"PATH": f"{on_path}:/usr/bin:/bin"}) == [f"{on_path}/schtasks.exe"]
-    missing = f"{windows_exe('S', 'schtasks.exe', str(tmp_path / 'none'))}; echo \"[$S]\""
+    missing = f'{windows_exe("S", "schtasks.exe", str(tmp_path / "none"))}; echo "[$S]"'
     assert run_sh(missing, env=LINUX_PATH) == ["[]"]
 
 
@@ -198,9 +227,18 @@ def test_autostart_runs_schtasks_from_system32_and_names_the_host_without_it(tmp
     command = autostart_command("ws1", "FreeToken-WSL", "Ubuntu-24.04")
     run_sh(on_this_machine(command, system32), env=LINUX_PATH)
     assert calls.read_text().splitlines() == [
-        "/Create", "/F", "/SC", "ONLOGON", "/TN", "FreeToken-WSL", "/TR", "wsl.exe -d Ubuntu-24.04 --exec /bin/true"]
-    proc = subprocess.run(["sh", "-c", on_this_machine(command, tmp_path / "none")], capture_output=True,
-                          text=True, env=LINUX_PATH)
+        "/Create",
+        "/F",
+        "/SC",
+        "ONLOGON",
+        "/TN",
+        "FreeToken-WSL",
+        "/TR",
+        "wsl.exe -d Ubuntu-24.04 --exec /bin/true",
+    ]
+    proc = subprocess.run(
+        ["sh", "-c", on_this_machine(command, tmp_path / "none")], capture_output=True, text=True, env=LINUX_PATH
+    )
     assert proc.returncode == 1 and "host ws1" in proc.stderr and "schtasks.exe" in proc.stderr
 
 
@@ -213,12 +251,12 @@ def test_profile_found_under_a_moved_automount_root(tmp_path):
     folder = Path(system32(root))
     folder.mkdir(parents=True)
     (folder / "cmd.exe").write_text(
-        f"#!/bin/sh\n[ \"$(pwd)\" = '{tmp_path}/c' ] || exit 3\ncat '{FIX / 'cmd-echo-userprofile.crlf'}'\n")
+        f"#!/bin/sh\n[ \"$(pwd)\" = '{tmp_path}/c' ] || exit 3\ncat '{FIX / 'cmd-echo-userprofile.crlf'}'\n"
+    )
     (folder / "cmd.exe").chmod(0o755)
     tools = tmp_path / "bin"
     tools.mkdir()
-    (tools / "wslpath").write_text(
-        f'#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo {tmp_path}/c/Users/dev\n')
+    (tools / "wslpath").write_text(f'#!/bin/sh\n[ "$2" = "C:\\\\Users\\\\dev" ] && echo {tmp_path}/c/Users/dev\n')
     (tools / "wslpath").chmod(0o755)
     fact = WindowsUserProfile()
     info = fact.process(run_sh(fact.command(drive_root=root), env={"PATH": f"{tools}:/usr/bin:/bin"}))

@@ -9,7 +9,11 @@ import pytest
 
 from facts.windows import WINDOWS_SYSTEM32
 from facts.wsl import (
-    WslKernel, WslVersion, decode_wsl_exe_output, parse_proc_version, parse_wsl_exe_version,
+    WslKernel,
+    WslVersion,
+    decode_wsl_exe_output,
+    parse_proc_version,
+    parse_wsl_exe_version,
     parse_wsl_version_output,
 )
 
@@ -29,6 +33,7 @@ def wsl_exe_lines(data: bytes, rc: int) -> list[str]:
 
 # ---- kernel
 
+
 def test_wsl2_kernel():
     info = parse_proc_version((FIX / "proc-version-wsl2.txt").read_text())
     assert info.kind == "wsl2"
@@ -40,18 +45,37 @@ def test_wsl1_kernel():
     assert (info.kind, info.release) == ("wsl1", "4.4.0-19041-Microsoft")
 
 
-@pytest.mark.parametrize("text,kind,release", [
-    # WSL2 kernels before 5.10 had no "-WSL2" suffix (the 2020 kernel of Windows 10 2004).
-    ("Linux version 4.19.128-microsoft-standard (oe-user@oe-host) (gcc version 8.2.0 (GCC)) "
-     "#1 SMP Tue Jun 23 12:58:10 UTC 2020", "wsl2", "4.19.128-microsoft-standard"),
-    ("Linux version 5.4.72-microsoft-standard-WSL2 (oe-user@oe-host) (x86_64-msft-linux-gcc (GCC) 9.3.0) "
-     "#1 SMP Wed Oct 28 23:40:43 UTC 2020", "wsl2", "5.4.72-microsoft-standard-WSL2"),
-    # WSL1's fake kernel says Microsoft with a capital M, release and build alike.
-    ("Linux version 4.4.0-17763-Microsoft (Microsoft@Microsoft.com) (gcc version 5.4.0 (GCC) ) "
-     "#2268-Microsoft Thu Oct 07 16:36:00 PST 2021", "wsl1", "4.4.0-17763-Microsoft"),
-    ("Linux version 6.1.0-28-amd64 (debian-kernel@lists.debian.org) (gcc-12 (Debian 12.2.0-14) 12.2.0) "
-     "#1 SMP PREEMPT_DYNAMIC Debian 6.1.119-1 (2024-11-22)", "none", "6.1.0-28-amd64"),
-])
+@pytest.mark.parametrize(
+    "text,kind,release",
+    [
+        # WSL2 kernels before 5.10 had no "-WSL2" suffix (the 2020 kernel of Windows 10 2004).
+        (
+            "Linux version 4.19.128-microsoft-standard (oe-user@oe-host) (gcc version 8.2.0 (GCC)) "
+            "#1 SMP Tue Jun 23 12:58:10 UTC 2020",
+            "wsl2",
+            "4.19.128-microsoft-standard",
+        ),
+        (
+            "Linux version 5.4.72-microsoft-standard-WSL2 (oe-user@oe-host) (x86_64-msft-linux-gcc (GCC) 9.3.0) "
+            "#1 SMP Wed Oct 28 23:40:43 UTC 2020",
+            "wsl2",
+            "5.4.72-microsoft-standard-WSL2",
+        ),
+        # WSL1's fake kernel says Microsoft with a capital M, release and build alike.
+        (
+            "Linux version 4.4.0-17763-Microsoft (Microsoft@Microsoft.com) (gcc version 5.4.0 (GCC) ) "
+            "#2268-Microsoft Thu Oct 07 16:36:00 PST 2021",
+            "wsl1",
+            "4.4.0-17763-Microsoft",
+        ),
+        (
+            "Linux version 6.1.0-28-amd64 (debian-kernel@lists.debian.org) (gcc-12 (Debian 12.2.0-14) 12.2.0) "
+            "#1 SMP PREEMPT_DYNAMIC Debian 6.1.119-1 (2024-11-22)",
+            "none",
+            "6.1.0-28-amd64",
+        ),
+    ],
+)
 def test_kernel_kinds_old_and_new(text, kind, release):
     info = parse_proc_version(text)
     assert (info.kind, info.release) == (kind, release)
@@ -83,6 +107,7 @@ def test_kernel_command_on_this_machine():
 
 
 # ---- version: wsl.exe bytes
+
 
 @pytest.mark.parametrize("name", ["wsl-version-en.utf16le", "wsl-version-en-bom.utf16le", "wsl-version-zh.utf16le"])
 def test_wsl_exe_version_localised(name):
@@ -124,6 +149,7 @@ def test_empty_wsl_exe_output():
 
 
 # ---- version: combined output
+
 
 def test_wslinfo_preferred():
     lines = ["@@ft:wslinfo", (FIX / "wslinfo-wsl-version.txt").read_text().strip(), "@@ft:wslinfo-rc 0"]
@@ -176,8 +202,10 @@ def _fake_tool(directory: Path, name: str, fixture: str, rc: int) -> None:
 
 @pytest.mark.parametrize(
     "fixture,rc,status,version",
-    [("wsl-version-zh.utf16le", 0, "ok", (2, 7, 13, 0)),
-     ("wsl-version-old-inbox.utf16le", 255, "no_version_flag", None)],
+    [
+        ("wsl-version-zh.utf16le", 0, "ok", (2, 7, 13, 0)),
+        ("wsl-version-old-inbox.utf16le", 255, "no_version_flag", None),
+    ],
 )
 def test_version_command_transports_utf16_bytes(tmp_path, fixture, rc, status, version):
     _fake_tool(tmp_path, "wsl.exe", fixture, rc)
@@ -208,10 +236,26 @@ def test_version_command_wslinfo_ok_skips_wsl_exe(tmp_path):
 # Every localisation of MessagePackageVersions in microsoft/WSL localization/strings/*/Resources.resw
 # (the first line's label; zh-TW with a full-width colon).
 LOCALISED_LABELS = [
-    "Verze WSL: ", "WSL-version: ", "WSL-Version: ", "WSL version: ", "Versión de WSL: ", "WSL-versio: ",
-    "Version WSL : ", "WSL-verzió: ", "Versione WSL: ", "WSL バージョン: ", "WSL 버전: ", "WSL-versjon: ",
-    "WSL-versie: ", "Wersja podsystemu WSL: ", "Versão do WSL: ", "Versão WSL: ", "Версия WSL: ",
-    "WSL sürümü: ", "WSL 版本: ", "WSL 版本： ",
+    "Verze WSL: ",
+    "WSL-version: ",
+    "WSL-Version: ",
+    "WSL version: ",
+    "Versión de WSL: ",
+    "WSL-versio: ",
+    "Version WSL : ",
+    "WSL-verzió: ",
+    "Versione WSL: ",
+    "WSL バージョン: ",
+    "WSL 버전: ",
+    "WSL-versjon: ",
+    "WSL-versie: ",
+    "Wersja podsystemu WSL: ",
+    "Versão do WSL: ",
+    "Versão WSL: ",
+    "Версия WSL: ",
+    "WSL sürümü: ",
+    "WSL 版本: ",
+    "WSL 版本： ",
 ]
 
 
@@ -233,9 +277,11 @@ def test_a_banner_line_is_never_the_wsl_version():
 
 def test_warnings_before_the_version_are_skipped():
     # WSL prints its .wslconfig warnings ("wsl: ...", stderr, merged by the fact) first.
-    text = ("wsl: Unknown key 'wsl2.a' in C:\\Users\\u\\.wslconfig:21\r\n"
-            "wsl: Duplicated config key 'experimental.networkingMode' in C:\\Users\\u\\.wslconfig:4 "
-            "(Conflicting key: 'wsl2.networkingMode' in C:\\Users\\u\\.wslconfig:2)\r\n"
-            "WSL version: 2.7.13.0\r\nKernel version: 6.6.87.2-1\r\n")
+    text = (
+        "wsl: Unknown key 'wsl2.a' in C:\\Users\\u\\.wslconfig:21\r\n"
+        "wsl: Duplicated config key 'experimental.networkingMode' in C:\\Users\\u\\.wslconfig:4 "
+        "(Conflicting key: 'wsl2.networkingMode' in C:\\Users\\u\\.wslconfig:2)\r\n"
+        "WSL version: 2.7.13.0\r\nKernel version: 6.6.87.2-1\r\n"
+    )
     info = parse_wsl_exe_version(text.encode("utf-16-le"), 0)
     assert (info.status, info.version) == ("ok", (2, 7, 13, 0))

@@ -41,12 +41,22 @@ class Hub:
     def __init__(self, repos: Path, token_file: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tests.fleet.standins.hub", "--bind", "127.0.0.1",
-               "--port", str(self.port), "--repos", str(repos)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.fleet.standins.hub",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--repos",
+            str(repos),
+        ]
         if token_file:
             cmd += ["--require-token-file", str(token_file)]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_clean_env(), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         try:
             wait_listening(self.port, self.proc, "hub stand-in")
         except RuntimeError:
@@ -119,9 +129,26 @@ class Run:
 
 def fetch(script_dir: Path, endpoint: str, dest: Path, *extra: str, repo: str = SUPPORTED, timeout=60) -> Run:
     status = dest.parent / (dest.name + ".status.json")
-    cmd = [sys.executable, "-I", str(script_dir / "fetch_model.py"), "--endpoint", endpoint, "--repo", repo,
-           "--revision", "main", "--dest", str(dest), "--status-file", str(status), "--disk-margin-gb", "0",
-           "--backoff-s", "0.05", *extra]
+    cmd = [
+        sys.executable,
+        "-I",
+        str(script_dir / "fetch_model.py"),
+        "--endpoint",
+        endpoint,
+        "--repo",
+        repo,
+        "--revision",
+        "main",
+        "--dest",
+        str(dest),
+        "--status-file",
+        str(status),
+        "--disk-margin-gb",
+        "0",
+        "--backoff-s",
+        "0.05",
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd="/", env=_clean_env(), capture_output=True, text=True, timeout=timeout)
     return Run(proc, status)
 
@@ -299,8 +326,13 @@ def test_token_is_sent_but_never_shown(script_dir, repos, tmp_path):
         run = fetch(script_dir, gated.url, tmp_path / "model", "--token-file", str(token_file))
         assert run.rc == 0, run.stderr
         assert_complete(tmp_path / "model", repos)
-        for text in (denied.stderr, denied.status_raw, run.stderr, run.status_raw,
-                     (tmp_path / "model" / ".freetoken-manifest.json").read_text()):
+        for text in (
+            denied.stderr,
+            denied.status_raw,
+            run.stderr,
+            run.status_raw,
+            (tmp_path / "model" / ".freetoken-manifest.json").read_text(),
+        ):
             assert TOKEN not in text
     finally:
         gated.close()
@@ -378,8 +410,15 @@ def test_the_token_goes_to_upstream_only_never_to_a_source(script_dir, repos, tm
     token_file.write_text(TOKEN + "\n")
     gated = Hub(repos, token_file=token_file)
     try:
-        run = fetch(script_dir, gated.url, tmp_path / "model", "--token-file", str(token_file),
-                    "--source", f"http://127.0.0.1:{source.server_address[1]}")
+        run = fetch(
+            script_dir,
+            gated.url,
+            tmp_path / "model",
+            "--token-file",
+            str(token_file),
+            "--source",
+            f"http://127.0.0.1:{source.server_address[1]}",
+        )
         assert run.rc == 0, run.stderr
         assert_complete(tmp_path / "model", repos)
         assert seen and all("Authorization" not in h and TOKEN not in str(h) for h in seen)
@@ -393,8 +432,21 @@ def test_status_file_is_rewritten_while_waiting(script_dir, fresh, repos, tmp_pa
     fresh._call("/_standin/throttle", {"bytes_per_s": 3_000_000})
     dest = tmp_path / "model"
     status = tmp_path / "model.status.json"
-    cmd = [sys.executable, "-I", str(script_dir / "fetch_model.py"), "--endpoint", fresh.url, "--repo",
-           SUPPORTED, "--dest", str(dest), "--status-file", str(status), "--disk-margin-gb", "0"]
+    cmd = [
+        sys.executable,
+        "-I",
+        str(script_dir / "fetch_model.py"),
+        "--endpoint",
+        fresh.url,
+        "--repo",
+        SUPPORTED,
+        "--dest",
+        str(dest),
+        "--status-file",
+        str(status),
+        "--disk-margin-gb",
+        "0",
+    ]
     proc = subprocess.Popen(cmd, env=_clean_env(), stderr=subprocess.DEVNULL)
     seen = []
     try:
@@ -421,17 +473,27 @@ def test_fetch_unit_runs_as_service_user_with_token_as_credential(tmp_path):
     from freetoken_infra.core.settings import Settings
     from operations.model import fetch_unit
 
-    s = Settings(hub_token_file="/etc/freetoken/hub-token", hub_endpoint="http://10.213.0.1:8082",
-                 model_dir="/home/dev/models/Qwen3.6-35B-A3B-NVFP4-nvidia")
+    s = Settings(
+        hub_token_file="/etc/freetoken/hub-token",
+        hub_endpoint="http://10.213.0.1:8082",
+        model_dir="/home/dev/models/Qwen3.6-35B-A3B-NVFP4-nvidia",
+    )
     unit = fetch_unit(s, ["http://10.213.0.9:8090"])
     exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
-    assert exec_line.startswith("ExecStart=/usr/bin/python3 /usr/local/lib/freetoken/fetch_model.py --endpoint "
-                                "http://10.213.0.1:8082 --repo nvidia/Qwen3.6-35B-A3B-NVFP4 --revision main")
+    assert exec_line.startswith(
+        "ExecStart=/usr/bin/python3 /usr/local/lib/freetoken/fetch_model.py --endpoint "
+        "http://10.213.0.1:8082 --repo nvidia/Qwen3.6-35B-A3B-NVFP4 --revision main"
+    )
     assert "--source http://10.213.0.9:8090" in exec_line and "--token-file %d/hub-token" in exec_line
     assert "--status-file /var/lib/freetoken/model-fetch/status.json" in exec_line
-    for line in ("Type=oneshot", "User=freetoken", "Environment=HF_HUB_DISABLE_XET=1",
-                 "LoadCredential=hub-token:/etc/freetoken/hub-token", "TimeoutStartSec=infinity",
-                 "ReadWritePaths=/home/dev/models/Qwen3.6-35B-A3B-NVFP4-nvidia /var/lib/freetoken/model-fetch"):
+    for line in (
+        "Type=oneshot",
+        "User=freetoken",
+        "Environment=HF_HUB_DISABLE_XET=1",
+        "LoadCredential=hub-token:/etc/freetoken/hub-token",
+        "TimeoutStartSec=infinity",
+        "ReadWritePaths=/home/dev/models/Qwen3.6-35B-A3B-NVFP4-nvidia /var/lib/freetoken/model-fetch",
+    ):
         assert line in unit.splitlines(), line
     plain = fetch_unit(Settings(hub_disable_xet=False))
     assert "HF_HUB_DISABLE_XET" not in plain and "--token-file" not in plain and "LoadCredential" not in plain
@@ -503,16 +565,28 @@ def test_wait_follows_the_unit_and_reports_refusal_with_host_and_error(capsys):
     from freetoken_infra.core.settings import Settings
     from operations.model import wait_for_fetch
 
-    downloading = {"state": "downloading", "bytes_done": 5_000_000_000, "bytes_total": 22_000_000_000,
-                   "rate_bps": 50_000_000, "eta_s": 340, "current_file": SHARD1}
+    downloading = {
+        "state": "downloading",
+        "bytes_done": 5_000_000_000,
+        "bytes_total": 22_000_000_000,
+        "rate_bps": 50_000_000,
+        "eta_s": 340,
+        "current_file": SHARD1,
+    }
     done = {**downloading, "state": "done", "bytes_done": 22_000_000_000, "bytes_transferred": 17e9}
-    host = FakeHost([({"ActiveState": "activating", "jobs": "0"}, downloading),
-                     ({"ActiveState": "inactive", "Result": "success", "jobs": "0"}, done)])
+    host = FakeHost(
+        [
+            ({"ActiveState": "activating", "jobs": "0"}, downloading),
+            ({"ActiveState": "inactive", "Result": "success", "jobs": "0"}, done),
+        ]
+    )
     result = wait_for_fetch(None, host, Settings(), {"_sudo": True}, poll_s=0.6)
     assert result["state"] == "done"
     # The stale status goes as the service user: root never follows a link planted in its folder.
-    assert host.commands[0][0].startswith("systemctl is-active -q freetoken-model-fetch.service || "
-                                          "setpriv --reuid=freetoken --regid=freetoken --clear-groups -- rm -f ")
+    assert host.commands[0][0].startswith(
+        "systemctl is-active -q freetoken-model-fetch.service || "
+        "setpriv --reuid=freetoken --regid=freetoken --clear-groups -- rm -f "
+    )
     assert "systemctl start --no-block freetoken-model-fetch.service" in host.commands[0][0]
     assert all(kw == {"_sudo": True} for _, kw in host.commands)
     err = capsys.readouterr().err
@@ -537,9 +611,23 @@ class Cache:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", str(script_dir / "model_cache.py"), "--dir", str(model_dir),
-             "--bind", "127.0.0.1", "--port", str(self.port)],
-            cwd="/", env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-I",
+                str(script_dir / "model_cache.py"),
+                "--dir",
+                str(model_dir),
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            cwd="/",
+            env=_clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             wait_listening(self.port, self.proc, "model_cache.py")
         except RuntimeError:
@@ -590,9 +678,15 @@ def test_cache_serves_verified_files_with_range_and_nothing_else(script_dir, rep
         (complete_model / "notes.txt").write_text("mine")
         (complete_model / ".partial").mkdir()
         (complete_model / ".partial" / "x.part").write_text("half")
-        for path in (resolve(SHARD1, "0" * 40), f"/{UNSUPPORTED}/resolve/main/{SHARD1}", resolve("notes.txt"),
-                     resolve(".partial/x.part"), resolve(".freetoken-manifest.json"), resolve("../model/config.json"),
-                     "/api/models/" + SUPPORTED):
+        for path in (
+            resolve(SHARD1, "0" * 40),
+            f"/{UNSUPPORTED}/resolve/main/{SHARD1}",
+            resolve("notes.txt"),
+            resolve(".partial/x.part"),
+            resolve(".freetoken-manifest.json"),
+            resolve("../model/config.json"),
+            "/api/models/" + SUPPORTED,
+        ):
             assert cache.get(path)[0] == 404, path
         shard = complete_model / SHARD2
         os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
@@ -639,9 +733,24 @@ def test_a_cache_still_filling_serves_what_it_has_and_upstream_the_rest(script_d
 
 def check(script_dir: Path, dest: Path, revision: str = "main") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-I", str(script_dir / "fetch_model.py"), "--check", "--repo", SUPPORTED,
-         "--revision", revision, "--dest", str(dest)],
-        cwd="/", env=_clean_env(), capture_output=True, text=True, timeout=30)
+        [
+            sys.executable,
+            "-I",
+            str(script_dir / "fetch_model.py"),
+            "--check",
+            "--repo",
+            SUPPORTED,
+            "--revision",
+            revision,
+            "--dest",
+            str(dest),
+        ],
+        cwd="/",
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_check_passes_only_a_complete_untouched_download(script_dir, complete_model, tmp_path):
@@ -658,8 +767,9 @@ def test_check_passes_only_a_complete_untouched_download(script_dir, complete_mo
     assert "must not start" in bad.stderr
 
 
-def test_a_reverify_request_survives_until_a_run_verifies_everything(script_dir, fresh, repos, complete_model,
-                                                                       tmp_path):
+def test_a_reverify_request_survives_until_a_run_verifies_everything(
+    script_dir, fresh, repos, complete_model, tmp_path
+):
     request = tmp_path / "reverify-requested"
     request.touch()
     shard = complete_model / SHARD2
@@ -679,10 +789,12 @@ def test_a_reverify_request_survives_until_a_run_verifies_everything(script_dir,
     assert again.rc == 0 and again.status["bytes_hashed"] == 0
 
 
-@pytest.mark.parametrize("bad_name", ["notes\nmodel-00001-of-00003.safetensors", "tab\there", "esc\x1b[31m",
-                                      "back\\slash"])
+@pytest.mark.parametrize(
+    "bad_name", ["notes\nmodel-00001-of-00003.safetensors", "tab\there", "esc\x1b[31m", "back\\slash"]
+)
 def test_a_listing_with_a_control_character_in_a_name_is_refused_before_any_write(
-        script_dir, repos, tmp_path, bad_name):
+    script_dir, repos, tmp_path, bad_name
+):
     """Issue 13: a hub (or mirror) file name with a newline is refused before anything is
     written: such a name would split every line-based record it reached."""
     own = _cache_repos(repos, tmp_path)

@@ -41,10 +41,12 @@ def record(level, message, tag="FrontendAPI", when="2026-12-03|07:41:30"):
 
 def worker_traceback(last_line):
     """A scheduler worker dying of an exception (multiprocessing prints this to stderr)."""
-    return ("Process freetoken-TP0-scheduler:\nTraceback (most recent call last):\n"
-            '  File "/opt/freetoken/0.2.1/lib/python3.12/site-packages/freetoken/scheduler/scheduler.py", '
-            "line 318, in run_forever\n    data = self.overlap_loop(data)\n"
-            f"{last_line}\n")
+    return (
+        "Process freetoken-TP0-scheduler:\nTraceback (most recent call last):\n"
+        '  File "/opt/freetoken/0.2.1/lib/python3.12/site-packages/freetoken/scheduler/scheduler.py", '
+        "line 318, in run_forever\n    data = self.overlap_loop(data)\n"
+        f"{last_line}\n"
+    )
 
 
 WORKER_DIED = record("ERROR", "Backend supervisor: backend worker freetoken-TP0-scheduler exited")
@@ -78,14 +80,18 @@ class Target:
         self.state_file = tmp_path / "state" / "guard-state.json"
         self.textfile = tmp_path / "state" / "metrics" / "freetoken.prom"
         self.fake("journalctl", f'cat "{self.journal}"; echo "-- cursor: s=abc;i=42"')
-        self.fake("systemctl", (
-            f'case "$1" in is-active) cat "{self.engine_state}"; '
-            f'grep -q "^active" "{self.engine_state}";; '
-            f'stop) echo inactive > "{self.engine_state}";; esac'
-        ))
+        self.fake(
+            "systemctl",
+            (
+                f'case "$1" in is-active) cat "{self.engine_state}"; '
+                f'grep -q "^active" "{self.engine_state}";; '
+                f'stop) echo inactive > "{self.engine_state}";; esac'
+            ),
+        )
         # The real query answers "index, memory.used, memory.total" (MiB).
-        self.fake("nvidia-smi", "awk -F', ' '{print $1\", \"$5\", \"$4}' "
-                                f'"{FIXTURES / "nvidia-smi-query-5060ti.csv"}"')
+        self.fake(
+            "nvidia-smi", f'awk -F\', \' \'{{print $1", "$5", "$4}}\' "{FIXTURES / "nvidia-smi-query-5060ti.csv"}"'
+        )
 
     def fake(self, name, body):
         path = self.bin / name
@@ -95,15 +101,31 @@ class Target:
     def run(self, *extra, swap_limit="2.0"):
         env = {"PATH": f"{self.bin}:/usr/bin:/bin", "LC_ALL": "C"}
         return subprocess.run(
-            [sys.executable, str(SCRIPT), "--swap-limit-gb", swap_limit,
-             "--state-file", str(self.state_file), "--textfile", str(self.textfile),
-             "--meminfo", str(self.meminfo), *extra],
-            capture_output=True, text=True, env=env, timeout=60,
+            [
+                sys.executable,
+                str(SCRIPT),
+                "--swap-limit-gb",
+                swap_limit,
+                "--state-file",
+                str(self.state_file),
+                "--textfile",
+                str(self.textfile),
+                "--meminfo",
+                str(self.meminfo),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
         )
 
     def calls(self, tool):
-        return [line.split(" ", 1)[1] if " " in line else "" for line in self.log.read_text().splitlines()
-                if line.split(" ", 1)[0].endswith("/" + tool)]
+        return [
+            line.split(" ", 1)[1] if " " in line else ""
+            for line in self.log.read_text().splitlines()
+            if line.split(" ", 1)[0].endswith("/" + tool)
+        ]
 
     def metrics(self):
         return parse_textfile(self.textfile.read_text())
@@ -112,7 +134,9 @@ class Target:
 # A strict reader of Prometheus' text exposition format, as node_exporter's textfile
 # collector expects it: HELP and TYPE before a metric's samples, each metric once.
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_SAMPLE = re.compile(rf'^({_NAME})(\{{(?:[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*")(?:,[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*")*\}})? (\S+)$')
+_SAMPLE = re.compile(
+    rf'^({_NAME})(\{{(?:[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*")(?:,[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*")*\}})? (\S+)$'
+)
 
 
 def parse_textfile(text):
@@ -140,10 +164,14 @@ def parse_textfile(text):
 
 
 EXPECTED_METRICS = {
-    "freetoken_guard_ram_total_bytes", "freetoken_guard_ram_available_bytes",
-    "freetoken_guard_swap_total_bytes", "freetoken_guard_swap_used_bytes",
-    "freetoken_guard_gpu_memory_used_bytes", "freetoken_guard_gpu_memory_total_bytes",
-    "freetoken_guard_tripped", "freetoken_guard_last_run_timestamp_seconds",
+    "freetoken_guard_ram_total_bytes",
+    "freetoken_guard_ram_available_bytes",
+    "freetoken_guard_swap_total_bytes",
+    "freetoken_guard_swap_used_bytes",
+    "freetoken_guard_gpu_memory_used_bytes",
+    "freetoken_guard_gpu_memory_total_bytes",
+    "freetoken_guard_tripped",
+    "freetoken_guard_last_run_timestamp_seconds",
 }
 
 
@@ -215,18 +243,26 @@ def test_text_the_engine_logs_for_requests_and_replies_stops_nothing(target):
     """Issue 13: FreeToken logs request and model text (DEBUG "Received generate request",
     WARNING "Failed to parse JSON part: <model output>"), with its newlines, so any line without
     the engine's own ERROR record shape - however it reads - is somebody's text."""
-    forged_record = "[2026-12-03|07:41:30|FrontendAPI] ERROR    Backend supervisor: OutOfMemoryError: " \
-                    "CUDA out of memory. Tried to allocate 2.00 GiB."
+    forged_record = (
+        "[2026-12-03|07:41:30|FrontendAPI] ERROR    Backend supervisor: OutOfMemoryError: "
+        "CUDA out of memory. Tried to allocate 2.00 GiB."
+    )
     target.journal.write_text(
         record("DEBUG", "Received generate request {'text': 'say CUDA out of memory'}")
         + record("WARNING", "Failed to parse JSON part: CUDA out of memory. Tried to allocate 1 GiB")
         + worker_traceback(OOM_LINES[1])  # a reply that prints a whole traceback
         + "RuntimeError: CUDA error: out of memory\n"
-        + "CUDA out of memory\n" + forged_record + "\n"
+        + "CUDA out of memory\n"
+        + forged_record
+        + "\n"
         + record("INFO", "Backend supervisor: OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")
         # an ERROR record of another logger: a cache rebuild that ran out rolls back and serves on
-        + record("ERROR", "cache rebuild failed: OutOfMemoryError('CUDA out of memory. Tried to allocate "
-                          "2.00 GiB.') — rolling back to the previous geometry", tag="core|rank=0")
+        + record(
+            "ERROR",
+            "cache rebuild failed: OutOfMemoryError('CUDA out of memory. Tried to allocate "
+            "2.00 GiB.') — rolling back to the previous geometry",
+            tag="core|rank=0",
+        )
     )
     proc = target.run()
     assert proc.returncode == 0, proc.stderr
@@ -252,8 +288,9 @@ def test_a_worker_dying_of_oom_stops_the_engine(target, oom_line):
 
 
 def test_a_worker_dying_of_something_else_stops_nothing(target):
-    target.journal.write_text(worker_traceback("RuntimeError: CUDA error: an illegal memory access was "
-                                               "encountered") + WORKER_DIED)
+    target.journal.write_text(
+        worker_traceback("RuntimeError: CUDA error: an illegal memory access was encountered") + WORKER_DIED
+    )
     target.run()
     assert "stop freetoken.service" not in target.calls("systemctl")
 
@@ -412,8 +449,9 @@ def test_service_unit():
     from operations.guard import guard_service_unit
 
     # Settings refuse such a path (issue 13); the unit escapes it all the same.
-    settings = Settings.model_construct(**{**Settings().model_dump(), "guard_swap_limit_gb": 3.5,
-                                           "state_dir": "/srv/ft state"})
+    settings = Settings.model_construct(
+        **{**Settings().model_dump(), "guard_swap_limit_gb": 3.5, "state_dir": "/srv/ft state"}
+    )
     unit = guard_service_unit(settings)
     assert "Type=oneshot" in unit
     assert "User=" not in unit  # root: it must be able to stop the engine
@@ -441,8 +479,13 @@ def test_timer_unit():
 
     unit = guard_timer_unit(Settings(guard_interval_s=45))
     lines = unit.splitlines()
-    for expected in ("OnBootSec=60", "OnUnitActiveSec=45s", "AccuracySec=1s",
-                     "Unit=freetoken-guard.service", "WantedBy=timers.target"):
+    for expected in (
+        "OnBootSec=60",
+        "OnUnitActiveSec=45s",
+        "AccuracySec=1s",
+        "Unit=freetoken-guard.service",
+        "WantedBy=timers.target",
+    ):
         assert expected in lines
     assert lines.index("[Install]") > lines.index("[Timer]")
 
@@ -477,8 +520,10 @@ class StubHost:
         host = inventory.get_host("@local")
         host.get_fact = self.get_fact
         with ctx_state.use(state), ctx_host.use(host):
-            return [f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c.get_raw_value()
-                    for c in op._inner(settings)]
+            return [
+                f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c.get_raw_value()
+                for c in op._inner(settings)
+            ]
 
     def get_fact(self, cls, *args, **kwargs):
         import hashlib
@@ -542,9 +587,13 @@ def test_operation_interval_change_reloads_and_restarts_the_timer():
 
     host = StubHost(converged_files(Settings()), {TIMER}, {TIMER})
     cmds = host.commands(guard, Settings(guard_interval_s=60))
-    assert cmds == ["upload /etc/systemd/system/freetoken-guard.timer", "chown root:root /etc/systemd/system/freetoken-guard.timer",
-                    "chmod 644 /etc/systemd/system/freetoken-guard.timer",
-                    "systemctl daemon-reload", f"systemctl restart {TIMER}"]
+    assert cmds == [
+        "upload /etc/systemd/system/freetoken-guard.timer",
+        "chown root:root /etc/systemd/system/freetoken-guard.timer",
+        "chmod 644 /etc/systemd/system/freetoken-guard.timer",
+        "systemctl daemon-reload",
+        f"systemctl restart {TIMER}",
+    ]
 
 
 def test_operation_swap_limit_change_only_reloads():
@@ -571,5 +620,4 @@ def test_clear_guard_state():
     settings = Settings()
     assert StubHost().commands(clear_guard_state, settings) == []
     state = {"/var/lib/freetoken-deploy/guard-state.json": ("{}", 644)}
-    assert StubHost(state).commands(clear_guard_state, settings) == [
-        "rm -f /var/lib/freetoken-deploy/guard-state.json"]
+    assert StubHost(state).commands(clear_guard_state, settings) == ["rm -f /var/lib/freetoken-deploy/guard-state.json"]

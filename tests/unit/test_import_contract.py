@@ -14,8 +14,7 @@ LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
     # PYTHONPATH puts the tree's packages ahead of the editable install's finder.
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=tree, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=tree, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _copy_tree(dest: Path) -> Path:

@@ -7,10 +7,10 @@ import pytest
 
 from freetoken_infra.core.launch import derive_plan
 from freetoken_infra.core.settings import DRIVER_PACKAGE_GLOBS, Settings
+from freetoken_infra.core.wsl_ini import WSLCONF
 from operations.cuda import pin_text, sources_line
 from operations.engine import pip_conf
 from operations.service import engine_environment, engine_unit
-from freetoken_infra.core.wsl_ini import WSLCONF
 from operations.windows import merge_ini
 
 USER_FILE = b"# my own settings - keep this comment\r\n[wsl2]\r\nMemory=16GB\r\nguiApplications=false\r\n"
@@ -52,7 +52,14 @@ def test_pin_blocks_every_driver_package_and_nothing_we_install():
     assert tuple(globs) == DRIVER_PACKAGE_GLOBS
     from fnmatch import fnmatchcase
 
-    for name in ("cuda-drivers", "cuda-drivers-580", "nvidia-driver-580-open", "cuda-13-0", "cuda", "libnvidia-compute-580"):
+    for name in (
+        "cuda-drivers",
+        "cuda-drivers-580",
+        "nvidia-driver-580-open",
+        "cuda-13-0",
+        "cuda",
+        "libnvidia-compute-580",
+    ):
         assert any(fnmatchcase(name, g) for g in globs), name
     for name in Settings().cuda_packages + ["cuda-keyring"]:
         assert not any(fnmatchcase(name, g) for g in globs), name
@@ -77,9 +84,15 @@ def test_unit_runs_hardened_as_the_service_user_and_never_carries_the_key():
     s = Settings()
     unit = engine_unit(s, derive_plan(s, 16311, (12, 0)))
     for line in (
-        "User=freetoken", "Restart=on-failure", "RestartForceExitStatus=SIGTERM", "TimeoutStartSec=300",
-        "NoNewPrivileges=yes", "DevicePolicy=closed", "DeviceAllow=/dev/dxg rw",
-        "EnvironmentFile=/etc/freetoken/engine.env", "EnvironmentFile=/etc/freetoken/api-key.env",
+        "User=freetoken",
+        "Restart=on-failure",
+        "RestartForceExitStatus=SIGTERM",
+        "TimeoutStartSec=300",
+        "NoNewPrivileges=yes",
+        "DevicePolicy=closed",
+        "DeviceAllow=/dev/dxg rw",
+        "EnvironmentFile=/etc/freetoken/engine.env",
+        "EnvironmentFile=/etc/freetoken/api-key.env",
         "ExecStartPre=/usr/bin/python3 /usr/local/lib/freetoken/fetch_model.py --check --repo nvidia/Qwen3.6-35B-A3B-NVFP4 "
         "--revision main --dest /var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia",
         "WantedBy=multi-user.target",
@@ -118,8 +131,13 @@ def _odd_path_settings(tmp_path):
     python.parent.mkdir(parents=True)
     python.write_text("#!/bin/sh\n")
     python.chmod(0o755)
-    return Settings.model_construct(**{**Settings().model_dump(), "engine_base_dir": str(base),
-                                       "model_dir": str(tmp_path / "models %n $USER" / "Qwen")})
+    return Settings.model_construct(
+        **{
+            **Settings().model_dump(),
+            "engine_base_dir": str(base),
+            "model_dir": str(tmp_path / "models %n $USER" / "Qwen"),
+        }
+    )
 
 
 def test_unit_escapes_every_exec_word_for_systemd(tmp_path):
@@ -129,7 +147,7 @@ def test_unit_escapes_every_exec_word_for_systemd(tmp_path):
     plan = derive_plan(s, 16311, (12, 0))
     unit = engine_unit(s, plan)
     exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
-    words = shlex.split(exec_start[len("ExecStart="):])  # systemd's quoting, as a shell reads it
+    words = shlex.split(exec_start[len("ExecStart=") :])  # systemd's quoting, as a shell reads it
     # systemd's own rules: %% is a literal %, $$ a literal $ in an argument; the executable
     # path has specifiers but no variables.
     argv = [words[0].replace("%%", "%")] + [w.replace("%%", "%").replace("$$", "$") for w in words[1:]]

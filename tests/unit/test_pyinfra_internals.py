@@ -12,13 +12,17 @@ from freetoken_infra.core import pyinfra_internals
 @pytest.mark.parametrize("name", sorted(pyinfra_internals.INTERNALS))
 def test_pyinfra_internal_is_as_we_use_it(name):
     # In a child: importing pyinfra_cli monkey-patches the interpreter for gevent.
-    code = ("import sys; from freetoken_infra.core import pyinfra_internals as p\n"
-            "try:\n    p.INTERNALS[sys.argv[1]]()\n"
-            "except (AssertionError, ImportError, AttributeError, TypeError, ValueError) as exc:\n"
-            "    sys.exit(repr(exc))\n")
+    code = (
+        "import sys; from freetoken_infra.core import pyinfra_internals as p\n"
+        "try:\n    p.INTERNALS[sys.argv[1]]()\n"
+        "except (AssertionError, ImportError, AttributeError, TypeError, ValueError) as exc:\n"
+        "    sys.exit(repr(exc))\n"
+    )
     result = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, (f"pyinfra changed an internal we rely on: {name} ({result.stderr.strip()}); "
-                                    "see freetoken_infra/core/pyinfra_internals.py")
+    assert result.returncode == 0, (
+        f"pyinfra changed an internal we rely on: {name} ({result.stderr.strip()}); "
+        "see freetoken_infra/core/pyinfra_internals.py"
+    )
 
 
 def test_a_changed_internal_fails_naming_it(monkeypatch):
@@ -33,7 +37,6 @@ def test_a_changed_internal_fails_naming_it(monkeypatch):
         pyinfra_internals.INTERNALS[name]()
 
 
-
 def test_no_other_module_touches_a_pyinfra_internal():
     """Private pyinfra names (`pyinfra... _x`) and Host patching appear only in the internals module."""
     import re
@@ -41,8 +44,13 @@ def test_no_other_module_touches_a_pyinfra_internal():
 
     root = Path(__file__).resolve().parents[2]
     offenders = []
-    for path in [*root.glob("facts/*.py"), *root.glob("operations/*.py"), *root.glob("freetoken_infra/**/*.py"),
-                 *root.glob("deploys/*.py"), root / "config.py"]:
+    for path in [
+        *root.glob("facts/*.py"),
+        *root.glob("operations/*.py"),
+        *root.glob("freetoken_infra/**/*.py"),
+        *root.glob("deploys/*.py"),
+        root / "config.py",
+    ]:
         if path.name == "pyinfra_internals.py":
             continue
         text = path.read_text(encoding="utf-8")

@@ -25,44 +25,87 @@ W, C = wsl_ini.WSLCONFIG, wsl_ini.WSLCONF
 
 # file -> {section: {key: value}} as WSL reads it (lower-case names, first occurrence).
 WSLCONFIG_FILES: dict[str, dict[str, dict[str, str]]] = {
-    "wslconfig-inline-comments-wsl12161.ini": {"wsl2": {
-        "autoproxy": "false", "dnstunneling": "false", "firewall": "true", "guiapplications": "true",
-        "ipv6": "true", "localhostforwarding": "true", "memory": "4GB", "nestedvirtualization": "true",
-        "networkingmode": "mirrored"}},
+    "wslconfig-inline-comments-wsl12161.ini": {
+        "wsl2": {
+            "autoproxy": "false",
+            "dnstunneling": "false",
+            "firewall": "true",
+            "guiapplications": "true",
+            "ipv6": "true",
+            "localhostforwarding": "true",
+            "memory": "4GB",
+            "nestedvirtualization": "true",
+            "networkingmode": "mirrored",
+        }
+    },
     "wslconfig-quoted-values-mimikun1841.ini": {
-        "wsl2": {"memory": "8GB", "processors": "4", "localhostforwarding": "true", "safemode": "false",
-                 "swap": "0", "pagereporting": "true", "guiapplications": "true", "debugconsole": "false",
-                 "nestedvirtualization": "true", "vmidletimeout": "60000", "dnsproxy": "true",
-                 "networkingmode": "mirrored", "firewall": "true", "dnstunneling": "true",
-                 "autoproxy": "true",
-                 "defaultvhdsize": "1TB"},
-        "experimental": {"automemoryreclaim": "dropCache", "sparsevhd": "false",
-                         "besteffortdnsparsing": "false",
-                         "dnstunnelingipaddress": "10.255.255.254", "initialautoproxytimeout": "1000",
-                         "hostaddressloopback": "false"}},
+        "wsl2": {
+            "memory": "8GB",
+            "processors": "4",
+            "localhostforwarding": "true",
+            "safemode": "false",
+            "swap": "0",
+            "pagereporting": "true",
+            "guiapplications": "true",
+            "debugconsole": "false",
+            "nestedvirtualization": "true",
+            "vmidletimeout": "60000",
+            "dnsproxy": "true",
+            "networkingmode": "mirrored",
+            "firewall": "true",
+            "dnstunneling": "true",
+            "autoproxy": "true",
+            "defaultvhdsize": "1TB",
+        },
+        "experimental": {
+            "automemoryreclaim": "dropCache",
+            "sparsevhd": "false",
+            "besteffortdnsparsing": "false",
+            "dnstunnelingipaddress": "10.255.255.254",
+            "initialautoproxytimeout": "1000",
+            "hostaddressloopback": "false",
+        },
+    },
     "wslconfig-no-section-wsl11540.ini": {},
     "wslconfig-experimental-only-docs1967.ini": {"experimental": {"networkingmode": "mirrored"}},
     "wslconfig-wsl2-networking-luckyyyyy79.ini": {
-        "wsl2": {"dnstunneling": "true", "firewall": "true", "autoproxy": "true",
-                 "networkingmode": "mirrored"},
-        "experimental": {"automemoryreclaim": "gradual", "sparsevhd": "true"}},
+        "wsl2": {"dnstunneling": "true", "firewall": "true", "autoproxy": "true", "networkingmode": "mirrored"},
+        "experimental": {"automemoryreclaim": "gradual", "sparsevhd": "true"},
+    },
     "wslconfig-experimental-networking-wsl11090.ini": {
         "wsl2": {"memory": "4G"},
-        "experimental": {"automemoryreclaim": "gradual", "sparsevhd": "true", "networkingmode": "mirrored",
-                         "dnstunneling": "true", "firewall": "true", "autoproxy": "true"}},
+        "experimental": {
+            "automemoryreclaim": "gradual",
+            "sparsevhd": "true",
+            "networkingmode": "mirrored",
+            "dnstunneling": "true",
+            "firewall": "true",
+            "autoproxy": "true",
+        },
+    },
     "wslconfig-comments-trailing-space-wsl11228.ini": {
-        "wsl2": {"memory": "4GB", "processors": "2"}, "experimental": {"networkingmode": "mirrored"}},
+        "wsl2": {"memory": "4GB", "processors": "2"},
+        "experimental": {"networkingmode": "mirrored"},
+    },
     "wslconfig-experimental-wsl12006.ini": {"experimental": {"networkingmode": "mirrored"}},
-    "wslconfig-experimental-autoproxy-wsl10583.ini": {"experimental": {
-        "networkingmode": "mirrored", "dnstunneling": "true", "firewall": "true", "autoproxy": "true"}},
-    "wslconfig-experimental-reclaim-wsl10794.ini": {"experimental": {
-        "automemoryreclaim": "gradual", "networkingmode": "mirrored", "dnstunneling": "true",
-        "firewall": "true",
-        "autoproxy": "true"}},
-    "wslconfig-wsl2-mirrored-wsl1350.ini": {"wsl2": {
-        "networkingmode": "mirrored", "firewall": "true", "dnstunneling": "true", "autoproxy": "true"}},
-    "wslconfig-large-vm-moss328.ini": {"wsl2": {
-        "memory": "480GB", "swap": "32GB", "processors": "56", "localhostforwarding": "true"}},
+    "wslconfig-experimental-autoproxy-wsl10583.ini": {
+        "experimental": {"networkingmode": "mirrored", "dnstunneling": "true", "firewall": "true", "autoproxy": "true"}
+    },
+    "wslconfig-experimental-reclaim-wsl10794.ini": {
+        "experimental": {
+            "automemoryreclaim": "gradual",
+            "networkingmode": "mirrored",
+            "dnstunneling": "true",
+            "firewall": "true",
+            "autoproxy": "true",
+        }
+    },
+    "wslconfig-wsl2-mirrored-wsl1350.ini": {
+        "wsl2": {"networkingmode": "mirrored", "firewall": "true", "dnstunneling": "true", "autoproxy": "true"}
+    },
+    "wslconfig-large-vm-moss328.ini": {
+        "wsl2": {"memory": "480GB", "swap": "32GB", "processors": "56", "localhostforwarding": "true"}
+    },
 }
 
 # The networking mode WSL runs with, as WSL reads it: [wsl2] or (WSL 2.0's place) [experimental].
@@ -86,17 +129,19 @@ WSLCONF_FILES: dict[str, tuple[dict[str, dict[str, str]], bool, str]] = {
     "wsl-conf-commented-headers-wsl10100.conf": ({}, False, "/mnt/c"),
     "wsl-conf-crlf-xxd-wsl12502.conf": ({"boot": {"systemd": "true"}}, True, "/mnt/c"),
     "wsl-conf-lf-xxd-wsl12502.conf": ({"boot": {"systemd": "true"}}, True, "/mnt/c"),
-    "wsl-conf-automount-root-metadata-wsl4774.conf": (
-        {"automount": {"root": "/", "options": "metadata"}}, False, "/c"),
+    "wsl-conf-automount-root-metadata-wsl4774.conf": ({"automount": {"root": "/", "options": "metadata"}}, False, "/c"),
     "wsl-conf-automount-root-uid-wsl4774.conf": (
-        {"automount": {"root": "/", "enabled": "true",
-                       "options": "uid=1000,gid=1000,umask=022,fmask=11,metadata"}},
-        False, "/c"),
+        {"automount": {"root": "/", "enabled": "true", "options": "uid=1000,gid=1000,umask=022,fmask=11,metadata"}},
+        False,
+        "/c",
+    ),
     "wsl-conf-automount-root-wsl3155.conf": ({"automount": {"root": "/"}}, False, "/c"),
     "wsl-conf-automount-windir-wsl3597.conf": (
-        {"automount": {"enabled": "true", "root": "/windir/"}}, False, "/windir/c"),
-    "wsl-conf-automount-options-wsl6258.conf": (
-        {"automount": {"options": "metadata,case=dir"}}, False, "/mnt/c"),
+        {"automount": {"enabled": "true", "root": "/windir/"}},
+        False,
+        "/windir/c",
+    ),
+    "wsl-conf-automount-options-wsl6258.conf": ({"automount": {"options": "metadata,case=dir"}}, False, "/mnt/c"),
     "wsl-conf-automount-disabled-wsl7906.conf": ({"automount": {"enabled": "false"}}, False, "/mnt/c"),
     "wsl-conf-boot-systemd-centos23.conf": ({"boot": {"systemd": "true"}}, True, "/mnt/c"),
 }
@@ -108,26 +153,56 @@ WSL_VERSION_FILES = {
 
 # file -> (driver version, CUDA version, GPUs as the table shows them)
 SMI_TABLES = {
-    "nvidia-smi-610-b200x2-kmd-sglang27487.txt": ("610.43.02", "13.3", (
-        TableGpu(0, "NVIDIA B200", 0, 183359), TableGpu(1, "NVIDIA B200", 0, 183359))),
-    "nvidia-smi-610-rtx3080-kmd-finpilot160.txt": ("610.43.03", "13.3", (
-        TableGpu(0, "NVIDIA GeForce RTX 3080 ...", 14, 16384),)),
-    "nvidia-smi-610-rtx5070-laptop-kmd-mistralrs2287.txt": ("610.43.02", "13.3", (
-        TableGpu(0, "NVIDIA GeForce RTX 5070 ...", 273, 12227),)),
-    "nvidia-smi-570-rtx5090-wsl-flashattn1563.txt": ("572.70", "12.8", (
-        TableGpu(0, "NVIDIA GeForce RTX 5090", 4735, 32607),)),
-    "nvidia-smi-545-rtx3060-laptop-cuda-err-wsl11589.txt": ("546.80", None, (
-        TableGpu(0, "NVIDIA GeForce RTX 3060 ...", 816, 6144),)),
-    "nvidia-smi-545-rtx4090-wsl-wsl11050.txt": ("546.33", "12.3", (
-        TableGpu(0, "NVIDIA GeForce RTX 4090", 1528, 24564),)),
-    "nvidia-smi-535-gtx1650-laptop-wsl-wsl11277.txt": ("537.13", "12.2", (
-        TableGpu(0, "NVIDIA GeForce GTX 1650 ...", 128, 4096),)),
-    "nvidia-smi-517-2gpu-windows-wsl9134.txt": ("517.48", "11.7", (
-        TableGpu(0, "NVIDIA GeForce ...", 576, 11264), TableGpu(1, "NVIDIA GeForce ...", 2152, 11264))),
-    "nvidia-smi-460-rtx2070-laptop-wddm-wsl6014.txt": ("460.15", "11.1", (
-        TableGpu(0, "GeForce RTX 207...", 176, 8192),)),
-    "nvidia-smi-515-a100x2-miniweather12.txt": ("515.65.01", "11.7", (
-        TableGpu(0, "NVIDIA A100-SXM...", 0, 40960), TableGpu(1, "NVIDIA A100-SXM...", 0, 40960))),
+    "nvidia-smi-610-b200x2-kmd-sglang27487.txt": (
+        "610.43.02",
+        "13.3",
+        (TableGpu(0, "NVIDIA B200", 0, 183359), TableGpu(1, "NVIDIA B200", 0, 183359)),
+    ),
+    "nvidia-smi-610-rtx3080-kmd-finpilot160.txt": (
+        "610.43.03",
+        "13.3",
+        (TableGpu(0, "NVIDIA GeForce RTX 3080 ...", 14, 16384),),
+    ),
+    "nvidia-smi-610-rtx5070-laptop-kmd-mistralrs2287.txt": (
+        "610.43.02",
+        "13.3",
+        (TableGpu(0, "NVIDIA GeForce RTX 5070 ...", 273, 12227),),
+    ),
+    "nvidia-smi-570-rtx5090-wsl-flashattn1563.txt": (
+        "572.70",
+        "12.8",
+        (TableGpu(0, "NVIDIA GeForce RTX 5090", 4735, 32607),),
+    ),
+    "nvidia-smi-545-rtx3060-laptop-cuda-err-wsl11589.txt": (
+        "546.80",
+        None,
+        (TableGpu(0, "NVIDIA GeForce RTX 3060 ...", 816, 6144),),
+    ),
+    "nvidia-smi-545-rtx4090-wsl-wsl11050.txt": (
+        "546.33",
+        "12.3",
+        (TableGpu(0, "NVIDIA GeForce RTX 4090", 1528, 24564),),
+    ),
+    "nvidia-smi-535-gtx1650-laptop-wsl-wsl11277.txt": (
+        "537.13",
+        "12.2",
+        (TableGpu(0, "NVIDIA GeForce GTX 1650 ...", 128, 4096),),
+    ),
+    "nvidia-smi-517-2gpu-windows-wsl9134.txt": (
+        "517.48",
+        "11.7",
+        (TableGpu(0, "NVIDIA GeForce ...", 576, 11264), TableGpu(1, "NVIDIA GeForce ...", 2152, 11264)),
+    ),
+    "nvidia-smi-460-rtx2070-laptop-wddm-wsl6014.txt": (
+        "460.15",
+        "11.1",
+        (TableGpu(0, "GeForce RTX 207...", 176, 8192),),
+    ),
+    "nvidia-smi-515-a100x2-miniweather12.txt": (
+        "515.65.01",
+        "11.7",
+        (TableGpu(0, "NVIDIA A100-SXM...", 0, 40960), TableGpu(1, "NVIDIA A100-SXM...", 0, 40960)),
+    ),
 }
 
 NVCC_FILES = {
@@ -177,10 +252,12 @@ def test_wslconfig_merge_of_new_values_keeps_every_other_line(name):
     assert all(after.value("wsl2", k) == v for k, v in want.items())
     # One networkingMode WSL reads, no duplicate for it to warn about.
     assert len(after.duplicates("wsl2", "networkingMode")) == 1
-    changed = {e.line for e in wsl_ini.parse(read(name), W).entries
-               if e.section.lower() == "wsl2" and e.key.lower() in {k.lower() for k in want}}
-    before = [line for number, line in enumerate(read(name).decode("utf-8").splitlines(), 1)
-              if number not in changed]
+    changed = {
+        e.line
+        for e in wsl_ini.parse(read(name), W).entries
+        if e.section.lower() == "wsl2" and e.key.lower() in {k.lower() for k in want}
+    }
+    before = [line for number, line in enumerate(read(name).decode("utf-8").splitlines(), 1) if number not in changed]
     lines = result.data.decode("utf-8").splitlines()
     kept = [line for line in before if line in lines or f"# {line}" in lines]
     assert kept == before  # every other line is still there (a superseded duplicate commented out)
@@ -212,8 +289,9 @@ def test_wsl_conf_systemd_merge_keeps_the_file(name):
     else:
         assert result.data.startswith(data.rstrip(b"\n")) and result.changed == ("systemd",)
         assert wsl_ini.parse(result.data, C).value("boot", "systemd") == "true"
-        assert wsl_ini.parse(result.data, C).sections() | {"boot": {"systemd": "true"}} == \
-            WSLCONF_FILES[name][0] | {"boot": {"systemd": "true"}}
+        assert wsl_ini.parse(result.data, C).sections() | {"boot": {"systemd": "true"}} == WSLCONF_FILES[name][0] | {
+            "boot": {"systemd": "true"}
+        }
 
 
 @pytest.mark.parametrize("name", sorted(WSL_VERSION_FILES))
@@ -244,8 +322,10 @@ def test_guard_reads_a_real_oom_traceback_line_as_the_engine_s_oom_once_its_work
     """The first line is a traceback's last line as PyTorch prints it; the guard stops the engine
     for it only together with the engine's own record that the worker died (issue 13)."""
     oom_line = read(name).decode("utf-8").splitlines()[0]
-    died = ("\x1b[1m[2026-01-01|00:00:00|FrontendAPI]\x1b[0m \x1b[31mERROR   \x1b[0m "
-            "Backend supervisor: backend worker freetoken-TP0-scheduler exited")
+    died = (
+        "\x1b[1m[2026-01-01|00:00:00|FrontendAPI]\x1b[0m \x1b[31mERROR   \x1b[0m "
+        "Backend supervisor: backend worker freetoken-TP0-scheduler exited"
+    )
     found, pending = guard.find_ooms([oom_line])
     assert (found, pending) == ([], oom_line.strip())
     found, pending = guard.find_ooms([oom_line, died])

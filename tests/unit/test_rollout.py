@@ -60,14 +60,15 @@ def test_batch_sizes_parse_counts_and_percentages():
 
 def test_plan_canary_then_batches_in_natural_name_order():
     hosts = ["ws10", "ws2", "ws1", "ws3", "ws11", "ws4", "ws5", "ws6"]
-    assert plan_batches(hosts, ["1", "25%", "100%"]) == [
-        ["ws1"], ["ws2", "ws3"], ["ws4", "ws5", "ws6", "ws10", "ws11"]]
+    assert plan_batches(hosts, ["1", "25%", "100%"]) == [["ws1"], ["ws2", "ws3"], ["ws4", "ws5", "ws6", "ws10", "ws11"]]
     # the last size repeats until every host had its turn
-    assert plan_batches(hosts, ["1", "2"]) == [
-        ["ws1"], ["ws2", "ws3"], ["ws4", "ws5"], ["ws6", "ws10"], ["ws11"]]
+    assert plan_batches(hosts, ["1", "2"]) == [["ws1"], ["ws2", "ws3"], ["ws4", "ws5"], ["ws6", "ws10"], ["ws11"]]
     # a named canary goes first and is the whole first batch; the sizes after the first follow
     assert plan_batches(hosts, ["1", "50%"], canary=["ws5", "ws6"]) == [
-        ["ws5", "ws6"], ["ws1", "ws2", "ws3", "ws4"], ["ws10", "ws11"]]
+        ["ws5", "ws6"],
+        ["ws1", "ws2", "ws3", "ws4"],
+        ["ws10", "ws11"],
+    ]
     assert plan_batches(["a"], ["1", "25%", "100%"]) == [["a"]]
     every = [h for b in plan_batches(hosts, ["1", "25%", "100%"]) for h in b]
     assert sorted(every) == sorted(hosts) and len(every) == len(hosts)
@@ -79,17 +80,17 @@ def test_plan_canary_then_batches_in_natural_name_order():
 def test_canary_allows_no_failure_later_batches_their_percentage():
     assert batch_stops(0, 0, 1, 50) is None
     assert "canary" in batch_stops(0, 1, 2, 50)
-    assert batch_stops(1, 1, 4, 25) is None          # 25% is allowed
-    why = batch_stops(1, 2, 4, 25)                     # 50% is not
+    assert batch_stops(1, 1, 4, 25) is None  # 25% is allowed
+    why = batch_stops(1, 2, 4, 25)  # 50% is not
     assert "batch 2" in why and "2 of 4" in why and "50%" in why
-    assert batch_stops(2, 1, 10, 0) is not None        # default: any failure stops
+    assert batch_stops(2, 1, 10, 0) is not None  # default: any failure stops
 
 
 def test_parked_hosts_stop_nothing_but_a_canary_needs_a_host_that_converged():
     # a parked host (unreachable, nothing done) is no failure; percentages are of reached hosts
     assert batch_stops(0, 0, 2, 0, parked=1) is None
     assert batch_stops(1, 0, 4, 0, parked=3) is None
-    assert batch_stops(1, 1, 4, 50, parked=2) is None    # 1 of 2 reached = 50%: allowed
+    assert batch_stops(1, 1, 4, 50, parked=2) is None  # 1 of 2 reached = 50%: allowed
     why = batch_stops(1, 1, 4, 40, parked=2)
     assert "1 of 2 reached host(s) failed (50%" in why
     # a canary of parked or refused hosts proved nothing: the rollout stops and says so
@@ -102,8 +103,17 @@ def test_parked_hosts_stop_nothing_but_a_canary_needs_a_host_that_converged():
 def test_each_batch_runs_the_pyinfra_cli_with_one_limit_per_host():
     argv = pyinfra_argv("inventories/fleet.py", "deploys/freetoken.py", ["ws2", "ws3"], ["engine_version=0.2.2"])
     assert Path(argv[0]).name == "pyinfra"
-    assert argv[1:] == ["-y", "--data", "engine_version=0.2.2", "inventories/fleet.py", "deploys/freetoken.py",
-                        "--limit", "ws2", "--limit", "ws3"]
+    assert argv[1:] == [
+        "-y",
+        "--data",
+        "engine_version=0.2.2",
+        "inventories/fleet.py",
+        "deploys/freetoken.py",
+        "--limit",
+        "ws2",
+        "--limit",
+        "ws3",
+    ]
 
 
 # ---------------------------------------------------------------------------- inventories
@@ -127,7 +137,8 @@ def test_example_fleet_inventory_loads_and_every_host_validates():
         "print(json.dumps({'hosts': {h.name: {'groups': sorted(h.groups), 'ssh': h.data.get('ssh_hostname'),\n"
         "    'class': settings[h.name].hardware_profile, 'floor': settings[h.name].decode_floor_tps,\n"
         "    'wslconfig': settings[h.name].wslconfig_values()} for h in inventory},\n"
-        "    'rollout_hosts': load_hosts('inventories/fleet.py', {})}))\n")
+        "    'rollout_hosts': load_hosts('inventories/fleet.py', {})}))\n"
+    )
     assert run.returncode == 0, run.stderr
     doc = json.loads(run.stdout.splitlines()[-1])
     hosts = doc["hosts"]
@@ -144,8 +155,9 @@ def test_example_fleet_inventory_loads_and_every_host_validates():
 
 def test_a_bad_setting_stops_the_rollout_before_any_host():
     rollout = [sys.executable, "-m", "freetoken_infra.rollout", "inventories/fleet.py"]
-    run = subprocess.run(rollout + ["--data", "listen_port=70000"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        rollout + ["--data", "listen_port=70000"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 2, run.stdout + run.stderr
     assert "setting 'listen_port' = 70000 is invalid" in run.stderr and "lab-ws01" in run.stderr
     assert "rollout batch" not in run.stdout  # nothing ran
@@ -154,19 +166,30 @@ def test_a_bad_setting_stops_the_rollout_before_any_host():
 
 
 # ---------------------------------------------------------------------------- the report
-OBSERVED = {"gpu": "NVIDIA GeForce RTX 5060 Ti", "vram_mib": 16311, "wsl_version": "2.7.13",
-            "wsl_kind": "wsl2", "engine_active": "0.2.1", "engine_version": "0.2.1",
-            "model": "nvidia/Qwen3.6-35B-A3B-NVFP4@main", "blockers": [], "restart_only": False,
-            "health": {"status": "ok", "version": "0.2.1", "message": None},
-            "last_gate": {"ok": True, "decode_tps": 23.9}, "restart_pending": []}
+OBSERVED = {
+    "gpu": "NVIDIA GeForce RTX 5060 Ti",
+    "vram_mib": 16311,
+    "wsl_version": "2.7.13",
+    "wsl_kind": "wsl2",
+    "engine_active": "0.2.1",
+    "engine_version": "0.2.1",
+    "model": "nvidia/Qwen3.6-35B-A3B-NVFP4@main",
+    "blockers": [],
+    "restart_only": False,
+    "health": {"status": "ok", "version": "0.2.1", "message": None},
+    "last_gate": {"ok": True, "decode_tps": 23.9},
+    "restart_pending": [],
+}
 GATE_OK = {"ok": True, "phase": "done", "decode_tps": 24.2, "version": "0.2.2", "error": None}
 
 
 def test_row_of_a_converged_host_with_a_gate():
-    records = [{"host": "ws1", "observed": {**OBSERVED, "engine_version": "0.2.2"}},
-               {"host": "ws1", "restart_pending": ["/mnt/c/Users/dev/.wslconfig"]},
-               {"host": "ws1", "gate": GATE_OK},
-               {"host": "ws1", "finished": {"failed": False, "changes": 4}}]
+    records = [
+        {"host": "ws1", "observed": {**OBSERVED, "engine_version": "0.2.2"}},
+        {"host": "ws1", "restart_pending": ["/mnt/c/Users/dev/.wslconfig"]},
+        {"host": "ws1", "gate": GATE_OK},
+        {"host": "ws1", "finished": {"failed": False, "changes": 4}},
+    ]
     row = host_row("ws1", records, batch=1)
     assert row["result"] == "ok" and row["reason"] == "4 change(s), upgraded from 0.2.1"
     assert (row["gpu"], row["vram_gb"], row["wsl_version"]) == ("NVIDIA GeForce RTX 5060 Ti", 16, "2.7.13")
@@ -176,43 +199,72 @@ def test_row_of_a_converged_host_with_a_gate():
 
 
 def test_row_of_an_unchanged_host_uses_the_last_gate():
-    row = host_row("ws2", [{"host": "ws2", "observed": OBSERVED},
-                           {"host": "ws2", "finished": {"failed": False, "changes": 0}}])
+    row = host_row(
+        "ws2", [{"host": "ws2", "observed": OBSERVED}, {"host": "ws2", "finished": {"failed": False, "changes": 0}}]
+    )
     assert (row["result"], row["reason"]) == ("ok", "no change")
     assert (row["tokens_per_s"], row["tokens_per_s_source"]) == (23.9, "last gate")
     assert row["restart_pending"] is False and row["engine_version"] == "0.2.1"
 
 
 def test_rows_of_failed_hosts_say_why():
-    refused = host_row("ws3", [{"host": "ws3", "observed": {
-        **OBSERVED, "blockers": ["wsl_version", "gpu_memory"], "health": None, "last_gate": None}},
-        {"host": "ws3", "finished": {"failed": True, "changes": 0}}])
+    refused = host_row(
+        "ws3",
+        [
+            {
+                "host": "ws3",
+                "observed": {**OBSERVED, "blockers": ["wsl_version", "gpu_memory"], "health": None, "last_gate": None},
+            },
+            {"host": "ws3", "finished": {"failed": True, "changes": 0}},
+        ],
+    )
     assert refused["result"] == "refused"
     assert refused["reason"] == "refused at preflight: wsl_version, gpu_memory"
     # nothing was done on it: no model, health, tok/s or restart of ours to show (issue 15)
     assert (refused["model"], refused["health"], refused["tokens_per_s"]) == (None, "-", None)
     assert refused["restart_pending"] is None and refused["wsl_version"] == "2.7.13"
 
-    rolled = host_row("ws1", [
-        {"host": "ws1", "observed": {**OBSERVED, "engine_version": "0.2.3"}},
-        {"host": "ws1", "gate": {**GATE_OK, "version": "0.2.1", "rolled_back_from": "0.2.3"},
-         "rollback": {"from": "0.2.3", "to": "0.2.1", "ok": True,
-                      "reason": "0.2.3 failed the health gate in the health phase: engine reports error: x"}},
-        {"host": "ws1", "op_error": "Health gate: /health ok, chat completion, decode tok/s"},
-        {"host": "ws1", "finished": {"failed": True, "changes": 3}}])
+    rolled = host_row(
+        "ws1",
+        [
+            {"host": "ws1", "observed": {**OBSERVED, "engine_version": "0.2.3"}},
+            {
+                "host": "ws1",
+                "gate": {**GATE_OK, "version": "0.2.1", "rolled_back_from": "0.2.3"},
+                "rollback": {
+                    "from": "0.2.3",
+                    "to": "0.2.1",
+                    "ok": True,
+                    "reason": "0.2.3 failed the health gate in the health phase: engine reports error: x",
+                },
+            },
+            {"host": "ws1", "op_error": "Health gate: /health ok, chat completion, decode tok/s"},
+            {"host": "ws1", "finished": {"failed": True, "changes": 3}},
+        ],
+    )
     assert rolled["result"] == "failed" and rolled["engine_version"] == "0.2.1" and rolled["health"] == "ok"
-    assert rolled["reason"] == ("rolled back to 0.2.1: 0.2.3 failed the health gate in the health phase: "
-                                "engine reports error: x")
+    assert rolled["reason"] == (
+        "rolled back to 0.2.1: 0.2.3 failed the health gate in the health phase: engine reports error: x"
+    )
 
-    gate_failed = host_row("ws2", [{"host": "ws2", "observed": OBSERVED},
-                                   {"host": "ws2", "gate": {"ok": False, "phase": "chat",
-                                                            "error": "HTTP 401\nmore"}}])
+    gate_failed = host_row(
+        "ws2",
+        [
+            {"host": "ws2", "observed": OBSERVED},
+            {"host": "ws2", "gate": {"ok": False, "phase": "chat", "error": "HTTP 401\nmore"}},
+        ],
+    )
     assert gate_failed["reason"] == "health gate failed in the chat phase: HTTP 401"
     assert gate_failed["health"] == "failed (chat)"
 
-    op_failed = host_row("ws2", [{"host": "ws2", "observed": OBSERVED},
-                                 {"host": "ws2", "op_error": "CUDA: toolkit packages"},
-                                 {"host": "ws2", "finished": {"failed": True, "changes": 1}}])
+    op_failed = host_row(
+        "ws2",
+        [
+            {"host": "ws2", "observed": OBSERVED},
+            {"host": "ws2", "op_error": "CUDA: toolkit packages"},
+            {"host": "ws2", "finished": {"failed": True, "changes": 1}},
+        ],
+    )
     assert op_failed["reason"] == "failed at: CUDA: toolkit packages"
 
     assert host_row("ws9", [], no_result="no result (exit 1)")["reason"] == "no result (exit 1)"
@@ -228,12 +280,21 @@ def test_rows_of_failed_hosts_say_why():
 
 
 def test_fleet_table_has_every_column_and_a_summary():
-    rows = [host_row("ws1", [{"host": "ws1", "observed": OBSERVED}, {"host": "ws1", "gate": GATE_OK},
-                             {"host": "ws1", "finished": {"failed": False, "changes": 2}}]),
-            host_row("ws2", [{"host": "ws2", "observed": OBSERVED},
-                             {"host": "ws2", "finished": {"failed": False, "changes": 0}}]),
-            host_row("ws9", [], unreachable="Could not connect (timed out)"),
-            host_row("ws10", [], not_run="rollout stopped: x")]
+    rows = [
+        host_row(
+            "ws1",
+            [
+                {"host": "ws1", "observed": OBSERVED},
+                {"host": "ws1", "gate": GATE_OK},
+                {"host": "ws1", "finished": {"failed": False, "changes": 2}},
+            ],
+        ),
+        host_row(
+            "ws2", [{"host": "ws2", "observed": OBSERVED}, {"host": "ws2", "finished": {"failed": False, "changes": 0}}]
+        ),
+        host_row("ws9", [], unreachable="Could not connect (timed out)"),
+        host_row("ws10", [], not_run="rollout stopped: x"),
+    ]
     text = format_fleet_report(rows)
     lines = text.splitlines()
     assert lines[0] == "== fleet report =="
@@ -258,8 +319,10 @@ def test_records_round_trip_through_the_file(tmp_path, monkeypatch):
     records.record("ws2", op_error="x")
     with path.open("a") as f:
         f.write('{"host": "ws1", "torn')
-    assert read_records(str(path)) == {"ws1": [{"host": "ws1", "gate": GATE_OK}],
-                                       "ws2": [{"host": "ws2", "op_error": "x"}]}
+    assert read_records(str(path)) == {
+        "ws1": [{"host": "ws1", "gate": GATE_OK}],
+        "ws2": [{"host": "ws2", "op_error": "x"}],
+    }
 
 
 def test_restart_pending_fact_parses_and_quotes():
@@ -274,8 +337,12 @@ def test_restart_pending_command_on_this_machine(tmp_path):
     new.write_text("x")
     old.write_text("x")
     os.utime(old, (0, 0))
-    out = subprocess.run(["sh", "-c", RestartPending().command(paths=[str(new), str(old), str(tmp_path / "none")])],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    out = subprocess.run(
+        ["sh", "-c", RestartPending().command(paths=[str(new), str(old), str(tmp_path / "none")])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert parse_restart_pending_output(out) == [str(new)]
 
 
@@ -284,9 +351,9 @@ def test_previous_version_only_for_an_installed_other_version():
     s = Settings(engine_version="0.2.3")
     info = lambda active, versions: EngineInstallInfo("/opt/freetoken", versions, active)  # noqa: E731
     assert engine.previous_version(info("0.2.1", {"0.2.1": "0.2.1", "0.2.3": "0.2.3"}), s) == "0.2.1"
-    assert engine.previous_version(info("0.2.3", {"0.2.3": "0.2.3"}), s) is None        # same version
-    assert engine.previous_version(info(None, {}), s) is None                            # first install
-    assert engine.previous_version(info("0.2.1", {"0.2.1": None}), s) is None            # broken venv
+    assert engine.previous_version(info("0.2.3", {"0.2.3": "0.2.3"}), s) is None  # same version
+    assert engine.previous_version(info(None, {}), s) is None  # first install
+    assert engine.previous_version(info("0.2.1", {"0.2.1": None}), s) is None  # broken venv
 
 
 class Engine:
@@ -301,8 +368,11 @@ class Engine:
         cfg.write_text(json.dumps({"tokens_per_s": 40.0, "load_seconds": 0.5, "error_exit_delay_s": 30}))
         env = dict(os.environ, PYTHONPATH=str(pkg), FREETOKEN_STANDIN_CONFIG=str(cfg), FREETOKEN_API_KEY=KEY)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "freetoken", "--model-path", str(model), "--host", "127.0.0.1",
-             "--port", str(port)], env=env, stdout=(workdir / "engine.log").open("w"), stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "freetoken", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=(workdir / "engine.log").open("w"),
+            stderr=subprocess.STDOUT,
+        )
         wait_listening(port, self.proc, "engine stand-in", workdir / "engine.log")
 
     def stop(self) -> None:
@@ -357,8 +427,13 @@ def blue_green(tmp_path, model_dir):
         return e
 
     host = BlueGreenHost("ws1", base, start)
-    settings = Settings(engine_version="0.2.3", engine_base_dir=str(base), listen_port=port,
-                        health_timeout_s=20, model_dir=f"/var/lib/freetoken/models/{MODEL_NAME}")
+    settings = Settings(
+        engine_version="0.2.3",
+        engine_base_dir=str(base),
+        listen_port=port,
+        health_timeout_s=20,
+        model_dir=f"/var/lib/freetoken/models/{MODEL_NAME}",
+    )
     yield host, settings, key_file, base
     for e in engines:
         e.stop()
@@ -371,11 +446,11 @@ def test_failed_upgrade_rolls_back_and_serves_the_old_version(blue_green, tmp_pa
     kept = tmp_path / "last-gate.json"
     GATE_RESULTS.clear()
     with pytest.raises(OperationError) as info:
-        run_gate(None, host, settings, str(key_file), str(SCRIPT), {}, rollback_to="0.2.1",
-                 result_path=str(kept))
+        run_gate(None, host, settings, str(key_file), str(SCRIPT), {}, rollback_to="0.2.1", result_path=str(kept))
     message = str(info.value)
-    assert message.startswith("host ws1: rolled back to 0.2.1: 0.2.3 failed the health gate in the health phase: "
-                              "engine reports error: ")
+    assert message.startswith(
+        "host ws1: rolled back to 0.2.1: 0.2.3 failed the health gate in the health phase: engine reports error: "
+    )
     assert "freetoken 0.2.3: scheduler failed after load" in message.splitlines()[0]
     assert "RuntimeError: scheduler failed after load" in message  # what 0.2.3 logged
     assert os.readlink(base / "active") == str(base / "0.2.1")
@@ -407,31 +482,41 @@ def _row(name: str, result: str) -> dict:
     if result == "refused":
         return host_row(name, [{"host": name, "observed": {**OBSERVED, "blockers": ["wsl_version"]}}])
     failed = result == "failed"
-    return host_row(name, [{"host": name, "observed": OBSERVED},
-                           {"host": name, "op_error": "CUDA: toolkit packages"} if failed else {"host": name},
-                           {"host": name, "finished": {"failed": failed, "changes": 1}}])
+    return host_row(
+        name,
+        [
+            {"host": name, "observed": OBSERVED},
+            {"host": name, "op_error": "CUDA: toolkit packages"} if failed else {"host": name},
+            {"host": name, "finished": {"failed": failed, "changes": 1}},
+        ],
+    )
 
 
 def fake_runner(results: dict[str, str], ran: list[list[str]]):
     def run(index, hosts, inventory, deploy, data, out):
         ran.append(list(hosts))
         return BatchRun(list(hosts), 0, [_row(h, results[h]) for h in hosts])
+
     return run
 
 
 def test_a_parked_host_stops_nothing_and_each_batch_ends_with_why(capsys):
     import io
+
     results = {"ws1": "ok", "ws2": "parked", "ws3": "refused", "ws4": "ok"}
     ran: list[list[str]] = []
     out = io.StringIO()
-    rows, stopped = rollout_mod.rollout("inv.py", [["ws1"], ["ws2"], ["ws3", "ws4"]], out=out,
-                                        run=fake_runner(results, ran))
+    rows, stopped = rollout_mod.rollout(
+        "inv.py", [["ws1"], ["ws2"], ["ws3", "ws4"]], out=out, run=fake_runner(results, ran)
+    )
     assert stopped is None and ran == [["ws1"], ["ws2"], ["ws3", "ws4"]]
     assert [r["result"] for r in rows] == ["ok", "parked", "refused", "ok"]
     text = out.getvalue()
     assert "--> rollout batch 2 ended: no host ok" in text
-    assert ("    ws2 parked: unreachable: Could not connect (Connection refused); nothing was done on it "
-            "(catch it up when it is back)") in text
+    assert (
+        "    ws2 parked: unreachable: Could not connect (Connection refused); nothing was done on it "
+        "(catch it up when it is back)"
+    ) in text
     assert "    ws3 refused: refused at preflight: wsl_version; nothing was changed on it" in text
     assert "--> rollout batch 3 ended: ws4 ok" in text
     assert exit_status(rows, stopped) == rollout_mod.EXIT_PARKED
@@ -439,10 +524,12 @@ def test_a_parked_host_stops_nothing_and_each_batch_ends_with_why(capsys):
 
 def test_a_canary_that_reached_no_host_stops_the_rollout():
     import io
+
     ran: list[list[str]] = []
     out = io.StringIO()
-    rows, stopped = rollout_mod.rollout("inv.py", [["ws1"], ["ws2"]], out=out,
-                                        run=fake_runner({"ws1": "parked", "ws2": "ok"}, ran))
+    rows, stopped = rollout_mod.rollout(
+        "inv.py", [["ws1"], ["ws2"]], out=out, run=fake_runner({"ws1": "parked", "ws2": "ok"}, ran)
+    )
     assert ran == [["ws1"]] and "no reachable host" in stopped
     assert [r["result"] for r in rows] == ["parked", "not run"]
     assert exit_status(rows, stopped) == rollout_mod.EXIT_STOPPED
@@ -458,8 +545,15 @@ def test_exit_status_tells_parked_refused_and_failed_apart():
 
 
 def test_catch_up_selects_the_hosts_of_an_earlier_report(tmp_path):
-    doc = {"hosts": [_row("ws1", "ok"), _row("ws2", "parked"), _row("ws3", "refused"), _row("ws4", "failed"),
-                     host_row("ws5", [], not_run="rollout stopped: x")]}
+    doc = {
+        "hosts": [
+            _row("ws1", "ok"),
+            _row("ws2", "parked"),
+            _row("ws3", "refused"),
+            _row("ws4", "failed"),
+            host_row("ws5", [], not_run="rollout stopped: x"),
+        ]
+    }
     path = tmp_path / "r.json"
     path.write_text(json.dumps(doc))
     loaded_path, loaded = load_report(str(path))
@@ -500,8 +594,15 @@ def test_every_rollout_writes_its_report_where_from_last_finds_it(tmp_path, monk
 # ---------------------------------------------------------------------------- the CLI on this machine
 def _run_rollout(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-m", "freetoken_infra.rollout", *args], cwd=ROOT, capture_output=True,
-                         text=True, stdin=subprocess.DEVNULL, env=env, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "freetoken_infra.rollout", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        timeout=600,
+    )
     print(run.stdout[-8000:], run.stderr[-3000:], sep="\n")
     return run
 
@@ -513,8 +614,10 @@ def test_rollout_here_parks_an_unreachable_host_refuses_this_one_and_catches_up(
     from tests.loopback import free_port
 
     inv = tmp_path / "inventory.py"
-    inv.write_text('hosts = ["@local", ("ghost", {"ssh_hostname": "127.0.0.1", '
-                   f'"ssh_port": {free_port()}, "ssh_user": "nobody"}})]\n')
+    inv.write_text(
+        'hosts = ["@local", ("ghost", {"ssh_hostname": "127.0.0.1", '
+        f'"ssh_port": {free_port()}, "ssh_user": "nobody"}})]\n'
+    )
     # one batch: a canary of a refused host alone would stop the rollout (it proved nothing)
     run = _run_rollout([str(inv), "--batches", "2"], tmp_path)
     out = run.stdout
@@ -527,24 +630,26 @@ def test_rollout_here_parks_an_unreachable_host_refuses_this_one_and_catches_up(
     assert r["@local"]["result"] == "refused" and "wsl2" in r["@local"]["reason"]
     assert r["ghost"]["result"] == "parked" and r["ghost"]["reason"].startswith("unreachable: ")
     assert doc["exit_status"] == 4 and doc["batches_spec"] == "2" and doc["stopped"] is None
-    table = out[out.index("== fleet report =="):]
+    table = out[out.index("== fleet report ==") :]
     local = next(line for line in table.splitlines() if line.startswith("@local "))
     # nothing was done on either host: the columns of what the deploy does say "-"
     cells = local.split("  refused:")[0].split()
-    assert cells[-4:] == ["-", "-", "-", "-"], local   # model, health, tok/s, restart
+    assert cells[-4:] == ["-", "-", "-", "-"], local  # model, health, tok/s, restart
     assert "2 host(s): 0 ok, 1 parked, 1 refused, 0 failed, 0 not run" in table
     assert "    @local refused: refused at preflight: " in out
     assert "    ghost parked: unreachable: " in out
     assert f"--only parked,failed --from {reports[0]}" in out
-    assert out.rstrip().endswith("exit status 4: every reached host converged or was refused; "
-                                 "some hosts are parked (unreachable)")
+    assert out.rstrip().endswith(
+        "exit status 4: every reached host converged or was refused; some hosts are parked (unreachable)"
+    )
 
     again = _run_rollout([str(inv), "--only", "parked,failed", "--from", "last"], tmp_path)
     assert again.returncode == 4, again.stdout + again.stderr
     assert f"--> catch-up of {reports[0]}: ghost (parked or failed there)" in again.stdout
     assert "--> rollout plan: canary: ghost" in again.stdout
-    later = max((tmp_path / "state" / "freetoken-infra" / "rollouts").glob("rollout-*.json"),
-                key=lambda p: p.stat().st_mtime)
+    later = max(
+        (tmp_path / "state" / "freetoken-infra" / "rollouts").glob("rollout-*.json"), key=lambda p: p.stat().st_mtime
+    )
     assert [row["host"] for row in json.loads(later.read_text())["hosts"]] == ["ghost"]
     assert "--limit @local" not in again.stdout
 
@@ -556,20 +661,28 @@ def test_a_refused_last_host_ends_with_a_plain_line_not_a_pyinfra_error(tmp_path
     """The deploy on this machine (not WSL): its only host stops at preflight, and the run ends
     with one plain line of why and exit status 1, not ``pyinfra error in .../preflight.py``."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    run = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "-y", "@local", "deploys/freetoken.py"],
-                         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, timeout=600)
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("pyinfra")), "-y", "@local", "deploys/freetoken.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        timeout=600,
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 1, out
     assert "pyinfra error" not in out and "Traceback" not in out and "preflight.py" not in out, out
     # the last line but pyinfra's own "Disconnecting" (stdout and stderr interleave either way)
     last = [line for line in out.splitlines() if line.strip() and "Disconnecting" not in line][-1]
-    assert last.startswith("--> no host left to go on: the last one, @local, stopped at preflight "
-                           "(preflight blockers: wsl2"), last
+    assert last.startswith(
+        "--> no host left to go on: the last one, @local, stopped at preflight (preflight blockers: wsl2"
+    ), last
     assert last.endswith("nothing was changed on any host; the findings above say what to do")
 
 
 # ---------------------------------------------------------------------------- preview (--dry --diff)
-PREVIEW_DEPLOY = '''
+PREVIEW_DEPLOY = """
 import os
 from freetoken_infra.core.settings import Settings
 from operations import service, windows
@@ -577,7 +690,7 @@ settings = Settings(config_dir=os.environ["FT_CONFIG_DIR"], api_key_source="env:
 windows.ini_values(name="wslconfig", path=os.environ["FT_WSLCONFIG"], section="wsl2",
                    values=settings.wslconfig_values())
 service.api_key(name="key", settings=settings)
-'''
+"""
 
 
 def test_dry_diff_shows_the_changed_wslconfig_line_and_never_a_secret(tmp_path):
@@ -588,25 +701,42 @@ def test_dry_diff_shows_the_changed_wslconfig_line_and_never_a_secret(tmp_path):
 
     wanted = Settings().wslconfig_values()
     wslconfig = tmp_path / ".wslconfig"
-    wslconfig.write_bytes(merge_ini(b"\xff\xfe" + "# mine\r\n[wsl2]\r\n".encode("utf-16-le"), "wsl2",
-                                    {**wanted, "memory": "16GB"}))
+    wslconfig.write_bytes(
+        merge_ini(b"\xff\xfe" + "# mine\r\n[wsl2]\r\n".encode("utf-16-le"), "wsl2", {**wanted, "memory": "16GB"})
+    )
     config_dir = tmp_path / "etc"
     config_dir.mkdir()
     (config_dir / "api-key.env").write_text("FREETOKEN_API_KEY=old-secret-7d1e\n")
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (wslconfig, config_dir / "api-key.env")}
     deploy = tmp_path / "preview.py"
     deploy.write_text(PREVIEW_DEPLOY)
-    env = {**os.environ, "FT_CONFIG_DIR": str(config_dir), "FT_WSLCONFIG": str(wslconfig),
-           "FT_PREVIEW_KEY": "new-secret-51ab", "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    run = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "--dry", "--diff", "@local", str(deploy)],
-                         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "FT_CONFIG_DIR": str(config_dir),
+        "FT_WSLCONFIG": str(wslconfig),
+        "FT_PREVIEW_KEY": "new-secret-51ab",
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("pyinfra")), "--dry", "--diff", "@local", str(deploy)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        timeout=300,
+    )
     out = re.sub(r"\x1b\[[0-9;]*m", "", run.stdout + run.stderr)
     print(out)
     assert run.returncode == 0, out
     assert f"Will modify {wslconfig}" in out
     changed = [line.strip() for line in out.splitlines() if re.match(r"\s+[-+] ", line)]
-    assert changed == ["- memory=16GB", "+ memory=24GB",
-                       "- FREETOKEN_API_KEY=********", "+ FREETOKEN_API_KEY=******** (changed)"], changed
+    assert changed == [
+        "- memory=16GB",
+        "+ memory=24GB",
+        "- FREETOKEN_API_KEY=********",
+        "+ FREETOKEN_API_KEY=******** (changed)",
+    ], changed
     assert "secret-7d1e" not in out and "secret-51ab" not in out
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in before} == before
 
@@ -615,10 +745,15 @@ def test_environment_lines_are_masked_but_a_change_still_shows():
     from operations.preview import mask_env_lines
 
     text = "HF_TOKEN=hf_abc\nPIP_INDEX_URL=https://me:pw123@mirror.lan/simple\nLOG_LEVEL=info\n"
-    assert mask_env_lines(text) == ["HF_TOKEN=********\n", "PIP_INDEX_URL=https://me:********@mirror.lan/simple\n",
-                                    "LOG_LEVEL=info\n"]
+    assert mask_env_lines(text) == [
+        "HF_TOKEN=********\n",
+        "PIP_INDEX_URL=https://me:********@mirror.lan/simple\n",
+        "LOG_LEVEL=info\n",
+    ]
     assert mask_env_lines("HF_TOKEN=b\nAPI_KEY=k\n", before="HF_TOKEN=a\n") == [
-        "HF_TOKEN=******** (changed)\n", "API_KEY=******** (new)\n"]
+        "HF_TOKEN=******** (changed)\n",
+        "API_KEY=******** (new)\n",
+    ]
     assert mask_env_lines("HF_TOKEN=a\n", before="HF_TOKEN=a\n") == ["HF_TOKEN=********\n"]
 
 
@@ -628,24 +763,31 @@ def test_a_run_that_reaches_no_host_says_so_plainly(tmp_path):
     from tests.loopback import free_port
 
     inv = tmp_path / "inventory.py"
-    inv.write_text(f'hosts = [("ghost", {{"ssh_hostname": "127.0.0.1", "ssh_port": {free_port()}, '
-                   '"ssh_user": "nobody"})]\n')
-    run = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "-y", str(inv), "deploys/freetoken.py"],
-                         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=300)
+    inv.write_text(
+        f'hosts = [("ghost", {{"ssh_hostname": "127.0.0.1", "ssh_port": {free_port()}, "ssh_user": "nobody"}})]\n'
+    )
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("pyinfra")), "-y", str(inv), "deploys/freetoken.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+        timeout=300,
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 1, out
     assert "pyinfra error" not in out and "Traceback" not in out, out
-    assert ("--> no host could be reached (ghost; pyinfra's errors are above); nothing was done on any host"
-            in out), out
+    assert "--> no host could be reached (ghost; pyinfra's errors are above); nothing was done on any host" in out, out
 
 
 def test_an_unreachable_host_is_parked_from_the_structured_record(tmp_path, monkeypatch):
     """config.py registers report.ConnectRecorder under $FREETOKEN_RUN_RECORD: pyinfra's
     connection error is a record, so the row needs no console text to be parked."""
     monkeypatch.setenv(records.RECORD_ENV, str(tmp_path / "run.jsonl"))
-    report.ConnectRecorder.host_connect_error(None, type("H", (), {"name": "ws2"})(),
-                                              OSError("Could not connect (timed out)\nmore"))
+    report.ConnectRecorder.host_connect_error(
+        None, type("H", (), {"name": "ws2"})(), OSError("Could not connect (timed out)\nmore")
+    )
     by_host = read_records(str(tmp_path / "run.jsonl"))
     assert by_host == {"ws2": [{"host": "ws2", "unreachable": "Could not connect (timed out)"}]}
     row = host_row("ws2", by_host["ws2"])

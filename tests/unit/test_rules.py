@@ -32,14 +32,25 @@ def healthy(**changes) -> rules.Observations:
         init=InitInfo("systemd", "running"),
         gpus=GpuReport((RTX5060TI,), "13.0", "/usr/lib/wsl/lib/nvidia-smi", None),
         cuda=CudaToolchainInfo(
-            (NvccInfo("/usr/local/cuda-13.0/bin/nvcc", "CUDA_HOME", (13, 0), ARCHS_13),), "/usr/local/cuda-13.0", "1.13.0"
+            (NvccInfo("/usr/local/cuda-13.0/bin/nvcc", "CUDA_HOME", (13, 0), ARCHS_13),),
+            "/usr/local/cuda-13.0",
+            "1.13.0",
         ),
         resources=ResourcesInfo(24 * GiB, 20 * GiB, 4 * GiB, 0, 8, "/var/lib", 200 * 10**9),
         wslconf=IniFileInfo("/etc/wsl.conf", True, {"boot": {"systemd": "true"}}),
         windows_profile=WindowsProfileInfo("/mnt/c/Users/dev", "C:\\Users\\dev", None),
         wslconfig=IniFileInfo(
-            "/mnt/c/Users/dev/.wslconfig", True,
-            {"wsl2": {"memory": "24GB", "processors": "8", "swap": "4GB", "localhostforwarding": "true", "vmidletimeout": "0"}},
+            "/mnt/c/Users/dev/.wslconfig",
+            True,
+            {
+                "wsl2": {
+                    "memory": "24GB",
+                    "processors": "8",
+                    "swap": "4GB",
+                    "localhostforwarding": "true",
+                    "vmidletimeout": "0",
+                }
+            },
         ),
         gpu_memory=GpuMemoryProbeResult("healthy", 15 * GiB, 16 * GiB, True, True, 1 * GiB, None),
         engine=EngineInstallInfo("/opt/freetoken", {}, None),
@@ -134,7 +145,9 @@ def test_compute_capability_below_ampere_blocks():
 
 
 def test_allocation_locked_gpu_memory_is_the_fake_oom():
-    locked = GpuMemoryProbeResult("allocation_locked", int(11.6 * GiB), 16 * GiB, False, False, GiB, "CUDA_ERROR_OUT_OF_MEMORY (2)")
+    locked = GpuMemoryProbeResult(
+        "allocation_locked", int(11.6 * GiB), 16 * GiB, False, False, GiB, "CUDA_ERROR_OUT_OF_MEMORY (2)"
+    )
     f = finding("gpu_memory", healthy(gpu_memory=locked))
     assert f.status == "block"
     assert "pitfall 4B" in f.evidence and "11.6 GiB free" in f.evidence
@@ -149,7 +162,10 @@ def test_a_genuinely_full_card_is_not_blamed_on_wsl():
 
 
 def test_no_cuda_blocks():
-    f = finding("gpu_memory", healthy(gpu_memory=GpuMemoryProbeResult("no_cuda", None, None, None, None, None, "libcuda.so.1 not found")))
+    f = finding(
+        "gpu_memory",
+        healthy(gpu_memory=GpuMemoryProbeResult("no_cuda", None, None, None, None, None, "libcuda.so.1 not found")),
+    )
     assert f.status == "block" and "libcuda" in f.evidence
 
 
@@ -159,7 +175,14 @@ def test_no_cuda_blocks():
         ((), "warn", "no nvcc"),
         ((NvccInfo("/usr/bin/nvcc", "PATH", (12, 0), ARCHS_12),), "warn", "wrong major"),
         ((NvccInfo("/usr/local/cuda-13.0/bin/nvcc", "usr_local", (13, 0), ARCHS_12),), "warn", "compute_120"),
-        ((NvccInfo("/usr/bin/nvcc", "PATH", (12, 0), ARCHS_12), NvccInfo("/usr/local/cuda-13.0/bin/nvcc", "usr_local", (13, 0), ARCHS_13)), "pass", "compute_120"),
+        (
+            (
+                NvccInfo("/usr/bin/nvcc", "PATH", (12, 0), ARCHS_12),
+                NvccInfo("/usr/local/cuda-13.0/bin/nvcc", "usr_local", (13, 0), ARCHS_13),
+            ),
+            "pass",
+            "compute_120",
+        ),
     ],
 )
 def test_nvcc_must_be_13_and_list_the_gpu_arch(nvcc, status, words):
@@ -187,19 +210,25 @@ def test_disk_counts_only_what_is_still_missing():
 
 
 def test_unsupported_quantisation_is_refused_from_the_config_alone():
-    fp8 = QuantSummary("config.json", "compressed-tensors", None, frozenset({"fp8_tensor", "nvfp4"}), frozenset({"fp8_tensor"}))
+    fp8 = QuantSummary(
+        "config.json", "compressed-tensors", None, frozenset({"fp8_tensor", "nvfp4"}), frozenset({"fp8_tensor"})
+    )
     f = finding("model_quant", healthy(model=ModelDirInfo("/m", True, {"config.json": 100}, fp8, None)))
     assert f.status == "block" and "fp8_tensor" in f.evidence and "nvidia/Qwen3.6-35B-A3B-NVFP4" in f.remedy
     for scheme in ("fp8_channel",):
         q = replace(fp8, expert_schemes=frozenset({scheme}))
         assert rules.check_model_quantisation(q, "/m").status == "block"
-    modelopt = QuantSummary("config.json", "modelopt", "MIXED_PRECISION", frozenset({"nvfp4"}), frozenset({"fp8_tensor"}))
+    modelopt = QuantSummary(
+        "config.json", "modelopt", "MIXED_PRECISION", frozenset({"nvfp4"}), frozenset({"fp8_tensor"})
+    )
     # FP8 attention is fine: only the experts go through the MoE quant registry.
     assert rules.check_model_quantisation(modelopt, "/m").status == "pass"
 
 
 def test_a_broken_or_missing_model_config_never_blocks_the_deploy_that_refetches_it():
-    f = finding("model_quant", healthy(model=ModelDirInfo("/m", True, {"config.json": 3}, None, "config.json: invalid JSON")))
+    f = finding(
+        "model_quant", healthy(model=ModelDirInfo("/m", True, {"config.json": 3}, None, "config.json: invalid JSON"))
+    )
     assert f.status == "warn" and "invalid JSON" in f.evidence and "fetches it again" in f.remedy
     # A download that stopped before its first file: an empty model directory.
     assert finding("model_quant", healthy(model=ModelDirInfo("/m", True, {}, None, None))).status == "pass"
@@ -228,10 +257,10 @@ def test_launch_plan_scales_with_vram_by_one_rule():
 # (nvidia-smi's memory.total in MiB, compute capability) -> the derived plan, by the README's rule:
 # cache 16*g, num_tokens 256*g, kv_reserve max(8192, 256*g), max_running max(1, g // 16).
 CARDS = [
-    (16311, (12, 0), (16, 256, 4096, 8192, 1, "triton")),   # RTX 5060 Ti: the field report
-    (24564, (8, 9), (24, 384, 6144, 8192, 1, "auto")),      # RTX 4090
-    (32607, (12, 0), (32, 512, 8192, 8192, 2, "triton")),   # RTX 5090
-    (49140, (8, 9), (48, 768, 12288, 12288, 3, "auto")),    # RTX 6000 Ada
+    (16311, (12, 0), (16, 256, 4096, 8192, 1, "triton")),  # RTX 5060 Ti: the field report
+    (24564, (8, 9), (24, 384, 6144, 8192, 1, "auto")),  # RTX 4090
+    (32607, (12, 0), (32, 512, 8192, 8192, 2, "triton")),  # RTX 5090
+    (49140, (8, 9), (48, 768, 12288, 12288, 3, "auto")),  # RTX 6000 Ada
     (97887, (12, 0), (96, 1536, 24576, 24576, 6, "triton")),  # RTX PRO 6000 Blackwell
 ]
 
@@ -243,8 +272,13 @@ def test_every_derived_plan_passes_its_own_launch_plan_rule(mib, cc, want):
     g, cache, tokens, reserve, running, backend = want
     assert nominal_vram_gb(mib) == g
     plan = derive_plan(Settings(), mib, cc)
-    assert (plan.moe_cache_size, plan.num_tokens, plan.kv_reserve_tokens, plan.max_running_requests,
-            plan.attention_backend) == (cache, tokens, reserve, running, backend)
+    assert (
+        plan.moe_cache_size,
+        plan.num_tokens,
+        plan.kv_reserve_tokens,
+        plan.max_running_requests,
+        plan.attention_backend,
+    ) == (cache, tokens, reserve, running, backend)
     assert plan.num_tokens <= plan.kv_reserve_tokens
     gpu = GpuInfo(0, "a card", cc, mib, 1000, mib - 1000, "581.80")
     obs = healthy(gpus=GpuReport((gpu,), "13.0", "/usr/lib/wsl/lib/nvidia-smi", None))
@@ -307,15 +341,19 @@ WSLCONFIG_PATH = "/mnt/c/Users/dev/.wslconfig"
 
 
 def test_wslconfig_with_inline_comments_and_quotes_equal_to_the_settings_passes():
-    data = (b"[wsl2]   # mine\r\nmemory = \"24GB\"   # limit\r\nprocessors=8 # cores\r\nswap=4GB\r\n"
-            b"localhostForwarding = \"true\"\r\nvmIdleTimeout=0 # never\r\n")
+    data = (
+        b'[wsl2]   # mine\r\nmemory = "24GB"   # limit\r\nprocessors=8 # cores\r\nswap=4GB\r\n'
+        b'localhostForwarding = "true"\r\nvmIdleTimeout=0 # never\r\n'
+    )
     f = finding("wslconfig", healthy(wslconfig=parse_ini(WSLCONFIG_PATH, data)))
     assert f.status == "pass", f.evidence
 
 
 def test_networking_mode_where_wsl_2_0_read_it_counts():
-    data = b"[wsl2]\nmemory=24GB\nprocessors=8\nswap=4GB\nlocalhostForwarding=true\nvmIdleTimeout=0\n" \
-           b"[experimental]\nnetworkingMode=mirrored\n"
+    data = (
+        b"[wsl2]\nmemory=24GB\nprocessors=8\nswap=4GB\nlocalhostForwarding=true\nvmIdleTimeout=0\n"
+        b"[experimental]\nnetworkingMode=mirrored\n"
+    )
     settings = Settings(wslconfig_networking_mode="mirrored")
     f = finding("wslconfig", healthy(wslconfig=parse_ini(WSLCONFIG_PATH, data)), settings)
     assert f.status == "pass" and "networkingMode=mirrored ([experimental] line 8)" in f.evidence

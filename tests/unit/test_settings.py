@@ -48,7 +48,8 @@ def test_the_readme_settings_table_is_current():
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert readme_with_table(readme) == readme, (
-        "README.md's settings table is stale: run `.venv/bin/python -m freetoken_infra.core.settings`")
+        "README.md's settings table is stale: run `.venv/bin/python -m freetoken_infra.core.settings`"
+    )
 
 
 @pytest.mark.parametrize("name", ["rtx5060ti_16gb", "rtx5090_32gb"])
@@ -132,7 +133,8 @@ def test_model_cache_host_must_be_a_host_of_the_inventory():
     with pytest.raises(SettingsError) as exc:
         validate_inventory(bad)
     assert exc.value.problems == [
-        "host ws2: setting 'model_cache_host' = 'wsl' is invalid: not a host of this inventory (hosts: ws1, ws2)"]
+        "host ws2: setting 'model_cache_host' = 'wsl' is invalid: not a host of this inventory (hosts: ws1, ws2)"
+    ]
 
 
 def test_cache_sources_point_at_the_cache_host_address_then_the_extra_sources():

@@ -68,8 +68,9 @@ def inventory(tmp_path: Path, port: int, group_all: str | None = None) -> Path:
 
 def pyinfra(*args: str) -> subprocess.CompletedProcess:
     # From the repository root: the same directory the README's commands run from.
-    return subprocess.run([PYINFRA, "-y", *args], cwd=ROOT, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=120)
+    return subprocess.run(
+        [PYINFRA, "-y", *args], cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120
+    )
 
 
 @pytest.mark.parametrize("deploy", DEPLOYS)
@@ -95,8 +96,10 @@ def test_bad_group_data_stops_the_run_before_any_connection(tmp_path, listener, 
     out = run.stdout + run.stderr
     assert run.returncode != 0, out
     assert "Traceback" not in out, out
-    assert "host 127.0.0.1: setting 'wslconfig_memory' = '24 gigs' is invalid: " \
-           "must be a positive size such as '24GB' or '512MB'" in out, out
+    assert (
+        "host 127.0.0.1: setting 'wslconfig_memory' = '24 gigs' is invalid: "
+        "must be a positive size such as '24GB' or '512MB'" in out
+    ), out
     assert listener.connections == 0, out
 
 

@@ -38,15 +38,30 @@ class Engine:
     def __init__(self, tmp_path, model, *extra, config=None, env=None):
         self.port = free_port(with_next=True)
         cfg = tmp_path / "standin.json"
-        cfg.write_text(json.dumps({"load_seconds": 1.0, "error_exit_delay_s": 1, "tokens_per_s": 40.0, **(config or {})}))
+        cfg.write_text(
+            json.dumps({"load_seconds": 1.0, "error_exit_delay_s": 1, "tokens_per_s": 40.0, **(config or {})})
+        )
         e = dict(os.environ, PYTHONPATH=str(ENGINE_SRC), FREETOKEN_STANDIN_CONFIG=str(cfg))
         e.pop("FREETOKEN_API_KEY", None)
         e.update(env or {})
         self.out, self.err = tmp_path / "out.log", tmp_path / "err.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "freetoken", "--model-path", str(model), "--host", "127.0.0.1",
-             "--port", str(self.port), *extra],
-            env=e, stdout=self.out.open("w"), stderr=self.err.open("w"))
+            [
+                sys.executable,
+                "-m",
+                "freetoken",
+                "--model-path",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *extra,
+            ],
+            env=e,
+            stdout=self.out.open("w"),
+            stderr=self.err.open("w"),
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_bound(self):
@@ -77,8 +92,9 @@ class Engine:
 
     def call(self, path, body=None, headers=None, method=None):
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json",
-                                                                          **(headers or {})}, method=method)
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}, method=method
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.status, r.read()
@@ -140,8 +156,13 @@ def test_auth_key_from_env_bearer_and_x_api_key(engines, tmp_path, model):
 
 
 def test_empty_api_key_is_an_error(tmp_path, model):
-    r = subprocess.run([sys.executable, "-m", "freetoken", "--model-path", str(model), "--api-key", ""],
-                       env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)), capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "freetoken", "--model-path", str(model), "--api-key", ""],
+        env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "--api-key is empty" in r.stderr
 
 
@@ -149,9 +170,18 @@ def test_stream_pace_and_usage(engines, tmp_path, model):
     e = start(engines, tmp_path, model, config={"tokens_per_s": 40.0, "load_seconds": 0.2})
     e.wait_bound()
     e.wait_status("ok")
-    req = urllib.request.Request(e.url + "/v1/chat/completions", data=json.dumps({
-        "messages": [{"role": "user", "content": "count to twenty please"}], "max_tokens": 20, "stream": True,
-        "stream_options": {"include_usage": True}}).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        e.url + "/v1/chat/completions",
+        data=json.dumps(
+            {
+                "messages": [{"role": "user", "content": "count to twenty please"}],
+                "max_tokens": 20,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     t0 = time.monotonic()
     stamps, chunks = [], []
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -181,13 +211,22 @@ def test_stream_pace_and_usage(engines, tmp_path, model):
 
 
 def test_unknown_flag_rejected_like_argparse(tmp_path, model):
-    r = subprocess.run([sys.executable, "-m", "freetoken", "--model-path", str(model), "--attn-backend", "x"],
-                       env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)), capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "freetoken", "--model-path", str(model), "--attn-backend", "x"],
+        env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2
     assert "python -m freetoken: error: unrecognized arguments: --attn-backend x" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "freetoken", "--model-path", str(model), "--moe-cache-size", "256",
-                        "--moe-cache-auto"], env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)),
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "freetoken", "--model-path", str(model), "--moe-cache-size", "256", "--moe-cache-auto"],
+        env=dict(os.environ, PYTHONPATH=str(ENGINE_SRC)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
 
 
@@ -198,8 +237,10 @@ def test_parser_matches_real_0_2_1_flags():
             real.append(line)
     parser = standin_args.build_parser()
     groups = {}
-    for name, g in (("kv_capacity_group", parser._mutually_exclusive_groups[0]),
-                    ("moe_cache_group", parser._mutually_exclusive_groups[1])):
+    for name, g in (
+        ("kv_capacity_group", parser._mutually_exclusive_groups[0]),
+        ("moe_cache_group", parser._mutually_exclusive_groups[1]),
+    ):
         for act in g._group_actions:
             groups[id(act)] = name
     mine = []
@@ -212,8 +253,16 @@ def test_parser_matches_real_0_2_1_flags():
         mine.append(line)
     assert mine == real
     ns = parser.parse_args(["--model-path", "m"])
-    assert (ns.server_host, ns.server_port, ns.max_running_req, ns.max_extend_tokens, ns.kv_reserve_tokens,
-            ns.attention_backend, ns.moe_strategy, ns.memory_ratio) == ("127.0.0.1", 1919, 4, 8192, 8192, "auto", "auto", 0.9)
+    assert (
+        ns.server_host,
+        ns.server_port,
+        ns.max_running_req,
+        ns.max_extend_tokens,
+        ns.kv_reserve_tokens,
+        ns.attention_backend,
+        ns.moe_strategy,
+        ns.memory_ratio,
+    ) == ("127.0.0.1", 1919, 4, 8192, 8192, "auto", "auto", 0.9)
 
 
 def test_unsupported_model_fails_with_fp8_tensor(engines, tmp_path, standin_repos):
@@ -245,11 +294,15 @@ def test_fault_switches_oom_then_crash(engines, tmp_path, model):
     # record (tagged FrontendAPI) and /health turns error (exit follows after the grace).
     assert e.health()["status"] == "error"
     stdout, stderr = e.logs()
-    record = (r"^\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d\|FrontendAPI\]\x1b\[0m \x1b\[31mERROR   "
-              r"\x1b\[0m Backend supervisor: backend worker freetoken-TP0-scheduler exited$")
+    record = (
+        r"^\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d\|FrontendAPI\]\x1b\[0m \x1b\[31mERROR   "
+        r"\x1b\[0m Backend supervisor: backend worker freetoken-TP0-scheduler exited$"
+    )
     assert re.search(record, stdout, re.M), stdout
-    traceback = (r"^Process freetoken-TP0-scheduler:\nTraceback \(most recent call last\):\n(  .*\n)+"
-                 r"torch\.OutOfMemoryError: CUDA out of memory\. Tried to allocate ")
+    traceback = (
+        r"^Process freetoken-TP0-scheduler:\nTraceback \(most recent call last\):\n(  .*\n)+"
+        r"torch\.OutOfMemoryError: CUDA out of memory\. Tried to allocate "
+    )
     assert re.search(traceback, stderr, re.M), stderr
     assert "this process has 17179869184.00 GiB memory in use" in e.logs()[1]
     assert "GPU 0 has a total capacity of 15.93 GiB of which 11.60 GiB is free" in e.logs()[1]
@@ -296,13 +349,29 @@ def vm_memory(tmp_path):
     meminfo = root / ".sim" / "meminfo"
     meminfo.write_text(harness.meminfo_text(profile))
     state = tmp_path / "state.json"
-    state.write_text(json.dumps({"hosts": {"ws1": {"name": "ws1", "address": "127.0.0.1", "root": str(root),
-                                                   "profile": profile.to_dict()}}}))
+    state.write_text(
+        json.dumps(
+            {"hosts": {"ws1": {"name": "ws1", "address": "127.0.0.1", "root": str(root), "profile": profile.to_dict()}}}
+        )
+    )
     port = free_port()
     log = tmp_path / "vm_memory.log"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fleet.standins.vm_memory", "--bind", "127.0.0.1",
-                             "--port", str(port), "--state", str(state)],
-                            cwd=harness.REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.fleet.standins.vm_memory",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--state",
+            str(state),
+        ],
+        cwd=harness.REPO_ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_listening(port, proc, "vm_memory stand-in", log)
         yield f"http://127.0.0.1:{port}/swap/grow", meminfo, profile

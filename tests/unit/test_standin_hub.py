@@ -58,8 +58,9 @@ def get(url, headers=None, method="GET"):
 
 
 def post(url, obj):
-    req = urllib.request.Request(url, data=json.dumps(obj).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(obj).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -86,7 +87,7 @@ def test_shards_have_valid_safetensors_headers(repos_dir):
         data = (root / shard).read_bytes()
         assert 1 << 20 < len(data) < 8 << 20
         (hlen,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + hlen])
+        header = json.loads(data[8 : 8 + hlen])
         end = 0
         for name, spec in header.items():
             if name == "__metadata__":
@@ -214,7 +215,7 @@ def test_cut_switch_drops_link_after_n_bytes_then_recovers(server, repos_dir):
     u = f"{url}/{SUPPORTED}/resolve/main/{SHARD}"
     full = (repos_dir / SUPPORTED / SHARD).read_bytes()
     assert post(f"{url}/_standin/cut", {"after_bytes": 4096, "times": 1})["ok"]
-    host, port = url[len("http://"):].split(":")
+    host, port = url[len("http://") :].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(f"GET /{SUPPORTED}/resolve/main/{SHARD} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         raw = b""
@@ -249,9 +250,23 @@ def test_gated_token_file_cli_and_no_token_in_log(repos_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fleet.standins.hub", "--bind", "127.0.0.1", "--port", str(port),
-         "--repos", str(repos_dir), "--require-token-file", str(token_file)],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "tests.fleet.standins.hub",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--repos",
+            str(repos_dir),
+            "--require-token-file",
+            str(token_file),
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(100):

@@ -31,8 +31,11 @@ def house(tmp_path_factory):
 @pytest.fixture(scope="module")
 def index_url(house):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port),
-                             "--directory", str(house)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port), "--directory", str(house)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -51,8 +54,13 @@ def fresh_venv(path: Path) -> Path:
 
 def pip_install(py: Path, index_url: str, *reqs: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
-    return subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", "--index-url", index_url, *reqs],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(py), "-m", "pip", "install", "--no-cache-dir", "--index-url", index_url, *reqs],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_index_layout_and_hashes(house):
@@ -62,6 +70,7 @@ def test_index_layout_and_hashes(house):
     links = re.findall(r'href="\.\./\.\./packages/([^"#]+)#sha256=([0-9a-f]{64})"', page)
     assert sorted(n for n, _ in links) == [f"freetoken-0.2.{i}-py3-none-any.whl" for i in (1, 2, 3)]
     import hashlib
+
     for name, digest in links:
         assert hashlib.sha256((house / "packages" / name).read_bytes()).hexdigest() == digest
 
@@ -82,11 +91,17 @@ def test_pip_installs_engine_with_accel_and_ninja(index_url, tmp_path):
     assert r.returncode == 0 and "--attention-backend" in r.stdout
     r = subprocess.run([str(tmp_path / "venv" / "bin" / "ft"), "--version"], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "freetoken version 0.2.1"
-    r = subprocess.run([str(tmp_path / "venv" / "bin" / "ninja"), "--version"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [str(tmp_path / "venv" / "bin" / "ninja"), "--version"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.strip()
     # the broken release installs like any other, and says so
     r = pip_install(py, index_url, "freetoken[accel]==0.2.3")
     assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run([str(py), "-c", "import freetoken.version as v; print(v.__version__, v.BROKEN)"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [str(py), "-c", "import freetoken.version as v; print(v.__version__, v.BROKEN)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.stdout.split() == ["0.2.3", "True"]

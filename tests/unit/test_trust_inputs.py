@@ -48,12 +48,15 @@ def test_an_inventory_without_hosts_is_refused(tmp_path):
     refused(pyinfra(str(empty), "deploys/doctor.py"), f"inventory {empty}: no hosts")
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("listen_port = = 8000\n", ":1: syntax error: invalid syntax"),
-    ("import os\nlisten_port = int(os.environ['FREETOKEN_NO_SUCH_VAR'])\n",
-     ": KeyError: 'FREETOKEN_NO_SUCH_VAR'"),
-    ("listen_port = 1 / 0\n", ": ZeroDivisionError: division by zero"),
-], ids=["syntax", "keyerror", "zerodivision"])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("listen_port = = 8000\n", ":1: syntax error: invalid syntax"),
+        ("import os\nlisten_port = int(os.environ['FREETOKEN_NO_SUCH_VAR'])\n", ": KeyError: 'FREETOKEN_NO_SUCH_VAR'"),
+        ("listen_port = 1 / 0\n", ": ZeroDivisionError: division by zero"),
+    ],
+    ids=["syntax", "keyerror", "zerodivision"],
+)
 def test_a_broken_group_data_file_is_named_in_one_line(tmp_path, listener, text, expected):
     inv = inventory(tmp_path, listener.port, group_all=text)
     out = refused(pyinfra(str(inv), "deploys/freetoken.py"))
@@ -72,16 +75,22 @@ def test_a_broken_inventory_file_is_named_in_one_line(tmp_path):
 @pytest.mark.parametrize("value", ["1e309", "inf", "nan"])
 def test_a_swap_limit_that_is_not_finite_is_refused(tmp_path, listener, value):
     inv = inventory(tmp_path, listener.port)
-    refused(pyinfra("--data", f"guard_swap_limit_gb={value}", str(inv), "deploys/freetoken.py"),
-            "setting 'guard_swap_limit_gb'", "finite number")
+    refused(
+        pyinfra("--data", f"guard_swap_limit_gb={value}", str(inv), "deploys/freetoken.py"),
+        "setting 'guard_swap_limit_gb'",
+        "finite number",
+    )
     assert listener.connections == 0
 
 
 def test_an_api_key_file_missing_on_the_controller_is_refused(tmp_path, listener):
     inv = inventory(tmp_path, listener.port)
     missing = tmp_path / "keys" / "freetoken.key"
-    refused(pyinfra("--data", f"api_key_source=file:{missing}", str(inv), "deploys/freetoken.py"),
-            "setting 'api_key_source' = 'file:", "is invalid: the file does not exist on the controller")
+    refused(
+        pyinfra("--data", f"api_key_source=file:{missing}", str(inv), "deploys/freetoken.py"),
+        "setting 'api_key_source' = 'file:",
+        "is invalid: the file does not exist on the controller",
+    )
     assert listener.connections == 0
 
 

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -22,8 +21,21 @@ from freetoken_infra.core.settings import Settings, SettingsError, build_setting
 from operations.model import cache_bind_address, cache_unit
 from tests.loopback import free_port, wait_listening
 from tests.unit.test_fetch_model import (  # noqa: F401 - fixtures
-    ROOT, SHARD1, SUPPORTED, TOKEN, Hub, _clean_env, assert_complete, complete_model, fetch, fresh, hub,
-    model_bytes, repos, resolve, script_dir,
+    ROOT,
+    SHARD1,
+    SUPPORTED,
+    TOKEN,
+    Hub,
+    _clean_env,
+    assert_complete,
+    complete_model,
+    fetch,
+    fresh,
+    hub,
+    model_bytes,
+    repos,
+    resolve,
+    script_dir,
 )
 
 
@@ -36,9 +48,23 @@ class Cache:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = model_dir.parent / f"cache-{self.port}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", str(script_dir / "model_cache.py"), "--dir", str(model_dir),
-             "--bind", "127.0.0.1", "--port", str(self.port), *extra],
-            cwd="/", env=_clean_env(), stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
+            [
+                sys.executable,
+                "-I",
+                str(script_dir / "model_cache.py"),
+                "--dir",
+                str(model_dir),
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *extra,
+            ],
+            cwd="/",
+            env=_clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+        )
         wait_listening(self.port, self.proc, "model_cache.py", self.log)
 
     def raw(self, request: bytes, timeout: float = 30) -> bytes:
@@ -51,7 +77,7 @@ class Cache:
                     return b"".join(chunks)
                 chunks.append(block)
 
-    def get(self, path: str, headers: Optional[dict] = None) -> tuple[int, bytes]:
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         answer = self.raw(f"GET {path} HTTP/1.1\r\nHost: cache\r\n{extra}\r\n".encode())
         head, _, body = answer.partition(b"\r\n\r\n")
@@ -143,8 +169,12 @@ def test_a_gated_cache_serves_nobody_without_the_key(script_dir, complete_model,
     assert key == fetch_model.cache_token(TOKEN) and TOKEN not in key
     cache, _ = _gated_cache(script_dir, complete_model, tmp_path)
     try:
-        for headers in (None, {"X-FreeToken-Cache-Token": "guess"}, {"Authorization": f"Bearer {TOKEN}"},
-                        {"X-FreeToken-Cache-Token": TOKEN}):
+        for headers in (
+            None,
+            {"X-FreeToken-Cache-Token": "guess"},
+            {"Authorization": f"Bearer {TOKEN}"},
+            {"X-FreeToken-Cache-Token": TOKEN},
+        ):
             for path in (resolve(SHARD1), "/health"):
                 assert cache.get(path, headers)[0] == 401, (path, headers)
         status, body = cache.get(resolve(SHARD1), {"X-FreeToken-Cache-Token": key})
@@ -160,8 +190,7 @@ def test_a_fetcher_with_the_hub_token_reads_a_gated_cache(script_dir, repos, com
     cache, token_file = _gated_cache(script_dir, complete_model, tmp_path)
     gated = Hub(repos, token_file=token_file)
     try:
-        run = fetch(script_dir, gated.url, tmp_path / "host2", "--token-file", str(token_file),
-                    "--source", cache.url)
+        run = fetch(script_dir, gated.url, tmp_path / "host2", "--token-file", str(token_file), "--source", cache.url)
         assert run.rc == 0, run.stderr
         assert_complete(tmp_path / "host2", repos)
         assert gated.stats()["bytes_sent"] == 0, gated.stats()

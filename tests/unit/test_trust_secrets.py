@@ -20,8 +20,9 @@ import subprocess
 import sys
 import threading
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import pytest
 
@@ -30,8 +31,16 @@ from freetoken_infra.core.launch import derive_plan
 from freetoken_infra.core.settings import Settings
 from tests.unit.test_health_gate import KEY, MODEL_NAME, SCRIPT, StandinEngine
 
-PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY",
-              "no_proxy", "NO_PROXY")
+PROXY_VARS = (
+    "http_proxy",
+    "HTTP_PROXY",
+    "https_proxy",
+    "HTTPS_PROXY",
+    "all_proxy",
+    "ALL_PROXY",
+    "no_proxy",
+    "NO_PROXY",
+)
 
 
 class RecordingProxy:
@@ -49,14 +58,19 @@ class RecordingProxy:
             def _relay(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                seen.append({"line": self.requestline, "headers": dict(self.headers.items()),
-                             "body": (body or b"").decode("utf-8", "replace")})
+                seen.append(
+                    {
+                        "line": self.requestline,
+                        "headers": dict(self.headers.items()),
+                        "body": (body or b"").decode("utf-8", "replace"),
+                    }
+                )
                 url = urllib.parse.urlsplit(self.path)
                 upstream = http.client.HTTPConnection(url.hostname or "", url.port or 80, timeout=30)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("proxy-connection", "connection")}
-                upstream.request(self.command, url.path + (f"?{url.query}" if url.query else ""),
-                                 body=body, headers=headers)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("proxy-connection", "connection")}
+                upstream.request(
+                    self.command, url.path + (f"?{url.query}" if url.query else ""), body=body, headers=headers
+                )
                 resp = upstream.getresponse()
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
@@ -110,10 +124,12 @@ def engine(tmp_path_factory, model_dir) -> Iterator[StandinEngine]:
 def test_the_proxy_relays_what_goes_through_it(proxy, engine):
     """The stand-in proxy is a real one: a client that honours http_proxy reaches the engine
     through it, and it records what it relayed."""
-    code = ("import urllib.request,sys;"
-            "print(urllib.request.urlopen(sys.argv[1] + '/health', timeout=10).read().decode())")
-    out = subprocess.run([sys.executable, "-c", code, engine.url], env=proxy.env(),
-                         capture_output=True, text=True, timeout=60)
+    code = (
+        "import urllib.request,sys;print(urllib.request.urlopen(sys.argv[1] + '/health', timeout=10).read().decode())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, engine.url], env=proxy.env(), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "status" in json.loads(out.stdout)
     assert [s["line"] for s in proxy.seen] == [f"GET {engine.url}/health HTTP/1.1"]
@@ -124,9 +140,25 @@ def test_the_health_gate_never_talks_through_http_proxy(proxy, engine, tmp_path)
     key_file.write_text(f"FREETOKEN_API_KEY={KEY}\n")
     key_file.chmod(0o600)
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--url", engine.url, "--timeout", "60", "--model", MODEL_NAME,
-         "--key-file", str(key_file), "--max-tokens", "4"],
-        env=proxy.env(), capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--url",
+            engine.url,
+            "--timeout",
+            "60",
+            "--model",
+            MODEL_NAME,
+            "--key-file",
+            str(key_file),
+            "--max-tokens",
+            "4",
+        ],
+        env=proxy.env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["ok"], run.stdout + run.stderr
     assert proxy.seen == []  # not /health, not the chats, not the key
@@ -137,8 +169,13 @@ def test_the_health_fact_never_talks_through_http_proxy(proxy, engine):
 
     fact = EngineHealth()
     url = urllib.parse.urlsplit(engine.url)
-    out = subprocess.run(["sh", "-c", fact.command(url.hostname or "", url.port or 0)], env=proxy.env(),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["sh", "-c", fact.command(url.hostname or "", url.port or 0)],
+        env=proxy.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert fact.process(out.stdout.splitlines()).reachable
     assert proxy.seen == []
 
@@ -178,8 +215,10 @@ class FileHost:
         host = inventory.get_host("@local")
         host.get_fact = self.get_fact
         with ctx_state.use(state), ctx_host.use(host):
-            return [f"upload {c.dest}" if isinstance(c, FileUploadCommand) else str(c.get_raw_value())
-                    for c in op._inner(settings)]
+            return [
+                f"upload {c.dest}" if isinstance(c, FileUploadCommand) else str(c.get_raw_value())
+                for c in op._inner(settings)
+            ]
 
     def get_fact(self, cls: Any, *args: Any, **kwargs: Any) -> Any:
         from facts.engine import EngineInstallInfo
@@ -279,9 +318,15 @@ def test_a_number_given_with_data_is_one_off_too(local_host):
 
 def test_a_list_an_older_version_wrote_is_cleaned_on_reading(tmp_path):
     path = tmp_path / "old.json"
-    kept: dict[str, Any] = {"fact": "pyinfra.facts.files:File", "kwargs": {"path": "/etc/hostname"},
-                            "executor": {"_sudo": True}}
-    leaked: Optional[dict[str, Any]] = {"fact": "pyinfra.facts.server:Command",
-                                        "kwargs": {"command": "true"}, "executor": {"_stdin": "secret"}}
+    kept: dict[str, Any] = {
+        "fact": "pyinfra.facts.files:File",
+        "kwargs": {"path": "/etc/hostname"},
+        "executor": {"_sudo": True},
+    }
+    leaked: dict[str, Any] | None = {
+        "fact": "pyinfra.facts.server:Command",
+        "kwargs": {"command": "true"},
+        "executor": {"_stdin": "secret"},
+    }
     path.write_text(json.dumps([kept, leaked]))
     assert batch._load_learned(Path(path)) == [kept]

@@ -12,31 +12,66 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from pyinfra.context import ctx_host
 
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
 
-PATH_FIELDS = ["engine_base_dir", "model_dir", "cuda_home", "state_dir", "config_dir", "cache_dir",
-               "hub_token_file"]
-NAME_FIELDS = ["engine_package", "engine_version", "model_repo", "model_revision", "service_user",
-               "wslconfig_memory", "wslconfig_swap", "wsl_min_version", "launch_moe_cpu_layers",
-               "model_cache_host"]
+PATH_FIELDS = ["engine_base_dir", "model_dir", "cuda_home", "state_dir", "config_dir", "cache_dir", "hub_token_file"]
+NAME_FIELDS = [
+    "engine_package",
+    "engine_version",
+    "model_repo",
+    "model_revision",
+    "service_user",
+    "wslconfig_memory",
+    "wslconfig_swap",
+    "wsl_min_version",
+    "launch_moe_cpu_layers",
+    "model_cache_host",
+]
 LIST_NAME_FIELDS = ["engine_extras", "cuda_packages"]
 
 # Each one ran a command as root, split a unit line or broke the .wslconfig merge (issue 13).
-HOSTILE_SUFFIXES = [";id", "$(id)", "`id`", "\n", "\nExecStartPre=/bin/id", "%h", " x", "'", '"',
-                    "\\", "|id", "&id", ">x", "\t", "\0", "*"]
-GOOD = {"engine_base_dir": "/opt/freetoken", "model_dir": "/var/lib/freetoken/models/Qwen",
-        "cuda_home": "/usr/local/cuda-13.0", "state_dir": "/var/lib/freetoken",
-        "config_dir": "/etc/freetoken", "cache_dir": "/var/cache/freetoken",
-        "hub_token_file": "/etc/freetoken/hub-token", "engine_package": "freetoken",
-        "engine_version": "0.2.1", "model_repo": "nvidia/Qwen3.6-35B-A3B-NVFP4",
-        "model_revision": "main", "service_user": "freetoken", "wslconfig_memory": "24GB",
-        "wslconfig_swap": "4GB", "wsl_min_version": "2.7.13", "launch_moe_cpu_layers": "auto",
-        "model_cache_host": "ws1"}
+HOSTILE_SUFFIXES = [
+    ";id",
+    "$(id)",
+    "`id`",
+    "\n",
+    "\nExecStartPre=/bin/id",
+    "%h",
+    " x",
+    "'",
+    '"',
+    "\\",
+    "|id",
+    "&id",
+    ">x",
+    "\t",
+    "\0",
+    "*",
+]
+GOOD = {
+    "engine_base_dir": "/opt/freetoken",
+    "model_dir": "/var/lib/freetoken/models/Qwen",
+    "cuda_home": "/usr/local/cuda-13.0",
+    "state_dir": "/var/lib/freetoken",
+    "config_dir": "/etc/freetoken",
+    "cache_dir": "/var/cache/freetoken",
+    "hub_token_file": "/etc/freetoken/hub-token",
+    "engine_package": "freetoken",
+    "engine_version": "0.2.1",
+    "model_repo": "nvidia/Qwen3.6-35B-A3B-NVFP4",
+    "model_revision": "main",
+    "service_user": "freetoken",
+    "wslconfig_memory": "24GB",
+    "wslconfig_swap": "4GB",
+    "wsl_min_version": "2.7.13",
+    "launch_moe_cpu_layers": "auto",
+    "model_cache_host": "ws1",
+}
 
 
 def _refused(data: dict[str, Any], field: str) -> str:
@@ -73,13 +108,15 @@ def test_paths_are_normalised(field):
     assert getattr(build_settings("ws1", {field: "/srv//freetoken/x/"}), field) == "/srv/freetoken/x"
 
 
-@pytest.mark.parametrize("bad", ["file:/keys/a;id", "file:/keys/a\n", "file:relative", "env:KEY\n",
-                                 "env:KEY;id", "generate\n"], ids=repr)
+@pytest.mark.parametrize(
+    "bad", ["file:/keys/a;id", "file:/keys/a\n", "file:relative", "env:KEY\n", "env:KEY;id", "generate\n"], ids=repr
+)
 def test_api_key_source_is_matched_as_a_whole(bad):
     _refused({"api_key_source": bad}, "api_key_source")
 
 
 # --------------------------------------------------------------------------- quoting at use
+
 
 class FakeHost:
     """Just enough of a pyinfra host for an operation's generator: facts from a table."""
@@ -88,7 +125,7 @@ class FakeHost:
     data: dict[str, Any] = {}
     current_op_global_arguments: dict[str, Any] = {}
 
-    def __init__(self, facts: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, facts: dict[str, Any] | None = None) -> None:
         self.facts = facts or {}
 
     def get_fact(self, cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -112,8 +149,13 @@ def shell_commands(generator: Any, host: FakeHost) -> list[str]:
 def hostile_paths(tmp_path: Path) -> list[str]:
     """Paths (under tmp_path) whose injection, if it ran, writes a file beside them."""
     m = tmp_path / "injected"
-    return [f"{tmp_path}/a;echo x>{m}1;#", f"{tmp_path}/b$(echo x>{m}2)", f"{tmp_path}/c`echo x>{m}3`",
-            f"{tmp_path}/d\necho x>{m}4", f"{tmp_path}/e f|echo x>{m}5"]
+    return [
+        f"{tmp_path}/a;echo x>{m}1;#",
+        f"{tmp_path}/b$(echo x>{m}2)",
+        f"{tmp_path}/c`echo x>{m}3`",
+        f"{tmp_path}/d\necho x>{m}4",
+        f"{tmp_path}/e f|echo x>{m}5",
+    ]
 
 
 def run_with_stubs(tmp_path: Path, command: str) -> list[list[str]]:
@@ -126,8 +168,7 @@ def run_with_stubs(tmp_path: Path, command: str) -> list[list[str]]:
         stub = stubs / name
         stub.write_text(f'#!/bin/bash\n{{ printf "%s\\0" "$0" "$@"; printf "\\n"; }} >> "{log}"\n')
         stub.chmod(0o755)
-    subprocess.run(["/bin/sh", "-c", command], env={"PATH": str(stubs)}, cwd=tmp_path,
-                   capture_output=True, timeout=30)
+    subprocess.run(["/bin/sh", "-c", command], env={"PATH": str(stubs)}, cwd=tmp_path, capture_output=True, timeout=30)
     if not log.exists():
         return []
     return [line.split("\0") for line in log.read_text().split("\0\n") if line]
@@ -165,15 +206,23 @@ def test_cuda_commands_and_profile_pass_cuda_home_as_one_word(tmp_path):
 
     for home in hostile_paths(tmp_path):
         s = Settings.model_construct(**{**Settings().model_dump(), "cuda_home": home})
-        facts = {"DebPackages": {p: ["1"] for p in s.cuda_packages}, "FileText": profile_text(s),
-                 "CudaToolchain": Toolchain()}
+        facts = {
+            "DebPackages": {p: ["1"] for p in s.cuda_packages},
+            "FileText": profile_text(s),
+            "CudaToolchain": Toolchain(),
+        }
         (command,) = shell_commands(toolkit._inner(settings=s, gpu_arch="compute_120"), FakeHost(facts))
         calls = run_with_stubs(tmp_path, command)
         assert [c[1:] for c in calls if c[0].endswith("/grep")] == [["-qx", "--", "compute_120"]]
         # The profile is sourced by login shells: CUDA_HOME is exactly the value, nothing ran.
         profile = tmp_path / "profile.sh"
         profile.write_text(profile_text(s))
-        out = subprocess.run(["/bin/sh", "-c", f'. "{profile}"; printf %s "$CUDA_HOME"'],
-                             capture_output=True, text=True, cwd=tmp_path, timeout=30)
+        out = subprocess.run(
+            ["/bin/sh", "-c", f'. "{profile}"; printf %s "$CUDA_HOME"'],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=30,
+        )
         assert out.stdout == home
         assert_nothing_injected(tmp_path)

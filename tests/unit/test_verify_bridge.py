@@ -80,8 +80,9 @@ def test_ssh_hosts_carry_user_port_key_and_known_hosts(ssh_hosts):
     # Settings: group_data/rtx5090_32gb.py, then the inventory's group data, as in the deploy.
     assert box1.settings.decode_floor_tps == 40.0
     assert (box1.settings.listen_port, box2.settings.listen_port) == (8000, 9000)
-    assert box2.settings == build_settings("box2.lan", {
-        **_group_file("all"), **_group_file("rtx5090_32gb"), "listen_port": 9000})
+    assert box2.settings == build_settings(
+        "box2.lan", {**_group_file("all"), **_group_file("rtx5090_32gb"), "listen_port": 9000}
+    )
 
 
 def _group_file(name: str) -> dict:
@@ -102,13 +103,16 @@ def test_testinfra_ssh_backend_gets_the_options(ssh_hosts):
     assert args[-2:] == ["10.0.0.5", "sudo /bin/sh -c 'id -u'"]
 
 
-@pytest.mark.parametrize("limit, exclude, names", [
-    ([], [], ["box1", "box2.lan"]),
-    (["lab"], [], ["box2.lan"]),                       # a group name
-    (["box*"], ["lab"], ["box1"]),                     # a glob, minus a group
-    (["box1,box2.lan"], [], ["box1", "box2.lan"]),     # comma-separated
-    (["rtx5090_32gb"], ["box2.lan"], ["box1"]),
-])
+@pytest.mark.parametrize(
+    "limit, exclude, names",
+    [
+        ([], [], ["box1", "box2.lan"]),
+        (["lab"], [], ["box2.lan"]),  # a group name
+        (["box*"], ["lab"], ["box1"]),  # a glob, minus a group
+        (["box1,box2.lan"], [], ["box1", "box2.lan"]),  # comma-separated
+        (["rtx5090_32gb"], ["box2.lan"], ["box1"]),
+    ],
+)
 def test_limit_and_exclude_select_like_pyinfra(ssh_hosts, limit, exclude, names):
     assert [h["name"] for h in bridge.select(ssh_hosts, limit, exclude)] == names
 
@@ -166,7 +170,8 @@ cuda-nvcc-13-0:
 def test_apt_policy_reads_each_versions_own_priority():
     table = apt_policy(APT_POLICY)
     assert table["cuda-drivers"] == [
-        ("580.95.05-1", -1, False, ["http://10.213.0.1:8081/compute/cuda/repos/ubuntu2404/x86_64  Packages"])]
+        ("580.95.05-1", -1, False, ["http://10.213.0.1:8081/compute/cuda/repos/ubuntu2404/x86_64  Packages"])
+    ]
     assert table["cuda-13-0"][0][:3] == ("13.0.2-1", -1, False)
     version, priority, installed, origins = table["cuda-nvcc-13-0"][0]
     assert (version, priority, installed) == ("13.0.88-1", 500, True)
@@ -184,12 +189,15 @@ def test_parse_ss_listeners_with_their_processes():
         'LISTEN 0      16     127.0.0.1:8001 0.0.0.0:* users:(("python",pid=2251,fd=4))\n'
         'LISTEN 0      128      0.0.0.0:22   0.0.0.0:* users:(("sshd",pid=33,fd=3))    \n'
         'LISTEN 0      128         [::]:22      [::]:* users:(("sshd",pid=33,fd=4),("sshd",pid=34,fd=4))\n'
-        'LISTEN 0      4096           *:9100       *:*\n'
+        "LISTEN 0      4096           *:9100       *:*\n"
     )
     got = [(s.address, s.port, s.pids, s.loopback) for s in parse_ss(text)]
     assert got == [
-        ("127.0.0.1", 8000, (2251,), True), ("127.0.0.1", 8001, (2251,), True),
-        ("0.0.0.0", 22, (33,), False), ("::", 22, (33, 34), False), ("0.0.0.0", 9100, (), False),
+        ("127.0.0.1", 8000, (2251,), True),
+        ("127.0.0.1", 8001, (2251,), True),
+        ("0.0.0.0", 22, (33,), False),
+        ("::", 22, (33, 34), False),
+        ("0.0.0.0", 9100, (), False),
     ]
 
 
@@ -197,8 +205,13 @@ def test_parse_ss_listeners_with_their_processes():
 
 
 def _pytest(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_projects_pytest_run_leaves_tests_verify_out():

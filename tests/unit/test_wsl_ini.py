@@ -25,7 +25,8 @@ def test_inline_comment_ends_a_value():
 
 def test_hash_inside_quotes_is_kept_and_quotes_go():
     assert values(b'[wsl2]\nnetworkingMode = "mirrored"\nx = "a # b " # c\n') == {
-        "wsl2": {"networkingmode": "mirrored", "x": "a # b "}}
+        "wsl2": {"networkingmode": "mirrored", "x": "a # b "}
+    }
 
 
 def test_backslash_escapes_and_an_invalid_escape():
@@ -65,11 +66,14 @@ def test_experimental_networking_mode_is_read_and_the_first_place_wins():
     assert ini.value("wsl2", "networkingMode") == "NAT"
 
 
-@pytest.mark.parametrize("data", [
-    b"\xef\xbb\xbf[wsl2]\r\nmemory=4GB\r\n",
-    b"\xff\xfe" + "[wsl2]\r\nmemory=4GB\r\n".encode("utf-16-le"),
-    b"[wsl2]\r\nmemory=4GB\r\n",
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xef\xbb\xbf[wsl2]\r\nmemory=4GB\r\n",
+        b"\xff\xfe" + "[wsl2]\r\nmemory=4GB\r\n".encode("utf-16-le"),
+        b"[wsl2]\r\nmemory=4GB\r\n",
+    ],
+)
 def test_bom_utf16_and_crlf(data):
     assert values(data) == {"wsl2": {"memory": "4GB"}}
 
@@ -109,8 +113,7 @@ def test_drive_root():
 
 
 def test_value_already_right_in_wsls_reading_is_not_rewritten():
-    data = (b"[wsl2]\nmemory=24GB # mine\nprocessors = \"8\"\nswap=4gb\r\n"
-            b"localhostForwarding=True\nvmIdleTimeout=0\n")
+    data = b'[wsl2]\nmemory=24GB # mine\nprocessors = "8"\nswap=4gb\r\nlocalhostForwarding=True\nvmIdleTimeout=0\n'
     result = merge(data, WSLCONFIG, "wsl2", WANT)
     assert result.data == data and result.changed == () and not result.writes
 
@@ -118,8 +121,9 @@ def test_value_already_right_in_wsls_reading_is_not_rewritten():
 def test_only_the_differing_value_changes_comment_and_spacing_stay():
     data = b"# mine\r\n[wsl2]\r\nMemory = 16GB   # half my RAM\r\nguiApplications=false\r\n"
     result = merge(data, WSLCONFIG, "wsl2", {"memory": "24GB", "swap": "4GB"})
-    assert result.data == (b"# mine\r\n[wsl2]\r\nMemory = 24GB   # half my RAM\r\n"
-                           b"guiApplications=false\r\nswap=4GB\r\n")
+    assert result.data == (
+        b"# mine\r\n[wsl2]\r\nMemory = 24GB   # half my RAM\r\nguiApplications=false\r\nswap=4GB\r\n"
+    )
     assert result.changed == ("memory", "swap")
 
 
@@ -140,8 +144,10 @@ def test_duplicates_the_first_is_set_the_later_commented_out():
 def test_networking_mode_moves_from_experimental_to_wsl2_without_a_duplicate():
     data = b"[wsl2]\nmemory=24GB\n\n[experimental]\nautoMemoryReclaim=gradual\nnetworkingMode=NAT\n"
     result = merge(data, WSLCONFIG, "wsl2", {"networkingMode": "mirrored"})
-    assert result.data == (b"[wsl2]\nmemory=24GB\nnetworkingMode=mirrored\n\n[experimental]\n"
-                           b"autoMemoryReclaim=gradual\n# networkingMode=NAT\n")
+    assert result.data == (
+        b"[wsl2]\nmemory=24GB\nnetworkingMode=mirrored\n\n[experimental]\n"
+        b"autoMemoryReclaim=gradual\n# networkingMode=NAT\n"
+    )
     after = parse(result.data, WSLCONFIG)
     assert after.value("wsl2", "networkingMode") == "mirrored"
     assert len(after.duplicates("wsl2", "networkingMode")) == 1

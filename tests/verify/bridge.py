@@ -30,15 +30,23 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # The SSH connector data the bridge hands on (pyinfra's names).
-SSH_KEYS = ("ssh_hostname", "ssh_port", "ssh_user", "ssh_key", "ssh_config_file",
-            "ssh_known_hosts_file", "ssh_strict_host_key_checking")
+SSH_KEYS = (
+    "ssh_hostname",
+    "ssh_port",
+    "ssh_user",
+    "ssh_key",
+    "ssh_config_file",
+    "ssh_known_hosts_file",
+    "ssh_strict_host_key_checking",
+)
 
 
 class BridgeError(Exception):
@@ -55,7 +63,7 @@ class Target:
     hostspec: str
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def testinfra_host(self, sudo: Optional[bool] = None):
+    def testinfra_host(self, sudo: bool | None = None):
         """A testinfra Host; ``sudo=None`` decides it from ``id -u`` on the target."""
         import testinfra
 
@@ -66,8 +74,9 @@ class Target:
             except RuntimeError as exc:  # the ssh backend raises on exit 255 (no connection)
                 raise BridgeError(f"host {self.name}: cannot connect ({self.hostspec}): {exc}") from None
             if uid.rc != 0:
-                raise BridgeError(f"host {self.name}: `id -u` failed ({self.hostspec}): "
-                                  f"{(uid.stderr or uid.stdout).strip()[:300]}")
+                raise BridgeError(
+                    f"host {self.name}: `id -u` failed ({self.hostspec}): {(uid.stderr or uid.stdout).strip()[:300]}"
+                )
             sudo = uid.stdout.strip() != "0"
             if not sudo:
                 return plain
@@ -118,7 +127,11 @@ def load_inventory(path: str | os.PathLike, cwd: str | os.PathLike = ROOT) -> li
         raise BridgeError(f"no inventory file {path}")
     run = subprocess.run(
         [sys.executable, "-m", "tests.verify.bridge", str(file), str(cwd)],
-        cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
     )
     if run.returncode != 0:
         why = (run.stderr.strip() or run.stdout.strip()).splitlines()
@@ -136,8 +149,9 @@ def select(hosts: list[dict[str, Any]], limit: Iterable[str] = (), exclude: Iter
         for pattern in (p.strip() for ps in patterns for p in ps.split(",")):
             if not pattern:
                 continue
-            names = {h["name"] for h in hosts if pattern in h["groups"]} or \
-                    {h["name"] for h in hosts if fnmatch.fnmatchcase(h["name"], pattern)}
+            names = {h["name"] for h in hosts if pattern in h["groups"]} or {
+                h["name"] for h in hosts if fnmatch.fnmatchcase(h["name"], pattern)
+            }
             if not names:
                 known = ", ".join(h["name"] for h in hosts)
                 raise BridgeError(f"{option} {pattern}: no such host or group (hosts: {known})")
@@ -170,8 +184,10 @@ def hostspec_for(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if connector == "LocalConnector":
         return "local://", {}
     if connector != "SSHConnector":
-        raise BridgeError(f"host {record['name']}: connector {connector} is not supported by the "
-                          "verify suite (only @local and SSH hosts)")
+        raise BridgeError(
+            f"host {record['name']}: connector {connector} is not supported by the "
+            "verify suite (only @local and SSH hosts)"
+        )
     ssh = record.get("ssh") or {}
     hostname = ssh.get("ssh_hostname") or record["name"].removeprefix("@ssh/")
     netloc = f"[{hostname}]" if ":" in hostname else hostname
@@ -204,8 +220,12 @@ def target_for(record: dict[str, Any]) -> Target:
     return Target(record["name"], groups, build_settings(record["name"], record["data"]), spec, kwargs)
 
 
-def targets(inventory_path: str | os.PathLike, limit: Iterable[str] = (), exclude: Iterable[str] = (),
-            cwd: str | os.PathLike = ROOT) -> list[Target]:
+def targets(
+    inventory_path: str | os.PathLike,
+    limit: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    cwd: str | os.PathLike = ROOT,
+) -> list[Target]:
     """Every selected host of an inventory file as a Target; BridgeError (or the deploy's own
     SettingsError) when the inventory or a host's settings are wrong."""
     chosen = select(load_inventory(inventory_path, cwd), limit, exclude)

@@ -33,14 +33,36 @@ DEFAULT_HEALTH_WAIT_S = 15.0
 
 def pytest_addoption(parser):
     group = parser.getgroup("freetoken-verify", "FreeToken host verification (tests/verify)")
-    group.addoption("--inventory", dest="ft_inventory", metavar="FILE",
-                    help="pyinfra inventory whose hosts to verify (e.g. inventories/home.py)")
-    group.addoption("--limit", dest="ft_limit", action="append", default=[], metavar="PATTERN",
-                    help="verify only these hosts: name, glob or group (repeatable, comma-separated)")
-    group.addoption("--exclude", dest="ft_exclude", action="append", default=[], metavar="PATTERN",
-                    help="leave these hosts out: name, glob or group (repeatable, comma-separated)")
-    group.addoption("--health-wait", dest="ft_health_wait", type=float, default=DEFAULT_HEALTH_WAIT_S,
-                    metavar="SECONDS", help="how long the chat and decode checks wait for /health ok")
+    group.addoption(
+        "--inventory",
+        dest="ft_inventory",
+        metavar="FILE",
+        help="pyinfra inventory whose hosts to verify (e.g. inventories/home.py)",
+    )
+    group.addoption(
+        "--limit",
+        dest="ft_limit",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="verify only these hosts: name, glob or group (repeatable, comma-separated)",
+    )
+    group.addoption(
+        "--exclude",
+        dest="ft_exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave these hosts out: name, glob or group (repeatable, comma-separated)",
+    )
+    group.addoption(
+        "--health-wait",
+        dest="ft_health_wait",
+        type=float,
+        default=DEFAULT_HEALTH_WAIT_S,
+        metavar="SECONDS",
+        help="how long the chat and decode checks wait for /health ok",
+    )
 
 
 def _option(config, name, default=None):
@@ -86,7 +108,8 @@ def _targets(config) -> list:
             raise pytest.UsageError("--hosts is testinfra's; with --inventory, choose hosts with --limit")
         try:
             config.stash[_TARGETS] = targets(
-                _option(config, "ft_inventory"), _option(config, "ft_limit", []),
+                _option(config, "ft_inventory"),
+                _option(config, "ft_limit", []),
                 _option(config, "ft_exclude", []),
             )
         except (BridgeError, SettingsError) as exc:
@@ -97,8 +120,7 @@ def _targets(config) -> list:
 def pytest_generate_tests(metafunc):
     if "target" in metafunc.fixturenames:
         chosen = _targets(metafunc.config)
-        metafunc.parametrize("target", chosen, ids=[t.name for t in chosen], indirect=True,
-                             scope="module")
+        metafunc.parametrize("target", chosen, ids=[t.name for t in chosen], indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")
@@ -130,5 +152,4 @@ def gate(host, settings, request):
     from tests.verify.probes import health_gate
 
     key_file = None if settings.api_key_source == "none" else key_path(settings)
-    return health_gate(host, settings, key_file, _option(request.config, "ft_health_wait",
-                                                          DEFAULT_HEALTH_WAIT_S))
+    return health_gate(host, settings, key_file, _option(request.config, "ft_health_wait", DEFAULT_HEALTH_WAIT_S))

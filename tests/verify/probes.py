@@ -19,7 +19,7 @@ import json
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from operations.health import GATE_SCRIPT_SOURCE, gate_command, parse_gate_output
 from operations.service import KEY_VAR
@@ -43,8 +43,9 @@ class Facts:
         result = self.host.run(command)
         if result.rc != 0:
             # The project's facts always exit 0; anything else is a broken connection or sudo.
-            raise ProbeError(f"fact {fact_cls.__name__} exited {result.rc}: "
-                             f"{(result.stderr or result.stdout).strip()[-500:]}")
+            raise ProbeError(
+                f"fact {fact_cls.__name__} exited {result.rc}: {(result.stderr or result.stdout).strip()[-500:]}"
+            )
         return fact.process(result.stdout.splitlines())
 
 
@@ -62,7 +63,7 @@ def run_python(host, source: str, *args: str) -> Any:
 # --------------------------------------------------------------------------- health gate
 
 
-def health_gate(host, settings, key_file: Optional[str], wait_s: float) -> dict:
+def health_gate(host, settings, key_file: str | None, wait_s: float) -> dict:
     """The deploy's health gate script, shipped from this checkout and run by the target's
     python3 from stdin, waiting at most ``wait_s`` for ``/health`` ok. Returns its JSON result
     (``ok``, ``phase``, ``decode_tps``, ``error``)."""
@@ -72,9 +73,13 @@ def health_gate(host, settings, key_file: Optional[str], wait_s: float) -> dict:
     result = host.run(command)
     doc = parse_gate_output(result.stdout.splitlines())
     if doc is None:
-        return {"ok": False, "phase": "health", "decode_tps": None,
-                "error": f"the gate printed no result (exit {result.rc}): "
-                         f"{(result.stderr or result.stdout).strip()[-500:]}"}
+        return {
+            "ok": False,
+            "phase": "health",
+            "decode_tps": None,
+            "error": f"the gate printed no result (exit {result.rc}): "
+            f"{(result.stderr or result.stdout).strip()[-500:]}",
+        }
     return doc
 
 

@@ -60,7 +60,8 @@ def test_wsl_version_at_or_above_the_floor(facts, settings):
     wsl = facts.get(WslVersion)
     assert wsl.status == "ok" and wsl.version, f"WSL version unknown ({wsl.status}: {wsl.detail})"
     assert wsl.version >= settings.wsl_floor_tuple, (
-        f"WSL {_v(wsl.version)} is below the floor {settings.wsl_min_version} (wsl.exe --update)")
+        f"WSL {_v(wsl.version)} is below the floor {settings.wsl_min_version} (wsl.exe --update)"
+    )
 
 
 def test_systemd_is_pid_1(facts):
@@ -74,15 +75,20 @@ def test_wslconfig_holds_the_configured_values(facts, settings):
     # is looked for under wsl.conf's [automount] root (C: at /c with `root = /`).
     wslconf = facts.get(WslConfFile)
     root = drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
-    profile = facts.get(WindowsUserProfile) if root == DEFAULT_DRIVE_ROOT else \
-        facts.get(WindowsUserProfile, drive_root=root)
+    profile = (
+        facts.get(WindowsUserProfile) if root == DEFAULT_DRIVE_ROOT else facts.get(WindowsUserProfile, drive_root=root)
+    )
     assert profile.path, f"no Windows user profile: {profile.error}"
     ini = facts.get(WslConfigFile, path=f"{profile.path}/{WSLCONFIG_NAME}")
     assert ini.exists and not ini.error and ini.ini is not None, f"{ini.path}: {ini.error or 'missing'}"
-    wrong = {key: (ini.ini.value("wsl2", key), value) for key, value in settings.wslconfig_values().items()
-             if not _same(ini.ini.value("wsl2", key), value)}
+    wrong = {
+        key: (ini.ini.value("wsl2", key), value)
+        for key, value in settings.wslconfig_values().items()
+        if not _same(ini.ini.value("wsl2", key), value)
+    }
     assert not wrong, f"{ini.path} [wsl2]: " + ", ".join(
-        f"{k}={have!r} (want {want!r})" for k, (have, want) in wrong.items())
+        f"{k}={have!r} (want {want!r})" for k, (have, want) in wrong.items()
+    )
     twice = [key for key in settings.wslconfig_values() if len(ini.ini.duplicates("wsl2", key)) > 1]
     assert not twice, f"{ini.path}: WSL warns about duplicated keys {', '.join(twice)}"
 
@@ -91,9 +97,9 @@ def test_wsl_conf_boots_systemd(facts):
     ini = facts.get(WslConfFile)
     assert ini.exists and not ini.error and ini.ini is not None, f"/etc/wsl.conf: {ini.error or 'missing'}"
     value = ini.ini.value("boot", "systemd")
-    assert _same(value, "true"), (
-        f"/etc/wsl.conf [boot] systemd={value!r} as WSL reads it (want 'true')"
-        + (f"; {'; '.join(ini.problems)}" if ini.problems else ""))
+    assert _same(value, "true"), f"/etc/wsl.conf [boot] systemd={value!r} as WSL reads it (want 'true')" + (
+        f"; {'; '.join(ini.problems)}" if ini.problems else ""
+    )
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -111,17 +117,22 @@ def test_no_driver_package_installed(host):
 
 def test_driver_packages_pinned_out(host):
     known = [p for p in host.check_output("apt-cache pkgnames").split() if DRIVER_PACKAGE_RE.match(p)]
-    assert known, ("apt knows no NVIDIA driver package, so the pin cannot be shown to block one "
-                   "(is NVIDIA's repository configured?)")
+    assert known, (
+        "apt knows no NVIDIA driver package, so the pin cannot be shown to block one "
+        "(is NVIDIA's repository configured?)"
+    )
     table = apt_policy(host.check_output("apt-cache policy " + " ".join(sorted(known))))
     # Installable: a version not installed yet (an installed one is the previous check's
     # business) that some repository offers with a priority apt would act on.
-    installable = sorted(f"{pkg} {version} (priority {prio})"
-                         for pkg, rows in table.items() for version, prio, installed, origins in rows
-                         if prio >= 0 and not installed
-                         and any(not o.endswith("/var/lib/dpkg/status") for o in origins))
-    assert not installable, (f"apt could install a driver package ({PIN_FILE} missing or wrong): "
-                             + "; ".join(installable[:5]))
+    installable = sorted(
+        f"{pkg} {version} (priority {prio})"
+        for pkg, rows in table.items()
+        for version, prio, installed, origins in rows
+        if prio >= 0 and not installed and any(not o.endswith("/var/lib/dpkg/status") for o in origins)
+    )
+    assert not installable, f"apt could install a driver package ({PIN_FILE} missing or wrong): " + "; ".join(
+        installable[:5]
+    )
 
 
 def test_nvcc_lists_the_gpu_arch(facts, settings):
@@ -142,14 +153,20 @@ def test_engine_environment_holds_the_configured_version(host, facts, settings):
     version = settings.engine_version
     assert install.versions.get(version) == version, (
         f"{settings.engine_venv} holds {settings.engine_package} {install.versions.get(version)} "
-        f"(want {version}; environments: {install.versions})")
+        f"(want {version}; environments: {install.versions})"
+    )
     assert install.active == version, (
-        f"{settings.engine_active_link} points to {install.active_target!r}, not {settings.engine_venv}")
-    probe = host.run("%s -c %s %s", f"{settings.engine_active_link}/bin/python",
-                     "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))",
-                     settings.engine_package)
+        f"{settings.engine_active_link} points to {install.active_target!r}, not {settings.engine_venv}"
+    )
+    probe = host.run(
+        "%s -c %s %s",
+        f"{settings.engine_active_link}/bin/python",
+        "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))",
+        settings.engine_package,
+    )
     assert probe.rc == 0 and probe.stdout.strip() == version, (
-        f"the active environment's python reports {probe.stdout.strip() or probe.stderr.strip()[-200:]!r}")
+        f"the active environment's python reports {probe.stdout.strip() or probe.stderr.strip()[-200:]!r}"
+    )
 
 
 def test_model_files_match_the_verified_manifest(host, facts, settings):
@@ -213,7 +230,8 @@ def test_service_restart_policy(host, facts, settings):
 
         seen = props.get("RestartForceExitStatus", "")
         assert words(wanted["RestartForceExitStatus"]) <= words(seen), (
-            f"RestartForceExitStatus={seen!r} (want {wanted['RestartForceExitStatus']})")
+            f"RestartForceExitStatus={seen!r} (want {wanted['RestartForceExitStatus']})"
+        )
 
 
 # --------------------------------------------------------------------------- the API
@@ -226,12 +244,13 @@ def test_api_listens_only_on_the_configured_address_and_port(host, settings):
     on_port = [s for s in sockets if s.port == port]
     assert on_port, f"nothing listens on port {port}"
     assert {s.address for s in on_port} == {address}, (
-        f"port {port} is open on {sorted({s.address for s in on_port})} (want only {address})")
+        f"port {port} is open on {sorted({s.address for s in on_port})} (want only {address})"
+    )
     assert all(set(s.pids) & engine for s in on_port), (
-        f"port {port} belongs to pids {[s.pids for s in on_port]}, not {ENGINE_UNIT} ({sorted(engine)})")
+        f"port {port} belongs to pids {[s.pids for s in on_port]}, not {ENGINE_UNIT} ({sorted(engine)})"
+    )
     # The engine's own helper sockets (FreeToken binds 127.0.0.1:<port+1> for gloo) stay on loopback.
-    elsewhere = [f"{s.address}:{s.port}" for s in sockets
-                 if set(s.pids) & engine and s.port != port and not s.loopback]
+    elsewhere = [f"{s.address}:{s.port}" for s in sockets if set(s.pids) & engine and s.port != port and not s.loopback]
     assert not elsewhere, f"{ENGINE_UNIT} also listens on {', '.join(elsewhere)}"
 
 
@@ -240,12 +259,14 @@ def test_health_ok(facts, settings):
     health = facts.get(EngineHealth, host=url.hostname, port=url.port)
     assert health.reachable, f"{gate_url(settings)}/health: {health.error}"
     assert health.status == "ok", (
-        f"/health status {health.status!r} (phase {health.phase}, message {health.message!r}, {health.error or ''})")
+        f"/health status {health.status!r} (phase {health.phase}, message {health.message!r}, {health.error or ''})"
+    )
 
 
 def test_chat_completion_answers(gate):
     assert gate.get("phase") in ("stream", "done"), (
-        f"no chat completion (stopped in the {gate.get('phase')} phase): {gate.get('error')}")
+        f"no chat completion (stopped in the {gate.get('phase')} phase): {gate.get('error')}"
+    )
 
 
 def test_decode_tokens_per_s_at_or_above_the_floor(gate, settings):

@@ -10,6 +10,7 @@ repeated bring-ups do not download them again; index files are passed through.
 Usage: python3 -m tests.fleet.standins.apt_proxy --bind ADDR --port 3142 --cache DIR
        --allow HOST [--allow HOST ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tests.fleet.standins import send_text
 
-HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
-               "trailer", "upgrade", "proxy-authorization"}
+HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authorization",
+}
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -164,7 +164,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------ plumbing
     def log_message(self, fmt, *args):  # one line per request, never headers
-        sys.stderr.write("%s - [%s] %s\n" % (self.client_address[0], self.log_date_time_string(), fmt % args))
+        sys.stderr.write(f"{self.client_address[0]} - [{self.log_date_time_string()}] {fmt % args}\n")
 
     def _send_json(self, status: int, obj, headers: dict | None = None, head: bool = False) -> None:
         body = json.dumps(obj).encode()
@@ -225,9 +225,13 @@ class Handler(BaseHTTPRequestHandler):
             self._error(404, "RepoNotFound", "Repository Not Found", head=head)
             return None, None
         if not self.state.token_ok(self.headers.get("Authorization")):
-            self._error(401, "GatedRepo",
-                        f"Access to model {repo_id} is restricted. You must have access to it and be "
-                        "authenticated to access it. Please log in.", head=head)
+            self._error(
+                401,
+                "GatedRepo",
+                f"Access to model {repo_id} is restricted. You must have access to it and be "
+                "authenticated to access it. Please log in.",
+                head=head,
+            )
             return None, None
         sha = repo.resolve_revision(revision)
         if sha is None:
@@ -285,7 +289,7 @@ class Handler(BaseHTTPRequestHandler):
         for name in sorted(repo.files):
             if prefix and not name.startswith(prefix + "/"):
                 continue
-            rest = name[len(prefix) + 1:] if prefix else name
+            rest = name[len(prefix) + 1 :] if prefix else name
             if "/" in rest and not recursive:
                 d = (prefix + "/" if prefix else "") + rest.split("/")[0]
                 if d not in dirs:
@@ -379,6 +383,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             try:
                 import socket
+
                 self.connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
@@ -435,13 +440,17 @@ def make_server(bind: str, port: int, repos_dir: str, token_file: str | None = N
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m tests.fleet.standins.hub",
-                                     description="STAND-IN for the Hugging Face hub's HTTP endpoints.")
+    parser = argparse.ArgumentParser(
+        prog="python3 -m tests.fleet.standins.hub", description="STAND-IN for the Hugging Face hub's HTTP endpoints."
+    )
     parser.add_argument("--bind", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--repos", required=True, help="directory written by hub_repos build")
-    parser.add_argument("--require-token-file", default=None,
-                        help="file with accepted tokens (one a line): repos answer 401 GatedRepo without one")
+    parser.add_argument(
+        "--require-token-file",
+        default=None,
+        help="file with accepted tokens (one a line): repos answer 401 GatedRepo without one",
+    )
     args = parser.parse_args(argv)
     server = make_server(args.bind, args.port, args.repos, args.require_token_file)
     host, port = server.server_address[:2]

@@ -114,9 +114,13 @@ def _attn_names(layer: int):
 
 def _proj_shape(proj: str) -> tuple[int, int]:
     return {
-        "gate_proj": (MOE_INTER, HIDDEN), "up_proj": (MOE_INTER, HIDDEN), "down_proj": (HIDDEN, MOE_INTER),
-        "q_proj": (HEADS * HEAD_DIM, HIDDEN), "k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HEADS * HEAD_DIM),
+        "gate_proj": (MOE_INTER, HIDDEN),
+        "up_proj": (MOE_INTER, HIDDEN),
+        "down_proj": (HIDDEN, MOE_INTER),
+        "q_proj": (HEADS * HEAD_DIM, HIDDEN),
+        "k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "v_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "o_proj": (HIDDEN, HEADS * HEAD_DIM),
     }[proj]
 
 
@@ -195,31 +199,59 @@ def compressed_tensors_quant_config() -> dict:
             "group_0": {
                 "format": "float-quantized",
                 "input_activations": {
-                    "actorder": None, "block_structure": None, "dynamic": True, "group_size": None,
-                    "num_bits": 8, "observer": None, "observer_kwargs": {}, "strategy": "token",
-                    "symmetric": True, "type": "float",
+                    "actorder": None,
+                    "block_structure": None,
+                    "dynamic": True,
+                    "group_size": None,
+                    "num_bits": 8,
+                    "observer": None,
+                    "observer_kwargs": {},
+                    "strategy": "token",
+                    "symmetric": True,
+                    "type": "float",
                 },
                 "output_activations": None,
                 "targets": [r"re:.*mlp\.experts\.\d+\.down_proj$"],
                 "weights": {
-                    "actorder": None, "block_structure": None, "dynamic": False, "group_size": None,
-                    "num_bits": 8, "observer": "minmax", "observer_kwargs": {}, "strategy": "tensor",
-                    "symmetric": True, "type": "float",
+                    "actorder": None,
+                    "block_structure": None,
+                    "dynamic": False,
+                    "group_size": None,
+                    "num_bits": 8,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "strategy": "tensor",
+                    "symmetric": True,
+                    "type": "float",
                 },
             },
             "group_1": {
                 "format": "nvfp4-pack-quantized",
                 "input_activations": {
-                    "actorder": None, "block_structure": None, "dynamic": "local", "group_size": 16,
-                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "tensor_group",
-                    "symmetric": True, "type": "float",
+                    "actorder": None,
+                    "block_structure": None,
+                    "dynamic": "local",
+                    "group_size": 16,
+                    "num_bits": 4,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "strategy": "tensor_group",
+                    "symmetric": True,
+                    "type": "float",
                 },
                 "output_activations": None,
                 "targets": [r"re:.*mlp\.experts\.\d+\.(gate|up)_proj$"],
                 "weights": {
-                    "actorder": None, "block_structure": None, "dynamic": False, "group_size": 16,
-                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "tensor_group",
-                    "symmetric": True, "type": "float",
+                    "actorder": None,
+                    "block_structure": None,
+                    "dynamic": False,
+                    "group_size": 16,
+                    "num_bits": 4,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "strategy": "tensor_group",
+                    "symmetric": True,
+                    "type": "float",
                 },
             },
         },
@@ -292,31 +324,58 @@ def tokenizer_files() -> dict[str, bytes]:
             if form not in vocab:
                 vocab[form] = i
                 i += 1
-    specials = [("<|endoftext|>", 2040), ("<|im_start|>", 2041), ("<|im_end|>", 2042),
-                ("<think>", 2043), ("</think>", 2044)]
+    specials = [
+        ("<|endoftext|>", 2040),
+        ("<|im_start|>", 2041),
+        ("<|im_end|>", 2042),
+        ("<think>", 2043),
+        ("</think>", 2044),
+    ]
     tokenizer = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": [
-            {"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
+            {
+                "id": tid,
+                "content": text,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
             for text, tid in specials
         ],
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": vocab, "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
     }
     tokenizer_config = {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(tid): {"content": text, "lstrip": False, "normalized": False, "rstrip": False,
-                       "single_word": False, "special": True}
+            str(tid): {
+                "content": text,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for text, tid in specials
         },
         "bos_token": None,
@@ -338,16 +397,18 @@ def tokenizer_files() -> dict[str, bytes]:
 
 
 def generation_config() -> bytes:
-    return _json_bytes({
-        "bos_token_id": 2040,
-        "do_sample": True,
-        "eos_token_id": [2042, 2040],
-        "pad_token_id": 2040,
-        "temperature": 0.6,
-        "top_k": 20,
-        "top_p": 0.95,
-        "transformers_version": "5.18.0",
-    })
+    return _json_bytes(
+        {
+            "bos_token_id": 2040,
+            "do_sample": True,
+            "eos_token_id": [2042, 2040],
+            "pad_token_id": 2040,
+            "temperature": 0.6,
+            "top_k": 20,
+            "top_p": 0.95,
+            "transformers_version": "5.18.0",
+        }
+    )
 
 
 def repo_files(repo_id: str) -> dict[str, bytes]:
@@ -360,10 +421,12 @@ def repo_files(repo_id: str) -> dict[str, bytes]:
         quant, layer_tensors = compressed_tensors_quant_config(), compressed_tensors_tensors
     files: dict[str, bytes] = {
         ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
-                          b"tokenizer.json filter=lfs diff=lfs merge=lfs -text\n",
-        "README.md": (f"---\nlicense: apache-2.0\nbase_model: Qwen/Qwen3.6-35B-A3B\n---\n# {repo_id}\n\n"
-                      "STAND-IN repository generated by tests/fleet/standins/hub_repos.py "
-                      "(tiny random weights, real file layout).\n").encode(),
+        b"tokenizer.json filter=lfs diff=lfs merge=lfs -text\n",
+        "README.md": (
+            f"---\nlicense: apache-2.0\nbase_model: Qwen/Qwen3.6-35B-A3B\n---\n# {repo_id}\n\n"
+            "STAND-IN repository generated by tests/fleet/standins/hub_repos.py "
+            "(tiny random weights, real file layout).\n"
+        ).encode(),
         "config.json": _json_bytes(qwen_config(quant)),
         "generation_config.json": generation_config(),
     }
@@ -414,8 +477,9 @@ def build(dest: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m tests.fleet.standins.hub_repos",
-                                     description="Build the stand-in hub repositories.")
+    parser = argparse.ArgumentParser(
+        prog="python3 -m tests.fleet.standins.hub_repos", description="Build the stand-in hub repositories."
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="write the repositories under DIR")
     b.add_argument("dir")

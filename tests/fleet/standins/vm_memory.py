@@ -18,6 +18,7 @@ Any other address gets 403.
 
 Usage: python3 -m tests.fleet.standins.vm_memory --bind ADDR --port 8084 --state STATE_JSON
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ from pathlib import Path
 from tests.fleet.standins import send_text
 
 STEP_S = 0.2
-MiB = 1024 ** 2
+MiB = 1024**2
 
 
 def swap_used(meminfo: str) -> int:
@@ -41,7 +42,7 @@ def swap_used(meminfo: str) -> int:
 
 
 class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"   # the answer ends when the connection does
+    protocol_version = "HTTP/1.0"  # the answer ends when the connection does
     state_path = Path("state.json")
 
     def log_message(self, fmt, *args):
@@ -59,7 +60,7 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
             rate = float(body.get("mib_per_s", 256)) * MiB
         except (ValueError, TypeError, AttributeError):
-            return self._error(400, "vm-memory: body must be JSON {\"mib_per_s\": number}")
+            return self._error(400, 'vm-memory: body must be JSON {"mib_per_s": number}')
         if rate <= 0:
             return self._error(400, "vm-memory: mib_per_s must be > 0")
         state = json.loads(self.state_path.read_text())
@@ -81,7 +82,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(f"{used}\n".encode())
                 self.wfile.flush()
                 time.sleep(STEP_S)
-        except OSError:           # the caller is gone: its memory is freed
+        except OSError:  # the caller is gone: its memory is freed
             harness.write_meminfo(meminfo, host["profile"], before)
             self.log_message("%s: caller gone, swap back to %d", host["name"], before)
 

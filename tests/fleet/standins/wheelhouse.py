@@ -65,13 +65,17 @@ def build_engine_wheel(version: str, broken: bool, out_dir: str) -> str:
     ).encode()
     dist = f"freetoken-{version}.dist-info"
     meta = [
-        "Metadata-Version: 2.1", "Name: freetoken", f"Version: {version}",
+        "Metadata-Version: 2.1",
+        "Name: freetoken",
+        f"Version: {version}",
         "Summary: STAND-IN for the FreeToken inference engine (CLI and HTTP API only, no GPU)"
         + (" - built broken" if broken else ""),
         "Requires-Python: >=3.10",
     ] + [f"Provides-Extra: {e}" for e in EXTRAS]
     files[f"{dist}/METADATA"] = ("\n".join(meta) + "\n").encode()
-    files[f"{dist}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: freetoken-standin-wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files[f"{dist}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: freetoken-standin-wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
     files[f"{dist}/entry_points.txt"] = b"[console_scripts]\nft = freetoken.cli:main\n"
     files[f"{dist}/top_level.txt"] = b"freetoken\n"
     record = [f"{arc},sha256={_b64(hashlib.sha256(data).digest())},{len(data)}" for arc, data in files.items()]
@@ -97,8 +101,21 @@ def fetch_ninja(out_dir: str) -> str:
     os.makedirs(cache, exist_ok=True)
     found = sorted(glob.glob(os.path.join(cache, "ninja-*.whl")))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                        "ninja", "-d", cache], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "ninja",
+                "-d",
+                cache,
+            ],
+            check=True,
+        )
         found = sorted(glob.glob(os.path.join(cache, "ninja-*.whl")))
         if not found:
             raise RuntimeError("pip download ninja produced no wheel")
@@ -123,10 +140,14 @@ def write_index(root: str, wheels: list[str]) -> None:
             with open(w, "rb") as fh:
                 digest = hashlib.sha256(fh.read()).hexdigest()
             name = os.path.basename(w)
-            rows.append(f'    <a href="../../packages/{html.escape(name)}#sha256={digest}" '
-                        f'data-requires-python="&gt;=3.7">{html.escape(name)}</a><br/>\n')
+            rows.append(
+                f'    <a href="../../packages/{html.escape(name)}#sha256={digest}" '
+                f'data-requires-python="&gt;=3.7">{html.escape(name)}</a><br/>\n'
+            )
         with open(os.path.join(simple, project, "index.html"), "w") as f:
-            f.write(f"<!DOCTYPE html>\n<html>\n  <body>\n    <h1>Links for {project}</h1>\n{''.join(rows)}  </body>\n</html>\n")
+            f.write(
+                f"<!DOCTYPE html>\n<html>\n  <body>\n    <h1>Links for {project}</h1>\n{''.join(rows)}  </body>\n</html>\n"
+            )
 
 
 def build(root: str, ninja: bool = True) -> list[str]:
@@ -140,8 +161,10 @@ def build(root: str, ninja: bool = True) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m tests.fleet.standins.wheelhouse",
-                                     description="Build the stand-in package index (PEP 503) under DIR.")
+    parser = argparse.ArgumentParser(
+        prog="python3 -m tests.fleet.standins.wheelhouse",
+        description="Build the stand-in package index (PEP 503) under DIR.",
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("dir")

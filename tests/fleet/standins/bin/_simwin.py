@@ -54,5 +54,6 @@ def record(tool, argv):
 def windows_out(text, encoding):
     """Write text with CRLF line endings in a Windows encoding to stdout (bytes)."""
     import sys
+
     sys.stdout.buffer.write(text.replace("\n", "\r\n").encode(encoding))
     sys.stdout.buffer.flush()

@@ -8,6 +8,7 @@ Usage (needs the real wheel, fetched once by hand, never at test time):
     pip download --no-deps freetoken==0.2.1 -d /tmp/ft && unzip -o -q /tmp/ft/*.whl -d /tmp/ft/x
     python3 extract_real_flags.py /tmp/ft/x/freetoken/server/args.py 0.2.1
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,13 +20,19 @@ def extract(source: str) -> list[str]:
     tree = ast.parse(source)
     groups: set[str] = set()
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                and isinstance(node.value.func, ast.Attribute)
-                and node.value.func.attr == "add_mutually_exclusive_group"):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute)
+            and node.value.func.attr == "add_mutually_exclusive_group"
+        ):
             groups.update(t.id for t in node.targets if isinstance(t, ast.Name))
     lines = []
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr == "add_argument"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add_argument"
+    ]
     for call in sorted(calls, key=lambda c: (c.lineno, c.col_offset)):
         flags = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
         owner = call.func.value

@@ -9,6 +9,7 @@ tokens paced at a configured rate, the gloo listener on port+1, and failure mode
 death -> health error -> exit by SIGTERM ~10 s later; worker crash; CUDA OOM log line).
 See freetoken/standin.py for the server and its configuration.
 """
+
 from .version import __version__
 
 __all__ = ["__version__"]

@@ -1,4 +1,5 @@
 """STAND-IN for freetoken/cli.py: the `ft` console script (only `serve` runs; other commands are named)."""
+
 from __future__ import annotations
 
 import sys

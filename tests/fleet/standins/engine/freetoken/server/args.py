@@ -13,7 +13,6 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import List
 
 API_KEY_ENV = "FREETOKEN_API_KEY"
 
@@ -100,12 +99,20 @@ def _parse_moe_cache_rate(value: str) -> float:
 
 def _parse_mem_size(value: str) -> int:
     units = {
-        "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-        "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+        "b": 1,
+        "k": 1 << 10,
+        "kb": 1 << 10,
+        "kib": 1 << 10,
+        "m": 1 << 20,
+        "mb": 1 << 20,
+        "mib": 1 << 20,
+        "g": 1 << 30,
+        "gb": 1 << 30,
+        "gib": 1 << 30,
     }
     text = value.strip().lower()
     number = text.rstrip("abgikm")
-    unit = text[len(number):]
+    unit = text[len(number) :]
     try:
         size = int(float(number) * units[unit])
     except (KeyError, ValueError, OverflowError) as exc:
@@ -139,19 +146,47 @@ def _gpu_arg(value: str) -> tuple[str, ...]:
 
 
 TOOL_CALL_PARSERS = [
-    "auto", "llama3", "qwen", "qwen25", "qwen3_coder", "mistral", "deepseekv32", "deepseekv41",
-    "gemma4", "glm47", "minimax", "minimax_m3", "muse_glimmer", "gpt_oss", "gpt-oss",
+    "auto",
+    "llama3",
+    "qwen",
+    "qwen25",
+    "qwen3_coder",
+    "mistral",
+    "deepseekv32",
+    "deepseekv41",
+    "gemma4",
+    "glm47",
+    "minimax",
+    "minimax_m3",
+    "muse_glimmer",
+    "gpt_oss",
+    "gpt-oss",
 ]
 REASONING_PARSERS = [
-    "auto", "off", "deepseekv32", "gpt_oss", "qwen3", "glm", "minimax", "minimax_m3", "muse_glimmer", "gemma4", "flint",
+    "auto",
+    "off",
+    "deepseekv32",
+    "gpt_oss",
+    "qwen3",
+    "glm",
+    "minimax",
+    "minimax_m3",
+    "muse_glimmer",
+    "gemma4",
+    "flint",
 ]
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="FreeToken Server Arguments")
     a = p.add_argument
-    a("--model-path", "--model", type=str, required=True,
-      help="The path of the model weights. This can be a local folder or a Hugging Face repo ID.")
+    a(
+        "--model-path",
+        "--model",
+        type=str,
+        required=True,
+        help="The path of the model weights. This can be a local folder or a Hugging Face repo ID.",
+    )
     a("--dtype", type=str, default="auto", choices=["auto", "float16", "bfloat16", "float32"])
     a("--hf-overrides", type=_json_object, default=None, metavar="JSON")
     a("--tensor-parallel-size", "--tp-size", type=int, default=1)
@@ -164,8 +199,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     a("--disable-pynccl", action="store_false", dest="use_pynccl")
     a("--host", type=str, dest="server_host", default="127.0.0.1")
     a("--port", type=int, dest="server_port", default=1919)
-    a("--api-key", type=str, default=None,
-      help="Require this key on every route except /health. Defaults to $FREETOKEN_API_KEY.")
+    a(
+        "--api-key",
+        type=str,
+        default=None,
+        help="Require this key on every route except /health. Defaults to $FREETOKEN_API_KEY.",
+    )
     a("--cuda-graph-max-bs", "--graph", type=int, default=None)
     a("--num-tokenizer", "--tokenizer-count", type=int, default=0)
     a("--max-prefill-length", "--max-extend-length", type=int, dest="max_extend_tokens", default=8192)
@@ -190,19 +229,36 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     a("--enable-cache-report", action="store_true", default=False)
     a("--anthropic-inline-system", choices=("auto", "preserve", "fold"), default="auto")
     a("--sampling-defaults", type=str, default="model", choices=["model", "none"])
-    a("--served-model-name", type=str, default=None,
-      help="Model id returned by /v1/models. Defaults to the basename of --model.")
+    a(
+        "--served-model-name",
+        type=str,
+        default=None,
+        help="Model id returned by /v1/models. Defaults to the basename of --model.",
+    )
     a("--tool-call-parser", type=str, default="auto", choices=TOOL_CALL_PARSERS)
     a("--reasoning-parser", type=str, default="auto", choices=REASONING_PARSERS)
     a("--moe-strategy", default="auto", choices=["auto", *MOE_STRATEGIES])
-    a("--moe-backend", dest="moe_strategy", action=_DeprecatedAlias, new_flag="--moe-strategy",
-      default=argparse.SUPPRESS, choices=["auto", *MOE_STRATEGIES], help="[Deprecated] Use --moe-strategy.")
+    a(
+        "--moe-backend",
+        dest="moe_strategy",
+        action=_DeprecatedAlias,
+        new_flag="--moe-strategy",
+        default=argparse.SUPPRESS,
+        choices=["auto", *MOE_STRATEGIES],
+        help="[Deprecated] Use --moe-strategy.",
+    )
     a("--quant-backend", default=None, type=_parse_quant_backend)
     a("--ple-backend", default="disk", choices=["pinned", "disk"])
     a("--embed-weights", default="gpu", choices=["gpu", "host"])
     a("--swa-decoder-replay", default="bounded", choices=["bounded", "exact"])
-    a("--nvfp4-backend", action=_DeprecatedAlias, new_flag="--quant-backend moe.nvfp4=<marlin|b12x|triton>",
-      convert=_nvfp4_entry, default=argparse.SUPPRESS, choices=["auto", "marlin", "flashinfer", "triton"])
+    a(
+        "--nvfp4-backend",
+        action=_DeprecatedAlias,
+        new_flag="--quant-backend moe.nvfp4=<marlin|b12x|triton>",
+        convert=_nvfp4_entry,
+        default=argparse.SUPPRESS,
+        choices=["auto", "marlin", "flashinfer", "triton"],
+    )
     a("--expert-load", default="auto", choices=["auto", "serial", "parallel"])
     mc = p.add_mutually_exclusive_group()
     mc.add_argument("--moe-cache-size", type=int, default=0, help="The number of unified MoE expert slots on GPU.")
@@ -227,7 +283,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(args: List[str], prog: str | None = None) -> ServerArgs:
+def parse_args(args: list[str], prog: str | None = None) -> ServerArgs:
     parser = build_parser(prog)
     kwargs = parser.parse_args(args).__dict__.copy()
 
@@ -241,7 +297,9 @@ def parse_args(args: List[str], prog: str | None = None) -> ServerArgs:
     entry = kwargs.pop("nvfp4_backend", None)
     if entry is not None:
         if kwargs["quant_backend"] is not None:
-            parser.error("--nvfp4-backend cannot be combined with --quant-backend; write --quant-backend moe.nvfp4=... instead")
+            parser.error(
+                "--nvfp4-backend cannot be combined with --quant-backend; write --quant-backend moe.nvfp4=... instead"
+            )
         if entry:
             kwargs["quant_backend"] = entry
     if kwargs["api_key"] == "":
@@ -257,12 +315,21 @@ def parse_args(args: List[str], prog: str | None = None) -> ServerArgs:
             parser.error(f"--allowed-local-media-path {media_root} is not a directory")
     if kwargs["served_model_name"] is None:
         kwargs["served_model_name"] = os.path.basename(os.path.normpath(kwargs["model_path"])) or kwargs["model_path"]
-    no_cache_flag = (kwargs["moe_cache_size"] == 0 and not kwargs["moe_cache_auto"]
-                     and kwargs["moe_cache_mem"] is None and not kwargs["moe_cache_rate"])
+    no_cache_flag = (
+        kwargs["moe_cache_size"] == 0
+        and not kwargs["moe_cache_auto"]
+        and kwargs["moe_cache_mem"] is None
+        and not kwargs["moe_cache_rate"]
+    )
     if kwargs["moe_strategy"] in OFFLOAD_MOE_STRATEGIES and no_cache_flag:
         kwargs["moe_cache_auto"] = True
-    if (kwargs["image_min_tokens"] is not None and kwargs["image_max_tokens"] is not None
-            and kwargs["image_min_tokens"] > kwargs["image_max_tokens"]):
-        parser.error(f"--image-min-tokens {kwargs['image_min_tokens']} exceeds --image-max-tokens {kwargs['image_max_tokens']}")
+    if (
+        kwargs["image_min_tokens"] is not None
+        and kwargs["image_max_tokens"] is not None
+        and kwargs["image_min_tokens"] > kwargs["image_max_tokens"]
+    ):
+        parser.error(
+            f"--image-min-tokens {kwargs['image_min_tokens']} exceeds --image-max-tokens {kwargs['image_max_tokens']}"
+        )
     core = {k: kwargs.pop(k) for k in ("model_path", "served_model_name", "server_host", "server_port", "api_key")}
     return ServerArgs(**core, extra=kwargs)
