@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs what the test suite needs and runs all of it: unit tests, then the
-# fleet tests on simulated workstations (systemd-nspawn hosts over real SSH,
-# which need root). Usage: bash tests/run.sh [pytest args]
+# Installs what the test suite needs and runs all of it: lint, formatting, types and the
+# import contract, then the unit tests and the fleet tests on simulated workstations
+# (systemd-nspawn hosts over real SSH, which need root). Usage: bash tests/run.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,5 +26,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "--> installing the project and its test extras into .venv"
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+
+echo "--> lint (ruff), formatting (ruff format), types (mypy), layers (lint-imports)"
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
+.venv/bin/mypy --no-error-summary
+.venv/bin/lint-imports --no-cache | tail -n 3
 
 exec .venv/bin/pytest "$@"
