@@ -153,6 +153,12 @@ class Settings(BaseModel):
     disk_margin_gb: float = Field(5.0, ge=0)
     engine_env_size_gb: float = Field(12.0, ge=0)
 
+    # --- the fleet's gateway (deploys/gateway.py; README "One endpoint for the fleet") ---
+    runs_engine: bool = True  # False: a gateway-only machine (no engine; rollouts skip it)
+    gateway_port: int = Field(8080, ge=1, le=65535)  # the fleet's one OpenAI base URL
+    gateway_stats_port: int = Field(8404, ge=1, le=65535)  # /metrics and /stats, a key required
+    gateway_keys_source: Optional[str] = None  # clients' keys on the controller: file:/path or env:VAR
+
     # --- validators ---------------------------------------------------------------
     @field_validator("engine_version")
     @classmethod
@@ -239,6 +245,13 @@ class Settings(BaseModel):
             "must be 'generate' (a key made on the host), 'none', "
             "'file:/path/on/controller' or 'env:VARIABLE' (on the controller)"
         )
+
+    @field_validator("gateway_keys_source")
+    @classmethod
+    def _gateway_keys(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or re.match(r"^(file:/[^\0\n]*|env:[A-Za-z_][A-Za-z0-9_]*)$", v):
+            return v
+        raise ValueError("must be 'file:/path/on/controller' or 'env:VARIABLE' (one key per line)")
 
     @field_validator("wslconfig_memory", "wslconfig_swap")
     @classmethod
