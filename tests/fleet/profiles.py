@@ -114,6 +114,13 @@ BRIDGE_PREFIX = 24
 HOST_ADDRESS_BASE = 10   # wsN -> 10.213.0.(10+N)
 
 
+# The fleet's gateway (deploys/gateway.py): a plain Debian host, no Windows or GPU stand-ins,
+# started on demand (Fleet.start_gateway, `python -m tests.fleet up --gateway`). It is not a
+# workstation: host_count() and host_names() never include it.
+GATEWAY_NAME = "gw1"
+GATEWAY_ADDRESS = "10.213.0.5"
+
+
 def host_address(name: str) -> str:
     number = int(name.removeprefix("ws"))
     return f"10.213.0.{HOST_ADDRESS_BASE + number}"
