@@ -29,9 +29,11 @@ if GATEWAY_GROUP in host.groups:
         hosts = {h.name: (every[h.name], h.data.get("ssh_hostname")) for h in state.inventory}
         backends = gateway.backends_for(host.name, hosts)
         engine_key = gateway.fleet_engine_key(backends, every)
-        client_keys = gateway.keys_map(gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
+        client_keys = gateway.keys_map(
+            gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
         address = host.data.get("ssh_hostname") or host.name
-        scrape = gateway.scrape_config(address, settings, {b.name: (b.address, every[b.name]) for b in backends})
+        scrape = gateway.scrape_config(address, settings,
+                                       {b.name: (b.address, every[b.name]) for b in backends})
     except gateway.GatewayError as exc:
         raise PyinfraError(f"gateway on {host.name}: {exc}") from None
 

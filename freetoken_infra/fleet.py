@@ -35,7 +35,8 @@ from freetoken_infra.layout import (
 from freetoken_infra.settings import Settings
 
 DEFAULT_INVENTORY = "inventories/fleet.py"
-IN_SERVICE, PARKED, DRAINING, FAILED, MAINTENANCE = "in service", "parked", "draining", "failed", "maintenance"
+IN_SERVICE, PARKED, DRAINING, FAILED = "in service", "parked", "draining", "failed"
+MAINTENANCE = "maintenance"
 # A check that got no answer at all: the PC is off, asleep, rebooting or has no engine running.
 # Parked, not failed (issue 14): it rejoins by itself once it passes its checks again.
 NO_ANSWER = ("L4CON", "L4TOUT", "L6TOUT", "L6RSP", "L7TOUT", "SOCKERR", "L4OK")
@@ -57,7 +58,8 @@ class Remote:
         wrapped = f"sudo -n sh -c {shlex.quote(command)}" if self.sudo else command
         argv = (self.ssh_argv + [wrapped]) if self.ssh_argv is not None else ["sh", "-c", wrapped]
         try:
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                               stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             raise FleetError(f"{self.name}: no answer within {timeout:g} s") from None
         if r.returncode != 0:
@@ -265,7 +267,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p_drain.add_argument("hosts", nargs="+")
     p_drain.add_argument("--wait", type=float, default=0, metavar="S",
                          help="wait up to S seconds for the hosts' running requests to finish")
-    sub.add_parser("ready", help="back in service once its health checks pass").add_argument("hosts", nargs="+")
+    p_ready = sub.add_parser("ready", help="back in service once its health checks pass")
+    p_ready.add_argument("hosts", nargs="+")
     sub.add_parser("status", help="one table: state, active requests, last health, last gate tok/s")
     args = ap.parse_args(argv)
     try:
@@ -273,7 +276,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.cmd == "drain":
             fleet.drain(args.hosts)
             busy = fleet.wait_idle(args.hosts, args.wait, say=print) if args.wait else []
-            print(f"draining: {', '.join(args.hosts)}" + (f" (still busy: {', '.join(busy)})" if busy else ""))
+            still = f" (still busy: {', '.join(busy)})" if busy else ""
+            print(f"draining: {', '.join(args.hosts)}{still}")
         elif args.cmd == "ready":
             fleet.ready(args.hosts)
             print(f"ready: {', '.join(args.hosts)} (in service once their health checks pass)")

@@ -88,7 +88,8 @@ def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, Optional[str]
         if not settings.runs_engine:
             continue
         if not _SERVER_NAME_RE.match(name):
-            problems.append(f"host {name}: a gateway backend's name may hold only letters, digits, '.', '_', '-'")
+            problems.append(f"host {name}: a gateway backend's name may hold only letters, digits, "
+                            "'.', '_', '-'")
             continue
         try:
             out.append(GatewayBackend(name, backend_address(name, settings, hostname, gateway),
@@ -98,7 +99,8 @@ def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, Optional[str]
     if problems:
         raise GatewayError("\n".join(problems))
     if not out:
-        raise GatewayError("no host of the inventory runs an engine (runs_engine): the gateway has no backend")
+        raise GatewayError("no host of the inventory runs an engine (runs_engine): "
+                           "the gateway has no backend")
     return out
 
 
@@ -131,8 +133,9 @@ def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, 
     bad = sorted(n for n, s in sources.items() if s in ("none", "generate"))
     if bad:
         raise GatewayError(
-            f"host(s) {', '.join(bad)}: api_key_source {sources[bad[0]]!r}; behind a gateway every engine "
-            "takes the fleet's one key: set api_key_source to the same 'file:...' or 'env:...' for all of them")
+            f"host(s) {', '.join(bad)}: api_key_source {sources[bad[0]]!r}; behind a gateway every "
+            "engine takes the fleet's one key: set api_key_source to the same 'file:...' or 'env:...' "
+            "for all of them")
     keys = {n: read_source(s, f"host {n}: api_key_source").strip() for n, s in sources.items()}
     if len(set(keys.values())) != 1:
         raise GatewayError(f"hosts {', '.join(sorted(keys))}: their api_key_source give different keys; "
@@ -154,8 +157,8 @@ def keys_map(text: str, source: str = "gateway_keys_source") -> str:
             continue
         key, label = words[0], (words[1] if len(words) > 1 else f"client{number}")
         if len(words) > 2 or not _KEY_RE.match(key) or not _LABEL_RE.match(label):
-            raise GatewayError(f"{source}, line {number}: expected 'KEY [LABEL]', the key 16-256 characters of "
-                               "A-Z a-z 0-9 . _ ~ + / = -, the label letters, digits, . _ @ -")
+            raise GatewayError(f"{source}, line {number}: expected 'KEY [LABEL]', the key 16-256 "
+                               "characters of A-Z a-z 0-9 . _ ~ + / = -, the label letters, digits, . _ @ -")
         if key in seen:
             raise GatewayError(f"{source}, line {number}: this key is listed twice")
         seen.add(key)
@@ -169,7 +172,7 @@ def engine_key_map(key: Optional[str]) -> str:
     return "# Managed by freetoken-infra: the fleet's engine key.\n" + (f"engine {key}\n" if key else "")
 
 
-def _key_rules(indent: str = "    ") -> list[str]:
+def _key_rules() -> list[str]:
     """Accept `Authorization: Bearer KEY` or `x-api-key: KEY` (FreeToken's own two forms)."""
     return [
         "http-request set-var(txn.api_key) req.hdr(x-api-key) if { req.hdr(x-api-key) -m found }",
@@ -187,7 +190,8 @@ def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key:
     check_servers = "\n".join(f"    server {b.name} {b.address}:{b.port}" for b in backends)
     tracking = "\n".join(f"    server {b.name} {b.address}:{b.port} track {GATEWAY_BACKEND}/{b.name}"
                          for b in backends)
-    engine_auth = (f'http-request set-header Authorization "Bearer %[str(engine),map_str({GATEWAY_ENGINE_KEY_MAP})]"'
+    engine_auth = ("http-request set-header Authorization "
+                   f'"Bearer %[str(engine),map_str({GATEWAY_ENGINE_KEY_MAP})]"'
                    if engine_key else "http-request del-header Authorization")
     front = "\n    ".join([
         "# The gateway's own /health (no key, like the engines'): ok while a host is in service.",
@@ -214,7 +218,7 @@ def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key:
         "stats refresh 10s",
     ])
     retry = f"retry-on {RETRY_ON}\n    retries 3\n    option redispatch 1"
-    return f"""# Managed by freetoken-infra (deploys/gateway.py); local edits are overwritten on the next deploy.
+    return f"""# Managed by freetoken-infra (deploys/gateway.py); local edits are overwritten.
 global
     log /dev/log local0
     chroot /var/lib/haproxy
@@ -270,12 +274,13 @@ backend {GATEWAY_SESSION_BACKEND}
 """
 
 
-def scrape_config(gateway_address: str, gw: Settings, workstations: Mapping[str, tuple[str, Settings]]) -> str:
+def scrape_config(gateway_address: str, gw: Settings,
+                  workstations: Mapping[str, tuple[str, Settings]]) -> str:
     """A Prometheus scrape config for the fleet: the gateway's exporter and each serving host's
     guard metrics (node_exporter's textfile collector on port 9100)."""
     targets = "\n".join(
-        f"          - targets: [\"{address}:9100\"]\n"
-        f"            labels: {{host: \"{name}\", textfile_dir: \"{HostLayout.of(s).guard_textfile.rsplit('/', 1)[0]}\"}}"
+        f"      - targets: [\"{address}:9100\"]\n"
+        f"        labels: {{host: \"{name}\", textfile_dir: \"{_textfile_dir(s)}\"}}"
         for name, (address, s) in sorted(workstations.items()))
     return f"""# Generated by freetoken-infra (deploys/gateway.py): Prometheus scrape config for the fleet.
 # Put one gateway client key in the credentials file (mode 0600) and merge this into prometheus.yml.
@@ -293,6 +298,10 @@ scrape_configs:
     static_configs:
 {targets}
 """
+
+
+def _textfile_dir(settings: Settings) -> str:
+    return HostLayout.of(settings).guard_textfile.rsplit("/", 1)[0]
 
 
 def _sha256(text: str) -> str:
@@ -327,10 +336,12 @@ def gateway(config: str, client_keys: str, engine_keys: str, scrape: str):
                         engine_keys=engine, scrape=scrape)
     """
     changed = False
-    for path, text, mode in ((GATEWAY_KEYS_MAP, client_keys, "600"), (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600"),
+    for path, text, mode in ((GATEWAY_KEYS_MAP, client_keys, "600"),
+                             (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600"),
                              (GATEWAY_SCRAPE_CONFIG, scrape, "644")):
         if host.get_fact(Sha256File, path=path) != _sha256(text):
-            yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root", mode=mode)
+            yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root",
+                                        mode=mode)
             changed = True
         else:
             yield from files.file._inner(path=path, user="root", group="root", mode=mode)

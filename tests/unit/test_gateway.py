@@ -163,9 +163,17 @@ def test_gateway_settings_are_validated():
 
 
 def test_scrape_config_lists_the_gateway_and_every_serving_host():
-    text = gw.scrape_config("192.0.2.5", Settings(), {"ws1": ("192.0.2.11", Settings())})
-    assert '- targets: ["192.0.2.5:8404"]' in text and "credentials_file:" in text
-    assert '- targets: ["192.0.2.11:9100"]' in text and 'textfile_dir: "/var/lib/freetoken/metrics"' in text
+    import yaml
+
+    text = gw.scrape_config("192.0.2.5", Settings(gateway_stats_port=9404),
+                            {"ws1": ("192.0.2.11", Settings()), "ws2": ("192.0.2.12", Settings())})
+    jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
+    gateway = jobs["freetoken-gateway"]
+    assert gateway["static_configs"] == [{"targets": ["192.0.2.5:9404"]}]
+    assert gateway["authorization"]["type"] == "Bearer" and gateway["metrics_path"] == "/metrics"
+    guard = jobs["freetoken-guard"]["static_configs"]
+    assert [c["targets"] for c in guard] == [["192.0.2.11:9100"], ["192.0.2.12:9100"]]
+    assert guard[0]["labels"] == {"host": "ws1", "textfile_dir": "/var/lib/freetoken/metrics"}
 
 
 # ------------------------------------------------------------------ the fleet CLI's side
@@ -217,3 +225,73 @@ def test_remote_from_inventory_data():
     assert ["-p", "2222"] == r.ssh_argv[r.ssh_argv.index("-p"):r.ssh_argv.index("-p") + 2]
     assert "StrictHostKeyChecking=yes" in r.ssh_argv
     assert fleet.remote_for("@local", {}).ssh_argv is None
+
+
+# ------------------------------------------------------------------ rollouts behind the gateway
+class FakeGateway:
+    """Records what a rollout asks of the gateway, in order, with the hosts' streams."""
+
+    def __init__(self, backends, log):
+        self.backends, self.log, self.active = backends, log, {h: 1 for h in backends}
+
+    def servers(self):
+        return [fleet.ServerStatus(h, "in service", self.active[h], "L7OK", "UP") for h in self.backends]
+
+    def drain(self, hosts):
+        self.log.append(("drain", list(hosts)))
+
+    def wait_idle(self, hosts, timeout, say=None, poll=1.0):
+        self.log.append(("wait_idle", list(hosts)))
+        return []
+
+    def ready(self, hosts):
+        self.log.append(("ready", list(hosts)))
+
+
+def test_a_rollout_drains_each_batch_before_its_deploy_and_readies_only_what_passed(monkeypatch):
+    from freetoken_infra import rollout
+    from freetoken_infra.report import RESULT_FAILED, RESULT_OK
+
+    log: list = []
+    outcome = {"ws1": RESULT_OK, "ws2": RESULT_OK, "ws3": RESULT_FAILED}
+
+    def run_batch(index, hosts, inventory, deploy, data, out=None):
+        log.append(("deploy", list(hosts)))
+        return rollout.BatchRun(hosts, 0, [{"host": h, "result": outcome[h]} for h in hosts])
+
+    monkeypatch.setattr(rollout, "run_batch", run_batch)
+    gateway = FakeGateway(["ws1", "ws2", "ws3"], log)
+    rows, stopped = rollout.rollout("inv.py", [["ws1"], ["ws2", "ws3"]], gateway=gateway, max_fail_pct=100)
+    assert stopped is None
+    assert log == [("drain", ["ws1"]), ("wait_idle", ["ws1"]), ("deploy", ["ws1"]), ("ready", ["ws1"]),
+                   ("drain", ["ws2", "ws3"]), ("wait_idle", ["ws2", "ws3"]), ("deploy", ["ws2", "ws3"]),
+                   ("ready", ["ws2"])]   # ws3 failed its gate: it stays drained
+
+
+def test_a_host_not_behind_the_gateway_is_rolled_out_without_drain(monkeypatch):
+    import io
+
+    from freetoken_infra import rollout
+    from freetoken_infra.report import RESULT_OK
+
+    log: list = []
+    monkeypatch.setattr(rollout, "run_batch", lambda i, hosts, *a, **k: rollout.BatchRun(
+        hosts, 0, [{"host": h, "result": RESULT_OK} for h in hosts]))
+    out = io.StringIO()
+    rollout.rollout("inv.py", [["ws1", "ws9"]], gateway=FakeGateway(["ws1"], log), out=out)
+    assert log == [("drain", ["ws1"]), ("wait_idle", ["ws1"]), ("ready", ["ws1"])]
+    assert "ws9 not behind the gateway" in out.getvalue()
+
+
+def test_wait_idle_waits_for_running_streams():
+    class Busy(fleet.Fleet):
+        def __init__(self):
+            self.polls = 0
+
+        def servers(self):
+            self.polls += 1
+            return [fleet.ServerStatus("ws1", "draining", 2 if self.polls < 3 else 0, "L7OK", "DRAIN")]
+
+    busy = Busy()
+    assert busy.wait_idle(["ws1"], timeout=60, poll=0) == [] and busy.polls == 3
+    assert Busy().wait_idle(["ws1"], timeout=0, poll=0) == ["ws1"]
