@@ -142,7 +142,8 @@ def test_one_engine_key_for_the_fleet(tmp_path, monkeypatch):
     key_file = tmp_path / "engine.key"
     key_file.write_text(ENGINE_KEY + "\n")
     monkeypatch.setenv("FT_ENGINE_KEY", ENGINE_KEY)
-    same = {"ws1": Settings(api_key_source=f"file:{key_file}"), "ws2": Settings(api_key_source="env:FT_ENGINE_KEY")}
+    same = {"ws1": Settings(api_key_source=f"file:{key_file}"),
+            "ws2": Settings(api_key_source="env:FT_ENGINE_KEY")}
     assert gw.fleet_engine_key(BACKENDS, same) == ENGINE_KEY
     with pytest.raises(GatewayError, match=r"ws2: api_key_source 'generate'.*same 'file:\.\.\.'"):
         gw.fleet_engine_key(BACKENDS, {"ws1": same["ws1"], "ws2": Settings()})
