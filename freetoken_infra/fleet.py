@@ -192,14 +192,6 @@ class Fleet:
                  for h in inv if settings[h.name].runs_engine}
         return cls(remote_for(gw.name, gw.data.dict()), hosts)
 
-    @staticmethod
-    def has_gateway(inventory: str, data: Optional[dict] = None) -> bool:
-        try:
-            Fleet.from_inventory(inventory, data)
-        except FleetError:
-            return False
-        return True
-
     def runtime(self, command: str) -> str:
         return self.gateway.run(runtime_command(command))
 
@@ -241,9 +233,11 @@ class Fleet:
         """Each serving host's decode tok/s from its last health gate (None: unknown/unreachable)."""
         def one(item: tuple[str, tuple[Settings, Remote]]) -> tuple[str, Optional[float]]:
             name, (settings, remote) = item
+            # Read as the service user, who owns the file (root never reads a path it can write).
+            path = shlex.quote(HostLayout.of(settings).last_gate_file)
             try:
-                doc = json.loads(remote.run(f"cat {shlex.quote(HostLayout.of(settings).last_gate_file)}",
-                                            timeout=8))
+                doc = json.loads(remote.run(
+                    f"runuser -u {shlex.quote(settings.service_user)} -- head -c 65536 {path}", timeout=8))
                 tps = doc.get("decode_tps")
                 return name, float(tps) if isinstance(tps, (int, float)) else None
             except (FleetError, ValueError, AttributeError):

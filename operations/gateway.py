@@ -244,7 +244,8 @@ defaults
     timeout http-request 15s
     timeout http-keep-alive 30s
     timeout queue 60s
-    timeout check 2s
+    # A silent host (asleep, network gone) fails a check after 1.5 s: out within 5 s in all.
+    timeout check 1500ms
     load-server-state-from-file global
 
 frontend freetoken_api
@@ -339,7 +340,12 @@ def gateway(config: str, client_keys: str, engine_keys: str, scrape: str):
     for path, text, mode in ((GATEWAY_KEYS_MAP, client_keys, "600"),
                              (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600"),
                              (GATEWAY_SCRAPE_CONFIG, scrape, "644")):
-        if host.get_fact(Sha256File, path=path) != _sha256(text):
+        have = host.get_fact(Sha256File, path=path)
+        if have != _sha256(text):
+            if have is None and mode == "600":
+                # A new key map is created 0600 first: the upload then writes into it and never
+                # leaves a world-readable copy at its final path.
+                yield f"install -m 600 -o root -g root /dev/null {shlex.quote(path)}"
             yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root",
                                         mode=mode)
             changed = True

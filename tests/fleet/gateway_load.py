@@ -57,9 +57,11 @@ def pyinfra(*args: str, timeout: int = 1500, quiet: bool = False) -> subprocess.
     return run
 
 
-def converge_behind_gateway(keys: dict[str, Path]) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+def converge_behind_gateway(keys: dict[str, Path]) -> tuple[subprocess.CompletedProcess,
+                                                            subprocess.CompletedProcess]:
     """ws1 and ws2 with their engines on every address and the fleet's key, then the gateway."""
-    hosts = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1", "--limit", "ws2")
+    hosts = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/freetoken.py",
+                    "--limit", "ws1", "--limit", "ws2")
     gateway = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
     return hosts, gateway
 
@@ -122,7 +124,8 @@ class Load:
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
+                         for i in range(clients)]
 
     def _client(self, i: int) -> None:
         while not self._stop.is_set() and time.time() < self.deadline:
@@ -225,7 +228,8 @@ class Watcher:
         deadline = time.time() + timeout
         while time.time() < deadline:
             with self._lock:
-                hits = [e for e in self.events if e["host"] == host and e["t"] >= since and predicate(e["status"])]
+                hits = [e for e in self.events
+                        if e["host"] == host and e["t"] >= since and predicate(e["status"])]
             if hits:
                 return hits[0]["t"]
             time.sleep(0.1)

@@ -962,6 +962,12 @@ class Fleet:
         _start_container(state, name)
         _wait_booted(state, [name], timeout)
 
+    def set_network(self, host, up: bool) -> None:
+        """Cut (up=False) or restore a host's network as a PC that falls asleep does: whatever is
+        sent to it vanishes, nothing is refused; its processes keep running."""
+        h = self._host(host)
+        _sh("ip", "-n", h["netns"], "link", "set", "eth0", "up" if up else "down")
+
     def set_swap_used(self, host, used_bytes: int) -> None:
         """Make the host's /proc/meminfo report `used_bytes` of swap in use, at once. (Swap use
         that grows while an engine runs: the engine stand-in's `swap` fault, client.fault.)"""

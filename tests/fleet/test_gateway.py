@@ -72,6 +72,16 @@ def wait_in_service(fleet, hosts, timeout: float = 60) -> None:
     raise AssertionError(f"not in service within {timeout}s: {states}")
 
 
+def eventually(check, timeout: float = 15) -> bool:
+    """True once `check()` is (HAProxy's reload returns before the new worker serves)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def status_rows(fleet) -> list[dict]:
     from freetoken_infra.fleet import parse_stat, runtime_command
 
@@ -130,8 +140,8 @@ def test_the_stats_page_is_not_reachable_from_another_host_without_a_key(gateway
               "  try: print(urllib.request.urlopen(urllib.request.Request("
               f"'http://{GATEWAY_ADDRESS}:{STATS_PORT}'+path,headers=h),timeout=10).status)\n"
               "  except urllib.error.HTTPError as e: print(e.code)\n")
-    r = subprocess.run(fleet.ssh_argv("ws1") + ["python3", "-c", shlex.quote(script)], input=CLIENT_KEY + "\n",
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(fleet.ssh_argv("ws1") + ["python3", "-c", shlex.quote(script)],
+                       input=CLIENT_KEY + "\n", capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["401", "401", "401", "200"], r.stderr
 
 
@@ -142,7 +152,8 @@ def test_the_engine_key_is_in_no_argv_log_or_stats_page(gateway):
               "argv=[open(f'/proc/{p}/cmdline','rb').read() for p in os.listdir('/proc') if p.isdigit()"
               " and os.path.exists(f'/proc/{p}/cmdline')]\n"
               "journal=subprocess.run(['journalctl','--no-pager','-o','cat'],capture_output=True).stdout\n"
-              "req=urllib.request.Request('http://127.0.0.1:8404/stats;csv',headers={'Authorization':'Bearer '+client})\n"
+              "req=urllib.request.Request('http://127.0.0.1:8404/stats;csv',\n"
+              "  headers={'Authorization':'Bearer '+client})\n"
               "stats=urllib.request.urlopen(req,timeout=10).read()\n"
               "k=key.encode();c=client.encode()\n"
               "print(any(k in a for a in argv), k in journal, k in stats, c in journal)\n")
@@ -171,7 +182,7 @@ def test_same_session_stays_on_one_host_and_moves_when_that_host_is_parked(gatew
     wait_in_service(fleet, [home])
 
 
-def test_fleet_cli_drains_readies_and_prints_one_status_table(gateway):
+def test_fleet_cli_drains_readies_and_prints_one_status_table(gateway, keys):
     fleet = gateway["fleet"]
     wait_in_service(fleet, ["ws1", "ws2"])
     run = fleet_cli("status")
@@ -185,6 +196,11 @@ def test_fleet_cli_drains_readies_and_prints_one_status_table(gateway):
         hosts = {stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY, max_tokens=4, session=f"s{i}").host
                  for i in range(10)}
         assert hosts == {"ws2"}                # new requests, sessions too, go elsewhere
+        # A config change reloads HAProxy: the drained host stays drained.
+        keys["clients"].write_text(keys["clients"].read_text() + "sim-client-key-carol-5555555555 carol\n")
+        assert deploy_gateway(keys).returncode == 0
+        assert eventually(lambda: stream_chat(GATEWAY_ADDRESS, PORT, "sim-client-key-carol-5555555555").ok)
+        assert {s["host"]: s["state"] for s in status_rows(fleet)}["ws1"] == "draining"
     finally:
         assert fleet_cli("ready", "ws1").returncode == 0
     wait_in_service(fleet, ["ws1"])
@@ -192,7 +208,7 @@ def test_fleet_cli_drains_readies_and_prints_one_status_table(gateway):
     assert bad.returncode == 1 and "ws9: not a backend of the gateway" in bad.stderr
 
 
-def test_under_load_kill_power_off_drain_upgrade_and_reload_fail_no_unstarted_request(gateway, keys):
+def test_under_load_kill_power_off_sleep_drain_upgrade_and_reload_fail_no_unstarted_request(gateway, keys):
     fleet = gateway["fleet"]
     wait_in_service(fleet, ["ws1", "ws2"])
     watcher = Watcher(fleet.ssh_argv(GATEWAY_NAME))
@@ -221,7 +237,18 @@ def test_under_load_kill_power_off_drain_upgrade_and_reload_fail_no_unstarted_re
             back = watcher.wait_for("ws1", lambda s: s == "UP", t, 180)
             assert back, watcher.events
             figures["powered on: back in service after s"] = back - t
-            # 3. A rollout upgrades ws1's engine: drained first, ready after its gate.
+            # 3. ws1 goes silent (its network gone, as a PC that falls asleep): nothing refused,
+            # nothing answered; its checks time out. Then it wakes up.
+            t = time.time()
+            fleet.set_network("ws1", up=False)
+            try:
+                out = watcher.wait_for("ws1", lambda s: not s.startswith("UP"), t, 30)
+                assert out is not None, watcher.events
+                figures["silent (asleep): out of service after s"] = out - t
+            finally:
+                fleet.set_network("ws1", up=True)
+            assert watcher.wait_for("ws1", lambda s: s == "UP", out, 60), watcher.events
+            # 4. A rollout upgrades ws1's engine: drained first, ready after its gate.
             t = time.time()
             roll = subprocess.run(
                 [sys.executable, "-m", "freetoken_infra.rollout", "inventories/sim.py", "--limit", "ws1",
@@ -233,19 +260,21 @@ def test_under_load_kill_power_off_drain_upgrade_and_reload_fail_no_unstarted_re
             assert "--> gateway: draining ws1" in roll.stdout and "--> gateway: ws1 ready" in roll.stdout
             assert watcher.wait_for("ws1", lambda s: s == "UP", t, 60), watcher.events
             phases["rollout"] = (t, time.time())
-            # 4. The gateway's config changes (a new client key): validated, reloaded under load.
+            # 5. The gateway's config changes (a new client key): validated, reloaded under load.
             keys["clients"].write_text(keys["clients"].read_text() + f"{OTHER_KEY} bob\n")
             t = time.time()
             assert deploy_gateway(keys).returncode == 0
             phases["reload"] = (t, time.time())
-            assert stream_chat(GATEWAY_ADDRESS, PORT, OTHER_KEY).ok
+            assert eventually(lambda: stream_chat(GATEWAY_ADDRESS, PORT, OTHER_KEY).ok)
             time.sleep(3)
         outcomes = load.stop()
     finally:
         watcher.close()
     result = summary(outcomes)
-    in_phase = lambda name: [o for o in outcomes if o.t1 >= phases[name][0] and o.t0 <= phases[name][1]]  # noqa: E731
-    print(f"gateway under load: {result['requests']} requests, {result['ok']} ok, by host {result['by_host']}; "
+    in_phase = lambda name: [  # noqa: E731
+        o for o in outcomes if o.t1 >= phases[name][0] and o.t0 <= phases[name][1]]
+    print(f"gateway under load: {result['requests']} requests, {result['ok']} ok, "
+          f"by host {result['by_host']}; "
           f"failed before streaming: {len(result['failed_before_streaming'])}, "
           f"cut while streaming: {len(result['failed_while_streaming'])}")
     for name, seconds in figures.items():
