@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from freetoken_infra.layout import GATEWAY_BACKEND, GATEWAY_RUNTIME_SOCKET, SERVED_BY_HEADER, SESSION_HEADER
 
@@ -112,14 +112,25 @@ def stream_chat(address: str, port: int, key: str, max_tokens: int = 12, session
         conn.close()
 
 
+def session_on(host: str, address: str, port: int, key: str, tries: int = 64) -> str:
+    """A session name the gateway's consistent hashing sends to `host`, found by asking."""
+    for i in range(tries):
+        name = f"conversation-{i}"
+        if stream_chat(address, port, key, max_tokens=2, session=name).host == host:
+            return name
+    raise AssertionError(f"no session of {tries} landed on {host}")
+
+
 class Load:
     """`clients` threads sending streamed chat completions back to back until stop(), at most
-    `max_requests` in all and for at most `max_seconds` (bounded in count and time)."""
+    `max_requests` in all and for at most `max_seconds` (bounded in count and time). Client i
+    sends the session header `sessions[i]` (its turns go to one host), the others none (the
+    least busy host)."""
 
     def __init__(self, address: str, port: int, key: str, clients: int = 4, max_tokens: int = 12,
-                 max_requests: int = 5000, max_seconds: float = 900, sessions: bool = False):
+                 max_requests: int = 5000, max_seconds: float = 900, sessions: Sequence[str] = ()):
         self.address, self.port, self.key = address, port, key
-        self.clients, self.max_tokens, self.sessions = clients, max_tokens, sessions
+        self.clients, self.max_tokens, self.sessions = clients, max_tokens, list(sessions)
         self.max_requests, self.deadline = max_requests, time.time() + max_seconds
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
@@ -133,7 +144,7 @@ class Load:
                 if len(self.outcomes) >= self.max_requests:
                     return
             o = stream_chat(self.address, self.port, self.key, self.max_tokens,
-                            session=f"client-{i}" if self.sessions else None)
+                            session=self.sessions[i] if i < len(self.sessions) else None)
             with self._lock:
                 self.outcomes.append(o)
 

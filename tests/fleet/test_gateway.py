@@ -22,7 +22,7 @@ import pytest
 from tests.fleet import client, harness
 from tests.fleet.gateway_load import (
     CLIENT_KEY, ENGINE_KEY, PORT, STATS_PORT, Load, Watcher, converge_behind_gateway, data_args, pyinfra,
-    stream_chat, summary, write_keys,
+    session_on, stream_chat, summary, write_keys,
 )
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME
 
@@ -215,8 +215,11 @@ def test_under_load_kill_power_off_sleep_drain_upgrade_and_reload_fail_no_unstar
     figures: dict[str, float] = {}
     phases: dict[str, tuple[float, float]] = {}
     try:
+        # A conversation on each host (retried elsewhere when its host goes) and two clients
+        # without a session (the least busy host).
+        sessions = [session_on(h, GATEWAY_ADDRESS, PORT, CLIENT_KEY) for h in ("ws1", "ws2")]
         with Load(GATEWAY_ADDRESS, PORT, CLIENT_KEY, clients=4, max_tokens=24, max_requests=20000,
-                  max_seconds=900) as load:
+                  max_seconds=900, sessions=sessions) as load:
             time.sleep(3)
             # 1. ws1's engine is killed (systemd restarts it; it rejoins after its checks).
             t = time.time()
