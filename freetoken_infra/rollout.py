@@ -21,6 +21,10 @@ fails is failed by the deploy, after an automatic rollback when it was an upgrad
 * Later batches stop the rollout when more than ``--max-fail-pct`` percent of their reached
   hosts failed (default 0: any failure stops the rest); parked hosts are not counted.
 * A re-run resumes: the deploy is idempotent, converged hosts pass with no change.
+* Behind a gateway (an inventory group ``gateway``, deploys/gateway.py), each batch is drained
+  at the gateway before its engines are touched (running streams finish, new requests go to the
+  other hosts) and put back only after its health gate passed: zero client errors. A failed
+  host stays drained. Hosts that run no engine (``runs_engine = False``) are not rolled out.
 * At the end: the fleet report (``freetoken_infra.report.format_fleet_report``), and the same
   rows as JSON, always written: to ``--json FILE``, else to a new file under
   ``$XDG_STATE_HOME/freetoken-infra/rollouts/`` (``~/.local/state`` by default), whose path
@@ -47,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from freetoken_infra.core.records import RECORD_ENV, read_records
+from freetoken_infra.fleet import GATEWAY_GROUP, Fleet, FleetError
 from freetoken_infra.report import (
     RESULT_FAILED,
     RESULT_NOT_RUN,
@@ -182,7 +187,7 @@ def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[st
         settings = validate_inventory(inv)
     except SettingsError as exc:
         raise RolloutError(str(exc)) from None
-    names = list(settings)
+    names = [name for name, s in settings.items() if s.runs_engine]  # not a gateway-only host
     if limit:
         missing = [h for h in limit if h not in names]
         if missing:
@@ -245,16 +250,46 @@ def run_batch(index: int, hosts: list[str], inventory: str, deploy: str, data: S
     return BatchRun(hosts, returncode, rows)
 
 
-BatchRunner = Callable[..., BatchRun]
+def drain_batch(gateway: "Fleet", hosts: Sequence[str], timeout: float, out=sys.stdout) -> list[str]:
+    """Drain `hosts` at the gateway and wait (up to `timeout`) for their running streams to
+    finish; the hosts that are behind the gateway."""
+    known = {s.host for s in gateway.servers()}
+    behind = [h for h in hosts if h in known]
+    missing = [h for h in hosts if h not in known]
+    if missing:
+        print(f"--> gateway: {', '.join(missing)} not behind the gateway (re-run deploys/gateway.py)",
+              file=out, flush=True)
+    if behind:
+        gateway.drain(behind)
+        print(f"--> gateway: draining {', '.join(behind)}", file=out, flush=True)
+        busy = gateway.wait_idle(behind, timeout)
+        if busy:
+            print(f"--> gateway: {', '.join(busy)} still streaming after {timeout:g} s; going on",
+                  file=out, flush=True)
+    return behind
+
+
+def ready_batch(gateway: "Fleet", behind: Sequence[str], rows: Sequence[dict], out=sys.stdout) -> None:
+    """Put the batch's hosts whose health gate passed back in service; failed ones stay drained."""
+    passed = [r["host"] for r in rows if r["host"] in behind and r["result"] == RESULT_OK]
+    failed = [h for h in behind if h not in passed]
+    if passed:
+        gateway.ready(passed)
+        print(f"--> gateway: {', '.join(passed)} ready (in service once their checks pass)",
+              file=out, flush=True)
+    if failed:
+        print(f"--> gateway: {', '.join(failed)} stay drained (failed)", file=out, flush=True)
 
 
 def rollout(inventory: str, batches: list[list[str]], max_fail_pct: float = 0.0,
             data: Sequence[str] = (), deploy: str = DEFAULT_DEPLOY, out: TextIO = sys.stdout,
-            run: Optional[BatchRunner] = None) -> tuple[list[dict], Optional[str]]:
+            run: Optional[BatchRunner] = None, gateway: Optional["Fleet"] = None,
+            drain_timeout: float = 300.0) -> tuple[list[dict], Optional[str]]:
     """Run the batches in order; (report rows for every host, why it stopped or None).
 
-    Per batch: converge it (`run`, the pyinfra CLI), end it with one plain line per host that
-    is not ok, then decide whether the rollout goes on (``batch_stops``)."""
+    Per batch: drain it at the gateway (when there is one), converge it (`run`, the pyinfra
+    CLI), put the hosts whose gate passed back, end it with one plain line per host that is not
+    ok, then decide whether the rollout goes on (``batch_stops``)."""
     run = run or run_batch
     rows: list[dict] = []
     stopped: Optional[str] = None
@@ -262,12 +297,24 @@ def rollout(inventory: str, batches: list[list[str]], max_fail_pct: float = 0.0,
         if stopped:
             rows += [host_row(h, [], batch=index + 1, not_run=f"rollout stopped: {stopped}") for h in hosts]
             continue
+        try:
+            behind = drain_batch(gateway, hosts, drain_timeout, out) if gateway is not None else []
+        except FleetError as exc:
+            stopped = f"gateway: {exc}"
+            print(f"\n--> rollout stopped: {stopped}", file=out, flush=True)
+            rows += [host_row(h, [], batch=index + 1, not_run=f"rollout stopped: {stopped}") for h in hosts]
+            continue
         batch = run(index, hosts, inventory, deploy, data, out=out)
         rows += batch.rows
+        if gateway is not None:
+            try:
+                ready_batch(gateway, behind, batch.rows, out)
+            except FleetError as exc:
+                stopped = f"gateway: {exc} (drained: {', '.join(behind)})"
         end_batch(index, batch.rows, out)
         count = {k: sum(1 for r in batch.rows if r["result"] == k) for k in RESULTS}
         failed = len(batch.rows) - count[RESULT_OK] - count[RESULT_PARKED] - count[RESULT_REFUSED]
-        if index < len(batches) - 1:  # after the last batch there is nothing left to stop
+        if index < len(batches) - 1 and not stopped:  # after the last batch nothing is left to stop
             stopped = batch_stops(index, failed, len(hosts), max_fail_pct,
                                   parked=count[RESULT_PARKED], ok=count[RESULT_OK])
         if stopped:
@@ -375,6 +422,20 @@ def select_hosts(doc: dict[str, Any], only: Sequence[str], inventory_hosts: Sequ
     return chosen
 
 
+def gateway_of(inventory: str, data: dict) -> Optional[Fleet]:
+    """The inventory's gateway (None: it has none); RolloutError when it cannot be reached, since
+    rolling out behind it without draining would fail clients' requests."""
+    try:
+        gateway = Fleet.from_inventory(inventory, data)
+    except FleetError:
+        return None  # no gateway group (a bad inventory was reported by load_hosts already)
+    try:
+        gateway.servers()
+    except FleetError as exc:
+        raise RolloutError(f"the gateway cannot be reached to drain batches: {exc}") from None
+    return gateway
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m freetoken_infra.rollout",
@@ -406,6 +467,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     defaults = {"batches": (DEFAULT_BATCHES, "batches_spec"), "max_fail_pct": (0.0, "max_fail_pct"),
                 "data": ([], "data")}
     ap.set_defaults(batches=None, max_fail_pct=None, data=None)
+    ap.add_argument("--drain-timeout", type=float, default=300.0, metavar="S",
+                    help=f"behind a gateway (group '{GATEWAY_GROUP}'): wait up to S seconds for a drained "
+                         "batch's streams to finish (default 300)")
     args = ap.parse_args(argv)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     source: Optional[Path] = None
@@ -435,13 +499,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hosts = chosen
         batches = plan_batches(hosts, sizes, split(args.canary))
         report_path = Path(args.json_file) if args.json_file else default_report_path()
+        gateway = gateway_of(args.inventory, parse_data(args.data))
     except RolloutError as exc:
         print(f"rollout: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print("--> rollout plan: " + " | ".join(
         f"{'canary' if i == 0 else f'batch {i + 1}'}: {', '.join(b)}" for i, b in enumerate(batches)), flush=True)
 
-    rows, stopped = rollout(args.inventory, batches, args.max_fail_pct, args.data, args.deploy)
+    rows, stopped = rollout(args.inventory, batches, args.max_fail_pct, args.data, args.deploy,
+                            gateway=gateway, drain_timeout=args.drain_timeout)
 
     print("\n" + format_fleet_report(rows), flush=True)
     if stopped:

@@ -6,7 +6,8 @@
 
 Hosts are grouped by hardware class (the group_data/<class>.py files apply); the group `sim`
 carries the settings that point the deploy at the stand-in services on the bridge instead of
-NVIDIA's repository, PyPI and the model hub.
+NVIDIA's repository, PyPI and the model hub. When the gateway host runs (`up --gateway`), it
+is the group `gateway` (deploys/gateway.py), a plain Debian host that runs no engine.
 """
 import json
 import os
@@ -34,8 +35,8 @@ SIM_DATA = {
 }
 
 
-def _host(h):
-    return (h["name"], {
+def _host(h, **data):
+    return (h["name"], {**data,
         "ssh_hostname": h["address"],
         "ssh_user": h.get("ssh_user", "root"),
         "ssh_key": h["ssh_key"],
@@ -48,3 +49,6 @@ _hosts = sorted(_state["hosts"].values(), key=lambda h: h["name"])
 rtx5060ti_16gb = [_host(h) for h in _hosts if h["hardware_class"] == "rtx5060ti_16gb"]
 rtx5090_32gb = [_host(h) for h in _hosts if h["hardware_class"] == "rtx5090_32gb"]
 sim = ([h["name"] for h in _hosts], SIM_DATA)
+# The fleet's gateway (deploys/gateway.py), only while it runs: not a workstation.
+if _state.get("gateway"):
+    gateway = [_host(_state["gateway"])]

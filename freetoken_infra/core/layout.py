@@ -136,3 +136,27 @@ class HostLayout:
     def reverify_request_file(self) -> str:
         """While this file exists the downloader re-hashes every file (``model_reverify``)."""
         return f"{self.fetch_status_dir}/reverify-requested"
+
+
+# --- the fleet's gateway (deploys/gateway.py): HAProxy from the distribution ---------------
+# Hosts of this inventory group run the gateway; every host with `runs_engine` is a backend.
+GATEWAY_GROUP = "gateway"
+GATEWAY_UNIT = "haproxy.service"
+GATEWAY_CONFIG = "/etc/haproxy/haproxy.cfg"
+# 0600 root: HAProxy reads both while still root (at start and on every reload).
+GATEWAY_KEYS_MAP = "/etc/haproxy/freetoken-gateway-keys.map"  # client key -> client label
+GATEWAY_ENGINE_KEY_MAP = "/etc/haproxy/freetoken-engine-key.map"  # the fleet's engine key
+# The runtime API (drain / ready / status), root only.
+GATEWAY_RUNTIME_SOCKET = "/run/haproxy/admin.sock"
+# Drain, maintenance and health states survive a reload: dumped here before each one.
+GATEWAY_SERVER_STATE = "/var/lib/haproxy/server-state"
+# The fleet's Prometheus scrape config, generated on the gateway host.
+GATEWAY_SCRAPE_CONFIG = "/etc/haproxy/freetoken-prometheus.yml"
+# HAProxy backends: least busy host, and consistent hashing on the session header.
+GATEWAY_BACKEND = "freetoken"
+GATEWAY_SESSION_BACKEND = "freetoken_sessions"
+GATEWAY_BACKENDS = (GATEWAY_BACKEND, GATEWAY_SESSION_BACKEND)
+# Requests with the same value of this header go to the same healthy host (its KV cache).
+SESSION_HEADER = "X-Session-Id"
+# The gateway names the host that answered in this response header.
+SERVED_BY_HEADER = "X-FreeToken-Host"

@@ -228,6 +228,16 @@ class Settings(BaseModel):
     engine_env_size_gb: float = Field(12.0, ge=0)
     """Disk one engine venv takes."""
 
+    # --- the fleet's gateway (deploys/gateway.py; README "One endpoint for the fleet") ---
+    runs_engine: bool = True
+    """False: a gateway-only machine (no engine; rollouts skip it, it is no backend)."""
+    gateway_port: int = Field(8080, ge=1, le=65535)
+    """Port of the fleet's one OpenAI base URL on the gateway host."""
+    gateway_stats_port: int = Field(8404, ge=1, le=65535)
+    """Port of the gateway's Prometheus `/metrics` and `/stats` (a gateway key required)."""
+    gateway_keys_source: Optional[str] = None
+    """Clients' gateway keys on the controller: `file:/path` or `env:VAR` (one key per line, optionally a label)."""
+
     # --- validators ---------------------------------------------------------------
     @field_validator("engine_version")
     @classmethod
@@ -325,6 +335,13 @@ class Settings(BaseModel):
             "must be 'generate' (a key made on the host), 'none', "
             "'file:/path/on/controller' or 'env:VARIABLE' (on the controller)"
         )
+
+    @field_validator("gateway_keys_source")
+    @classmethod
+    def _gateway_keys(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or re.match(r"^(file:/[^\0\n]*|env:[A-Za-z_][A-Za-z0-9_]*)$", v):
+            return v
+        raise ValueError("must be 'file:/path/on/controller' or 'env:VARIABLE' (one key per line)")
 
     @field_validator("wslconfig_memory", "wslconfig_swap")
     @classmethod

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.fleet import profiles
-from tests.fleet.profiles import BRIDGE_ADDRESS, BRIDGE_NAME, BRIDGE_PREFIX, HostProfile
+from tests.fleet.profiles import (
+    BRIDGE_ADDRESS, BRIDGE_NAME, BRIDGE_PREFIX, GATEWAY_ADDRESS, GATEWAY_NAME, HostProfile,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STANDINS = Path(__file__).resolve().parent / "standins"
@@ -355,7 +357,7 @@ def _teardown(state: dict | None, quiet: bool = False) -> None:
     say = (lambda m: None) if quiet else _log
     state = state or {}
     hosts = state.get("hosts", {})
-    for name, h in hosts.items():
+    for name, h in list(hosts.items()) + ([(GATEWAY_NAME, state["gateway"])] if state.get("gateway") else []):
         if h.get("pid"):
             say(f"stopping {name} (nspawn pid {h['pid']})")
             _stop_pid(h["pid"], "systemd-nspawn", term_wait=15)
@@ -621,6 +623,12 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
                        "swap_url": f"http://{BRIDGE_ADDRESS}:{PORTS['vm_memory']}/swap/grow"})
            + "\n")
 
+    prepare_plain_root(root, profile.name, pubkey)
+
+
+def prepare_plain_root(root: Path, name: str, pubkey: str) -> None:
+    """What every simulated host gets, the gateway too: apt through the bridge, root's SSH key,
+    its name."""
     # apt: Debian through the bridge proxy, the bridge's own repos directly.
     _write(root / "etc/apt/apt.conf.d/01freetoken-sim-proxy",
            "// simulated fleet: the host reaches the Debian mirror only through the harness's\n"
@@ -632,27 +640,36 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     ssh_dir = root / "root/.ssh"
     ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     _write(ssh_dir / "authorized_keys", pubkey, 0o600)
-    _write(root / "etc/hostname", profile.name + "\n")
-    _write(root / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{profile.name}\n"
+    _write(root / "etc/hostname", name + "\n")
+    _write(root / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{name}\n"
                                f"{BRIDGE_ADDRESS}\tftsim-bridge\n")
 
 
 # ---------------------------------------------------------------------------- containers
 
-def _nspawn_argv(name: str, root: Path, ns: str) -> list[str]:
-    return ["systemd-nspawn", "--register=no", "--keep-unit", "--quiet", "-b", "-D", str(root),
+def _nspawn_argv(name: str, root: Path, ns: str, wsl: bool = True) -> list[str]:
+    argv = ["systemd-nspawn", "--register=no", "--keep-unit", "--quiet", "-b", "-D", str(root),
             "-M", name, f"--network-namespace-path=/run/netns/{ns}",
-            "--console=pipe", "--resolv-conf=off", "--timezone=off",
-            "--bind-ro=/.sim/version:/proc/version",      # source must be inside the tree
-            "--bind-ro=/.sim/meminfo:/proc/meminfo"]
+            "--console=pipe", "--resolv-conf=off", "--timezone=off"]
+    if wsl:   # the gateway is a plain Debian host: no WSL kernel or VM memory stand-ins
+        argv += ["--bind-ro=/.sim/version:/proc/version",      # source must be inside the tree
+                 "--bind-ro=/.sim/meminfo:/proc/meminfo"]
+    return argv
+
+
+def _record(state: dict, name: str) -> dict:
+    """A container's record in state.json: a workstation's, or the gateway's."""
+    if name == GATEWAY_NAME and state.get("gateway"):
+        return state["gateway"]
+    return state["hosts"][name]
 
 
 def _start_container(state: dict, name: str) -> None:
-    h = state["hosts"][name]
+    h = _record(state, name)
     log = Path(h["console_log"])
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
-        proc = subprocess.Popen(_nspawn_argv(name, Path(h["root"]), h["netns"]),
+        proc = subprocess.Popen(_nspawn_argv(name, Path(h["root"]), h["netns"], h.get("wsl", True)),
                                 stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     h["pid"] = proc.pid
@@ -671,7 +688,7 @@ def _wait_booted(state: dict, names: list[str], timeout: float = BOOT_TIMEOUT_S)
     last: dict[str, str] = {}
     while pending and time.monotonic() < deadline:
         for name in sorted(pending):
-            h = state["hosts"][name]
+            h = _record(state, name)
             if not _alive(h["pid"]):
                 _reap(h["pid"])
                 raise FleetError(f"{name}: systemd-nspawn exited during boot\n"
@@ -686,7 +703,7 @@ def _wait_booted(state: dict, names: list[str], timeout: float = BOOT_TIMEOUT_S)
             time.sleep(0.5)
     if pending:
         details = "\n".join(f"--- {n}: last answer {last.get(n)!r}\n"
-                            + _tail(state["hosts"][n]["console_log"]) for n in sorted(pending))
+                            + _tail(_record(state, n)["console_log"]) for n in sorted(pending))
         raise FleetError(f"hosts not up within {timeout:.0f} s: {', '.join(sorted(pending))}\n"
                          + details)
 
@@ -699,8 +716,9 @@ def _tail(path: str, n: int = 40) -> str:
     return "console log tail:\n" + "\n".join(lines[-n:])
 
 
-def up(n_hosts: int | None = None) -> "Fleet":
-    """Bring up the bridge services and hosts ws1..wsN (N: host_count()); return the Fleet."""
+def up(n_hosts: int | None = None, gateway: bool = False) -> "Fleet":
+    """Bring up the bridge services and hosts ws1..wsN (N: host_count()), and the gateway host
+    when asked; return the Fleet."""
     n_hosts = host_count() if n_hosts is None else n_hosts
     if not 1 <= n_hosts <= profiles.MAX_HOSTS:
         raise FleetError(f"{n_hosts} hosts: the simulated fleet has 1 to {profiles.MAX_HOSTS}")
@@ -750,7 +768,58 @@ def up(n_hosts: int | None = None) -> "Fleet":
     state["up_seconds"] = round(time.monotonic() - t0, 1)
     _save_state(state)
     _log(f"{n_hosts} hosts up in {state['up_seconds']} s")
+    if gateway:
+        start_gateway()
     return Fleet(state)
+
+
+def start_gateway() -> dict:
+    """Boot the gateway host (GATEWAY_NAME at GATEWAY_ADDRESS: plain Debian, reached over SSH
+    like the workstations) on the running fleet; nothing when it already runs."""
+    state = load_state()
+    if not state:
+        raise FleetError("simulated fleet not running: python -m tests.fleet up")
+    gw = state.get("gateway")
+    if gw and gw.get("pid") and _alive(gw["pid"]):
+        return gw
+    root = cache_dir() / "hosts" / GATEWAY_NAME
+    if not gw:
+        base = ensure_base_rootfs()
+        shutil.rmtree(root, ignore_errors=True)
+        _sh("cp", "-a", "--reflink=auto", base, root)
+        (root / COMPLETE_MARK).unlink(missing_ok=True)
+        prepare_plain_root(root, GATEWAY_NAME, Path(state["ssh_key"] + ".pub").read_text())
+        ns = _setup_host_network(GATEWAY_NAME, GATEWAY_ADDRESS)
+        hostkey = (base / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()[:2]
+        with open(state["known_hosts"], "a") as f:
+            f.write(f"{GATEWAY_ADDRESS} {' '.join(hostkey)}\n")
+        state["gateway"] = {
+            "name": GATEWAY_NAME, "address": GATEWAY_ADDRESS, "ssh_key": state["ssh_key"],
+            "ssh_user": "root", "root": str(root), "netns": ns, "pid": None, "wsl": False,
+            "console_log": str(state_dir() / "logs" / f"{GATEWAY_NAME}.console.log")}
+        _save_state(state)
+    _start_container(state, GATEWAY_NAME)
+    _wait_booted(state, [GATEWAY_NAME])
+    _log(f"gateway {GATEWAY_NAME} up at {GATEWAY_ADDRESS}")
+    return state["gateway"]
+
+
+def stop_gateway() -> None:
+    """Power the gateway host off and remove it (its tree, namespace and link): the fleet is
+    back to its workstations, as other tests expect it."""
+    state = load_state()
+    gw = (state or {}).get("gateway")
+    if not gw:
+        return
+    if gw.get("pid"):
+        _stop_pid(gw["pid"], "systemd-nspawn", term_wait=15)
+    _kill_netns_processes(gw["netns"])
+    _sh("ip", "netns", "delete", gw["netns"], check=False, quiet=True)
+    _sh("ip", "link", "delete", gw["netns"], check=False, quiet=True)
+    shutil.rmtree(gw["root"], ignore_errors=True)
+    del state["gateway"]
+    _save_state(state)
+    _log(f"gateway {GATEWAY_NAME} removed")
 
 
 # ---------------------------------------------------------------------------- running fleet
@@ -856,7 +925,12 @@ class Fleet:
 
     def _host(self, host) -> dict:
         name = host if isinstance(host, str) else host.name
-        return self.state["hosts"][name]
+        return _record(self.state, name)
+
+    @property
+    def gateway(self) -> dict | None:
+        """The gateway host's record (name, address, ...), None unless start_gateway() ran."""
+        return self.state.get("gateway")
 
     def ssh_argv(self, host) -> list[str]:
         h = self._host(host)
@@ -874,13 +948,28 @@ class Fleet:
 
     def reboot(self, host, timeout: float = BOOT_TIMEOUT_S) -> None:
         """Stop the container (as a power-off would) and boot the same tree again."""
-        state = self.state
-        name = host if isinstance(host, str) else host.name
-        h = state["hosts"][name]
+        self.power_off(host)
+        self.power_on(host, timeout)
+
+    def power_off(self, host) -> None:
+        """Stop the container as a power-off would: every process of the host ends; its address
+        stays on the bridge and answers nothing until power_on()."""
+        h = self._host(host)
         _stop_pid(h["pid"], "systemd-nspawn", term_wait=20)
         _kill_netns_processes(h["netns"])
+
+    def power_on(self, host, timeout: float = BOOT_TIMEOUT_S) -> None:
+        """Boot a powered-off host's same tree again and wait until it runs."""
+        state = self.state
+        name = host if isinstance(host, str) else host.name
         _start_container(state, name)
         _wait_booted(state, [name], timeout)
+
+    def set_network(self, host, up: bool) -> None:
+        """Cut (up=False) or restore a host's network as a PC that falls asleep does: whatever is
+        sent to it vanishes, nothing is refused; its processes keep running."""
+        h = self._host(host)
+        _sh("ip", "-n", h["netns"], "link", "set", "eth0", "up" if up else "down")
 
     def set_swap_used(self, host, used_bytes: int) -> None:
         """Make the host's /proc/meminfo report `used_bytes` of swap in use, at once. (Swap use

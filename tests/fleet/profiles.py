@@ -124,6 +124,13 @@ MAX_HOSTS = 190
 REPEATED = tuple(name for name, profile in PROFILES.items() if profile.healthy)
 
 
+# The fleet's gateway (deploys/gateway.py): a plain Debian host, no Windows or GPU stand-ins,
+# started on demand (Fleet.start_gateway, `python -m tests.fleet up --gateway`). It is not a
+# workstation: host_count() and host_names() never include it.
+GATEWAY_NAME = "gw1"
+GATEWAY_ADDRESS = "10.213.0.5"
+
+
 def host_address(name: str) -> str:
     number = int(name.removeprefix("ws"))
     if not 1 <= number <= MAX_HOSTS:

@@ -420,6 +420,12 @@ class Handler(BaseHTTPRequestHandler):
     sys_version = ""
     engine: Engine
 
+    def setup(self):
+        super().setup()
+        # Like the real server (uvicorn on asyncio, which sets TCP_NODELAY on every connection):
+        # a body written after its headers goes out at once, not held for the peer's delayed ACK.
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def log_message(self, fmt, *args):
         if self.path == "/health" and logger.level > 10:
             return  # the real access-log filter hides health polling

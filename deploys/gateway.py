@@ -1,0 +1,45 @@
+"""Converge the fleet's gateway: `pyinfra -y INVENTORY deploys/gateway.py --limit gateway`.
+
+The hosts of the inventory group `gateway` (any Debian/Ubuntu machine, a WSL host too) run
+HAProxy from the distribution in front of every host of the inventory that runs an engine
+(`runs_engine`): one OpenAI base URL for the fleet, health-checked on `/health`'s JSON, keys
+checked at the gateway (README, "One endpoint for the fleet"). Backends, keys and ports come
+from the same settings the engines' deploy uses; a second run changes nothing; a changed config
+is validated (`haproxy -c`) and reloaded without dropping connections. Other hosts are left
+alone.
+"""
+
+from pyinfra import host
+from pyinfra.api.exceptions import PyinfraError
+from pyinfra.context import state
+
+from freetoken_infra.core.layout import GATEWAY_GROUP
+from freetoken_infra.preflight import fleet_settings
+from operations import cuda, gateway
+
+every = fleet_settings(state)  # every host's settings, validated before any host is touched
+
+if GATEWAY_GROUP in host.groups:
+    settings = every[host.name]
+    try:
+        if settings.gateway_keys_source is None:
+            raise gateway.GatewayError(
+                f"host {host.name}: set gateway_keys_source (file:/path or env:VAR on the controller, "
+                "one client key per line) for the gateway's clients")
+        hosts = {h.name: (every[h.name], h.data.get("ssh_hostname")) for h in state.inventory}
+        backends = gateway.backends_for(host.name, hosts)
+        engine_key = gateway.fleet_engine_key(backends, every)
+        client_keys = gateway.keys_map(
+            gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
+        address = host.data.get("ssh_hostname") or host.name
+        scrape = gateway.scrape_config(address, settings,
+                                       {b.name: (b.address, every[b.name]) for b in backends})
+    except gateway.GatewayError as exc:
+        raise PyinfraError(f"gateway on {host.name}: {exc}") from None
+
+    cuda.packages_present(name="Gateway: HAProxy and socat (Debian packages)", packages=["haproxy", "socat"])
+    gateway.gateway(
+        name=f"Gateway: HAProxy in front of {', '.join(b.name for b in backends)} (validated, reloaded)",
+        config=gateway.haproxy_config(settings, backends, engine_key is not None),
+        client_keys=client_keys, engine_keys=gateway.engine_key_map(engine_key), scrape=scrape,
+    )

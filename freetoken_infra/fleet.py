@@ -1,0 +1,287 @@
+"""The fleet behind its gateway, through HAProxy's runtime API on the gateway host:
+
+    python -m freetoken_infra.fleet [-i INVENTORY] drain HOST [HOST ...]   # for play or maintenance
+    python -m freetoken_infra.fleet [-i INVENTORY] ready HOST [HOST ...]   # back in service
+    python -m freetoken_infra.fleet [-i INVENTORY] status
+
+`drain` lets the host's running streams finish and sends every new request elsewhere (follow-up
+turns of its sessions too); `ready` puts it back (it serves again once its health checks pass).
+`status` prints one table: host, in service / parked / draining / failed, active requests, the
+last health check, and the decode tok/s of the host's last health gate.
+
+The gateway is the inventory's `gateway` group (deploys/gateway.py); the commands reach it over
+SSH with the inventory's connection settings (``@local``: on this machine), through `sudo -n`
+when the user is not root, and speak to HAProxy's root-only socket with socat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from freetoken_infra.core.layout import (
+    GATEWAY_BACKEND, GATEWAY_BACKENDS, GATEWAY_GROUP, GATEWAY_RUNTIME_SOCKET, HostLayout,
+)
+from freetoken_infra.core.settings import Settings
+
+DEFAULT_INVENTORY = "inventories/fleet.py"
+IN_SERVICE, PARKED, DRAINING, FAILED = "in service", "parked", "draining", "failed"
+MAINTENANCE = "maintenance"
+# A check that got no answer at all: the PC is off, asleep, rebooting or has no engine running.
+# Parked, not failed (issue 14): it rejoins by itself once it passes its checks again.
+NO_ANSWER = ("L4CON", "L4TOUT", "L6TOUT", "L6RSP", "L7TOUT", "SOCKERR", "L4OK")
+
+
+class FleetError(Exception):
+    """What went wrong, on which host, and what to do."""
+
+
+@dataclass(frozen=True)
+class Remote:
+    """How to run a command on one inventory host: ssh with its inventory data, or locally."""
+
+    name: str
+    ssh_argv: Optional[list[str]]  # None: @local
+    sudo: bool
+
+    def run(self, command: str, timeout: float = 20) -> str:
+        wrapped = f"sudo -n sh -c {shlex.quote(command)}" if self.sudo else command
+        argv = (self.ssh_argv + [wrapped]) if self.ssh_argv is not None else ["sh", "-c", wrapped]
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                               stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise FleetError(f"{self.name}: no answer within {timeout:g} s") from None
+        if r.returncode != 0:
+            raise FleetError(f"{self.name}: {command.split('|')[0].strip()!r} failed ({r.returncode}): "
+                             f"{(r.stderr or r.stdout).strip()[-300:]}")
+        return r.stdout
+
+
+def remote_for(name: str, data: dict[str, Any]) -> Remote:
+    """A Remote from a host's inventory data (pyinfra's ssh_* keys)."""
+    if name.startswith("@local"):
+        return Remote(name, None, os.geteuid() != 0)
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR"]
+    if data.get("ssh_port"):
+        argv += ["-p", str(data["ssh_port"])]
+    if data.get("ssh_key"):
+        argv += ["-i", str(data["ssh_key"])]
+    if data.get("ssh_known_hosts_file"):
+        argv += ["-o", f"UserKnownHostsFile={data['ssh_known_hosts_file']}"]
+    if data.get("ssh_config_file"):
+        argv += ["-F", str(data["ssh_config_file"])]
+    strict = data.get("ssh_strict_host_key_checking", "accept-new")
+    argv += ["-o", f"StrictHostKeyChecking={strict}"]
+    user = data.get("ssh_user")
+    target = str(data.get("ssh_hostname") or name)
+    argv.append(f"{user}@{target}" if user else target)
+    return Remote(name, argv, bool(user) and user != "root")
+
+
+# --------------------------------------------------------------------------- HAProxy's answers
+def runtime_command(command: str) -> str:
+    """The shell command that sends one runtime API command to HAProxy on the gateway host."""
+    return f"echo {shlex.quote(command)} | socat stdio {GATEWAY_RUNTIME_SOCKET}"
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    host: str
+    state: str           # IN_SERVICE, PARKED, DRAINING, FAILED or MAINTENANCE
+    active: int          # requests in flight on this host (both backends)
+    health: str          # the last check: e.g. "L7OK/200 in 2ms", "L4CON Connection refused"
+    haproxy_status: str  # HAProxy's own word: UP, DOWN, DRAIN, MAINT, "UP 1/2", ...
+
+
+def classify(status: str, check_status: str) -> str:
+    """HAProxy's server status and last check as the fleet's words."""
+    status = status.upper()
+    if "MAINT" in status:
+        return MAINTENANCE
+    if "DRAIN" in status or "NOLB" in status:
+        return DRAINING
+    if status.startswith("UP") or status == "NO CHECK":
+        return IN_SERVICE
+    # No answer: off, asleep, rebooting. Its last check passed: back, rising to rejoin.
+    if check_status.upper().lstrip("*") in NO_ANSWER + ("L7OK",):
+        return PARKED
+    return FAILED
+
+
+def parse_stat(text: str) -> list[ServerStatus]:
+    """`show stat` (CSV) -> one ServerStatus per server of the gateway's checked backend, with
+    the active requests of both backends."""
+    lines = text.lstrip().splitlines()
+    if not lines or not lines[0].startswith("# pxname"):
+        raise FleetError(f"unexpected answer to 'show stat': {text[:200]!r}")
+    rows = list(csv.DictReader(io.StringIO(lines[0][2:] + "\n" + "\n".join(lines[1:]))))
+    active: dict[str, int] = {}
+    for row in rows:
+        if row["pxname"] in GATEWAY_BACKENDS and row["svname"] not in ("BACKEND", "FRONTEND"):
+            active[row["svname"]] = active.get(row["svname"], 0) + int(row.get("scur") or 0)
+    out = []
+    for row in rows:
+        if row["pxname"] != GATEWAY_BACKEND or row["svname"] in ("BACKEND", "FRONTEND"):
+            continue
+        check = (row.get("check_status") or "").lstrip("*")
+        code = row.get("check_code") or ""
+        took = row.get("check_duration") or ""
+        detail = (row.get("last_chk") or "").strip()
+        health = check + (f"/{code}" if code else "") + (f" in {took}ms" if took else "")
+        if detail and check not in ("L7OK",):
+            health += f" {detail}"
+        out.append(ServerStatus(row["svname"], classify(row["status"], check), active.get(row["svname"], 0),
+                                health.strip() or "-", row["status"]))
+    return out
+
+
+def format_status(servers: Sequence[ServerStatus], gate_tps: dict[str, Optional[float]]) -> str:
+    header = ("host", "state", "active", "last health", "tok/s (last gate)")
+    rows = [(s.host, s.state, str(s.active), s.health[:60],
+             f"{gate_tps[s.host]:.1f}" if gate_tps.get(s.host) is not None else "-") for s in servers]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    counts = {st: sum(1 for s in servers if s.state == st) for st in (IN_SERVICE, PARKED, DRAINING, FAILED)}
+    summary = ", ".join(f"{n} {st}" for st, n in counts.items())
+    return "\n".join(["== fleet status (gateway) ==", fmt(header), "-" * len(fmt(header)),
+                      *(fmt(r) for r in rows), f"{len(servers)} host(s): {summary}"])
+
+
+# --------------------------------------------------------------------------- the fleet
+class Fleet:
+    """An inventory's gateway and serving hosts."""
+
+    def __init__(self, gateway: Remote, hosts: dict[str, tuple[Settings, Remote]]):
+        self.gateway = gateway
+        self.hosts = hosts  # serving hosts: name -> (settings, how to reach it)
+
+    @classmethod
+    def from_inventory(cls, inventory: str, data: Optional[dict] = None) -> "Fleet":
+        from pyinfra.api import State
+        from pyinfra.context import ctx_state
+        from pyinfra_cli.inventory import make_inventory
+
+        from freetoken_infra.core.settings import SettingsError, validate_inventory
+
+        try:
+            with ctx_state.use(State()):
+                inv = make_inventory(inventory, cwd=os.getcwd(), override_data=data or None)
+        except SystemExit as exc:
+            raise FleetError(f"{inventory}: {exc}") from None
+        try:
+            settings = validate_inventory(inv)
+        except SettingsError as exc:
+            raise FleetError(str(exc)) from None
+        gateways = [h for h in inv if GATEWAY_GROUP in h.groups]
+        if not gateways:
+            raise FleetError(f"{inventory}: no host in the group '{GATEWAY_GROUP}': deploy a gateway first "
+                             "(README, \"One endpoint for the fleet\")")
+        gw = gateways[0]
+        hosts = {h.name: (settings[h.name], remote_for(h.name, h.data.dict()))
+                 for h in inv if settings[h.name].runs_engine}
+        return cls(remote_for(gw.name, gw.data.dict()), hosts)
+
+    def runtime(self, command: str) -> str:
+        return self.gateway.run(runtime_command(command))
+
+    def servers(self) -> list[ServerStatus]:
+        return parse_stat(self.runtime("show stat"))
+
+    def _set_state(self, hosts: Sequence[str], state: str) -> None:
+        known = {s.host for s in self.servers()}
+        unknown = [h for h in hosts if h not in known]
+        if unknown:
+            raise FleetError(f"{', '.join(unknown)}: not a backend of the gateway on {self.gateway.name} "
+                             f"(backends: {', '.join(sorted(known))}); re-run deploys/gateway.py after "
+                             "adding hosts to the inventory")
+        for h in hosts:
+            # The session backend's server tracks this one and inherits its drain.
+            answer = self.runtime(f"set server {GATEWAY_BACKEND}/{h} state {state}").strip()
+            if answer:
+                raise FleetError(f"{self.gateway.name}: set server {h} state {state}: {answer}")
+
+    def drain(self, hosts: Sequence[str]) -> None:
+        self._set_state(hosts, "drain")
+
+    def ready(self, hosts: Sequence[str]) -> None:
+        self._set_state(hosts, "ready")
+
+    def wait_idle(self, hosts: Sequence[str], timeout: float, say: Callable[[str], None] = lambda m: None,
+                  poll: float = 1.0) -> list[str]:
+        """Wait until `hosts` have no request in flight (their streams finished); the hosts still
+        busy when `timeout` ran out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = [s.host for s in self.servers() if s.host in hosts and s.active > 0]
+            if not busy or time.monotonic() >= deadline:
+                return busy
+            say(f"waiting for {', '.join(busy)} to finish their streams")
+            time.sleep(poll)
+
+    def gate_tps(self) -> dict[str, Optional[float]]:
+        """Each serving host's decode tok/s from its last health gate (None: unknown/unreachable)."""
+        def one(item: tuple[str, tuple[Settings, Remote]]) -> tuple[str, Optional[float]]:
+            name, (settings, remote) = item
+            # Read as the service user, who owns the file (root never reads a path it can write).
+            path = shlex.quote(HostLayout.of(settings).last_gate_file)
+            try:
+                doc = json.loads(remote.run(
+                    f"runuser -u {shlex.quote(settings.service_user)} -- head -c 65536 {path}", timeout=8))
+                tps = doc.get("decode_tps")
+                return name, float(tps) if isinstance(tps, (int, float)) else None
+            except (FleetError, ValueError, AttributeError):
+                return name, None
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return dict(pool.map(one, self.hosts.items()))
+
+    def status(self) -> str:
+        return format_status(self.servers(), self.gate_tps())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m freetoken_infra.fleet",
+                                 description="Drain, ready and list the fleet's hosts at its gateway.")
+    ap.add_argument("-i", "--inventory", default=os.environ.get("FREETOKEN_INVENTORY", DEFAULT_INVENTORY),
+                    help=f"pyinfra inventory with a '{GATEWAY_GROUP}' group (default: $FREETOKEN_INVENTORY "
+                         f"or {DEFAULT_INVENTORY})")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_drain = sub.add_parser("drain", help="finish running streams, send new requests elsewhere")
+    p_drain.add_argument("hosts", nargs="+")
+    p_drain.add_argument("--wait", type=float, default=0, metavar="S",
+                         help="wait up to S seconds for the hosts' running requests to finish")
+    p_ready = sub.add_parser("ready", help="back in service once its health checks pass")
+    p_ready.add_argument("hosts", nargs="+")
+    sub.add_parser("status", help="one table: state, active requests, last health, last gate tok/s")
+    args = ap.parse_args(argv)
+    try:
+        fleet = Fleet.from_inventory(args.inventory)
+        if args.cmd == "drain":
+            fleet.drain(args.hosts)
+            busy = fleet.wait_idle(args.hosts, args.wait, say=print) if args.wait else []
+            still = f" (still busy: {', '.join(busy)})" if busy else ""
+            print(f"draining: {', '.join(args.hosts)}{still}")
+        elif args.cmd == "ready":
+            fleet.ready(args.hosts)
+            print(f"ready: {', '.join(args.hosts)} (in service once their health checks pass)")
+        else:
+            print(fleet.status())
+    except FleetError as exc:
+        print(f"fleet: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

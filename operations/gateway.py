@@ -1,0 +1,362 @@
+"""The fleet's gateway: HAProxy from the distribution in front of every serving host, so a fleet
+of part-time PCs is one OpenAI base URL (README, "One endpoint for the fleet").
+
+A proven proxy, not ours: active HTTP checks that read `/health`'s JSON (FreeToken answers 200
+while loading, so only `"status": "ok"` counts), `retry-on` + `redispatch` for requests no host
+has answered yet, consistent hashing on the session header, a runtime API for drain / ready
+(`python -m freetoken_infra.fleet`), seamless reloads and a built-in Prometheus exporter.
+
+The pure parts (`haproxy_config`, `keys_map`, `scrape_config`, `backends_for`) are unit-tested;
+`gateway` converges the files and validates (`haproxy -c`) before it reloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import ipaddress
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from pyinfra import host
+from pyinfra.api import operation
+from pyinfra.facts.files import Sha256File
+from pyinfra.operations import files, systemd
+
+from freetoken_infra.core.layout import (
+    GATEWAY_BACKEND, GATEWAY_CONFIG, GATEWAY_ENGINE_KEY_MAP, GATEWAY_KEYS_MAP,
+    GATEWAY_RUNTIME_SOCKET, GATEWAY_SCRAPE_CONFIG, GATEWAY_SERVER_STATE, GATEWAY_SESSION_BACKEND,
+    SERVED_BY_HEADER, SESSION_HEADER, HostLayout,
+)
+from freetoken_infra.core.settings import Settings
+
+# Health checks: every second; out after 2 failed checks in a row (a refused connection also
+# marks it down at once: `observe layer4`), back in after 3 passed ones (issue 14: out within
+# 5 s, rejoin only after a few good intervals). A parked PC is probed every 2 s.
+CHECK = "check inter 1s fastinter 500ms downinter 2s fall 2 rise 3"
+# Only a request no host has answered yet is retried (HAProxy never retries once a response has
+# started); 503 is FreeToken's "still loading" / "maintenance failed" before any work is done.
+RETRY_ON = "conn-failure empty-response response-timeout 503"
+# A retried request must fit one buffer (retry-on); chat requests with a long history are
+# forwarded all the same, just not retried.
+BUFSIZE = 65536
+# Streams of a slow 16 GB host can pause for a long prefill: no shorter server timeout.
+SERVER_TIMEOUT = "10m"
+_SERVER_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_KEY_RE = re.compile(r"^[A-Za-z0-9._~+/=-]{16,256}$")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
+# FreeToken's /health JSON, compact (FastAPI) or with spaces (json.dumps).
+HEALTH_OK_REGEX = '"status" *: *"ok"'
+
+
+class GatewayError(Exception):
+    """A gateway that cannot be configured from these settings; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class GatewayBackend:
+    """One serving host as the gateway reaches it."""
+
+    name: str      # the inventory's host name, also the HAProxy server name
+    address: str
+    port: int
+
+
+def backend_address(name: str, settings: Settings, hostname: Optional[str], gateway: str) -> str:
+    """Where the gateway reaches `name`'s engine: its `listen_host`, or its inventory address
+    when the engine listens on every address; loopback only from the gateway host itself."""
+    ip = ipaddress.ip_address(str(settings.listen_host))
+    if ip.is_unspecified:
+        return hostname or name
+    if ip.is_loopback and name != gateway:
+        raise GatewayError(
+            f"host {name}: its engine listens on {ip} only, which the gateway on {gateway} cannot "
+            "reach: set listen_host to its LAN address or 0.0.0.0 (under WSL with "
+            "networkingMode=mirrored and the port open in the Windows firewall)")
+    return str(ip)
+
+
+def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, Optional[str]]]) -> list[GatewayBackend]:
+    """The gateway's backends: every host of the inventory whose `runs_engine` is set, in name
+    order. `hosts`: name -> (settings, ssh_hostname or None)."""
+    out, problems = [], []
+    for name in sorted(hosts, key=_natural):
+        settings, hostname = hosts[name]
+        if not settings.runs_engine:
+            continue
+        if not _SERVER_NAME_RE.match(name):
+            problems.append(f"host {name}: a gateway backend's name may hold only letters, digits, "
+                            "'.', '_', '-'")
+            continue
+        try:
+            out.append(GatewayBackend(name, backend_address(name, settings, hostname, gateway),
+                                      settings.listen_port))
+        except GatewayError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise GatewayError("\n".join(problems))
+    if not out:
+        raise GatewayError("no host of the inventory runs an engine (runs_engine): "
+                           "the gateway has no backend")
+    return out
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def read_source(source: str, what: str) -> str:
+    """The text a `file:` / `env:` source names on the controller."""
+    kind, _, ref = source.partition(":")
+    if kind == "file":
+        try:
+            with open(ref, encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise GatewayError(f"{what} {source}: {exc.strerror}") from None
+    if kind == "env":
+        value = os.environ.get(ref)
+        if value is None:
+            raise GatewayError(f"{what} {source}: the variable is not set on the controller")
+        return value
+    raise GatewayError(f"{what} {source!r}: expected file:/path or env:VARIABLE")
+
+
+def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, Settings]) -> Optional[str]:
+    """The one engine key the gateway sends to every backend (None: the engines take none)."""
+    sources = {b.name: settings[b.name].api_key_source for b in backends}
+    if all(s == "none" for s in sources.values()):
+        return None
+    bad = sorted(n for n, s in sources.items() if s in ("none", "generate"))
+    if bad:
+        raise GatewayError(
+            f"host(s) {', '.join(bad)}: api_key_source {sources[bad[0]]!r}; behind a gateway every "
+            "engine takes the fleet's one key: set api_key_source to the same 'file:...' or 'env:...' "
+            "for all of them")
+    keys = {n: read_source(s, f"host {n}: api_key_source").strip() for n, s in sources.items()}
+    if len(set(keys.values())) != 1:
+        raise GatewayError(f"hosts {', '.join(sorted(keys))}: their api_key_source give different keys; "
+                           "the gateway sends one engine key to all of them")
+    key = next(iter(keys.values()))
+    if not _KEY_RE.match(key):
+        raise GatewayError("the fleet's engine key must be 16-256 characters of A-Z a-z 0-9 . _ ~ + / = -")
+    return key
+
+
+def keys_map(text: str, source: str = "gateway_keys_source") -> str:
+    """The clients' keys as an HAProxy map: ``KEY LABEL`` per line. Input: one key per line,
+    optionally followed by a label (the client's name in the log); '#' starts a comment.
+    Errors name the line, never the key."""
+    lines, seen = [], set()
+    for number, raw in enumerate(text.splitlines(), 1):
+        words = raw.split("#", 1)[0].split()
+        if not words:
+            continue
+        key, label = words[0], (words[1] if len(words) > 1 else f"client{number}")
+        if len(words) > 2 or not _KEY_RE.match(key) or not _LABEL_RE.match(label):
+            raise GatewayError(f"{source}, line {number}: expected 'KEY [LABEL]', the key 16-256 "
+                               "characters of A-Z a-z 0-9 . _ ~ + / = -, the label letters, digits, . _ @ -")
+        if key in seen:
+            raise GatewayError(f"{source}, line {number}: this key is listed twice")
+        seen.add(key)
+        lines.append(f"{key} {label}\n")
+    if not lines:
+        raise GatewayError(f"{source}: no key; clients need at least one")
+    return "# Managed by freetoken-infra: the gateway's client keys (KEY LABEL).\n" + "".join(lines)
+
+
+def engine_key_map(key: Optional[str]) -> str:
+    return "# Managed by freetoken-infra: the fleet's engine key.\n" + (f"engine {key}\n" if key else "")
+
+
+def _key_rules() -> list[str]:
+    """Accept `Authorization: Bearer KEY` or `x-api-key: KEY` (FreeToken's own two forms)."""
+    return [
+        "http-request set-var(txn.api_key) req.hdr(x-api-key) if { req.hdr(x-api-key) -m found }",
+        "http-request set-var(txn.api_key) req.hdr(authorization),bytes(7) "
+        "if { req.hdr(authorization) -m beg -i \"bearer \" }",
+        f"acl key_ok var(txn.api_key),map_str({GATEWAY_KEYS_MAP}) -m found",
+        "http-request return status 401 content-type application/json "
+        "string '{\"error\": \"Unauthorized\"}' unless key_ok",
+    ]
+
+
+def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key: bool) -> str:
+    """/etc/haproxy/haproxy.cfg of the gateway host."""
+    session = SESSION_HEADER.lower()
+    check_servers = "\n".join(f"    server {b.name} {b.address}:{b.port}" for b in backends)
+    tracking = "\n".join(f"    server {b.name} {b.address}:{b.port} track {GATEWAY_BACKEND}/{b.name}"
+                         for b in backends)
+    engine_auth = ("http-request set-header Authorization "
+                   f'"Bearer %[str(engine),map_str({GATEWAY_ENGINE_KEY_MAP})]"'
+                   if engine_key else "http-request del-header Authorization")
+    front = "\n    ".join([
+        "# The gateway's own /health (no key, like the engines'): ok while a host is in service.",
+        "http-request return status 200 content-type application/json string '{\"status\": \"ok\"}' "
+        f"if {{ path /health }} {{ nbsrv({GATEWAY_BACKEND}) gt 0 }}",
+        "http-request return status 503 content-type application/json "
+        "string '{\"status\": \"error\", \"message\": \"no engine in service\"}' if { path /health }",
+        *_key_rules(),
+        "# The log names the client by its label, never by its key.",
+        f"http-request set-var(txn.client) var(txn.api_key),map_str({GATEWAY_KEYS_MAP})",
+        "http-request capture var(txn.client) len 64",
+        "http-request del-header x-api-key",
+        engine_auth,
+        "# Which host answered (clients and the fleet tests see their sessions stay put).",
+        f"http-response set-header {SERVED_BY_HEADER} %s",
+        f"use_backend {GATEWAY_SESSION_BACKEND} if {{ req.hdr({session}) -m found }}",
+        f"default_backend {GATEWAY_BACKEND}",
+    ])
+    stats = "\n    ".join([
+        *_key_rules(),
+        "http-request use-service prometheus-exporter if { path /metrics }",
+        "stats enable",
+        "stats uri /stats",
+        "stats refresh 10s",
+    ])
+    retry = f"retry-on {RETRY_ON}\n    retries 3\n    option redispatch 1"
+    return f"""# Managed by freetoken-infra (deploys/gateway.py); local edits are overwritten.
+global
+    log /dev/log local0
+    chroot /var/lib/haproxy
+    user haproxy
+    group haproxy
+    daemon
+    maxconn 2048
+    tune.bufsize {BUFSIZE}
+    # The runtime API (python -m freetoken_infra.fleet drain/ready/status): root only.
+    stats socket {GATEWAY_RUNTIME_SOCKET} mode 600 level admin expose-fd listeners
+    stats timeout 30s
+    # Drained hosts stay drained across a reload: the deploy dumps the states here first.
+    server-state-file {GATEWAY_SERVER_STATE}
+
+defaults
+    log global
+    mode http
+    option httplog
+    option dontlognull
+    timeout connect 2s
+    timeout client {SERVER_TIMEOUT}
+    timeout server {SERVER_TIMEOUT}
+    timeout http-request 15s
+    timeout http-keep-alive 30s
+    timeout queue 60s
+    # A silent host (asleep, network gone) fails a check after 1.5 s: out within 5 s in all.
+    timeout check 1500ms
+    load-server-state-from-file global
+
+frontend freetoken_api
+    bind :{gw.gateway_port}
+    {front}
+
+frontend freetoken_stats
+    bind :{gw.gateway_stats_port}
+    {stats}
+
+# Requests without a session: the least busy host in service.
+backend {GATEWAY_BACKEND}
+    balance leastconn
+    {retry}
+    option httpchk
+    http-check send meth GET uri /health ver HTTP/1.1 hdr Host freetoken-gateway
+    http-check expect rstring '{HEALTH_OK_REGEX}'
+    default-server {CHECK} observe layer4 error-limit 1 on-error mark-down
+{check_servers}
+
+# Follow-up turns ({SESSION_HEADER}): the same host while it is in service (its KV cache).
+backend {GATEWAY_SESSION_BACKEND}
+    balance hdr({session})
+    hash-type consistent
+    {retry}
+{tracking}
+"""
+
+
+def scrape_config(gateway_address: str, gw: Settings,
+                  workstations: Mapping[str, tuple[str, Settings]]) -> str:
+    """A Prometheus scrape config for the fleet: the gateway's exporter and each serving host's
+    guard metrics (node_exporter's textfile collector on port 9100)."""
+    targets = "\n".join(
+        f"      - targets: [\"{address}:9100\"]\n"
+        f"        labels: {{host: \"{name}\", textfile_dir: \"{_textfile_dir(s)}\"}}"
+        for name, (address, s) in sorted(workstations.items()))
+    return f"""# Generated by freetoken-infra (deploys/gateway.py): Prometheus scrape config for the fleet.
+# Put one gateway client key in the credentials file (mode 0600) and merge this into prometheus.yml.
+scrape_configs:
+  - job_name: freetoken-gateway
+    metrics_path: /metrics
+    authorization:
+      type: Bearer
+      credentials_file: /etc/prometheus/freetoken-gateway.key
+    static_configs:
+      - targets: ["{gateway_address}:{gw.gateway_stats_port}"]
+  # The guard's samples (RAM, swap, GPU memory): node_exporter on each serving host with
+  # --collector.textfile.directory=<textfile_dir>.
+  - job_name: freetoken-guard
+    static_configs:
+{targets}
+"""
+
+
+def _textfile_dir(settings: Settings) -> str:
+    return HostLayout.of(settings).guard_textfile.rsplit("/", 1)[0]
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# Dump the servers' states (drain, maintenance, health), then reload: HAProxy's master starts a
+# new worker on the same sockets and the old one finishes its streams (no connection dropped).
+RELOAD = (f"if systemctl is-active -q haproxy; then "
+          f"echo 'show servers state' | socat stdio {GATEWAY_RUNTIME_SOCKET} > {GATEWAY_SERVER_STATE}.tmp "
+          f"&& mv -f {GATEWAY_SERVER_STATE}.tmp {GATEWAY_SERVER_STATE}; systemctl reload haproxy; "
+          "else systemctl restart haproxy; fi")
+
+
+@operation()
+def gateway(config: str, client_keys: str, engine_keys: str, scrape: str):
+    """
+    HAProxy's config, the key maps (0600 root) and the scrape config; a changed config is
+    validated with `haproxy -c` before it replaces the running one, then HAProxy reloads
+    without dropping connections. Nothing changes when every file is as given.
+
+    + config: haproxy.cfg text (haproxy_config)
+    + client_keys: the clients' key map (keys_map)
+    + engine_keys: the engine key map (engine_key_map)
+    + scrape: the Prometheus scrape config (scrape_config)
+
+    **Example:**
+
+    .. code:: python
+
+        gateway.gateway(name="Gateway: HAProxy", config=cfg, client_keys=keys,
+                        engine_keys=engine, scrape=scrape)
+    """
+    changed = False
+    for path, text, mode in ((GATEWAY_KEYS_MAP, client_keys, "600"),
+                             (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600"),
+                             (GATEWAY_SCRAPE_CONFIG, scrape, "644")):
+        have = host.get_fact(Sha256File, path=path)
+        if have != _sha256(text):
+            if have is None and mode == "600":
+                # A new key map is created 0600 first: the upload then writes into it and never
+                # leaves a world-readable copy at its final path.
+                yield f"install -m 600 -o root -g root /dev/null {shlex.quote(path)}"
+            yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root",
+                                        mode=mode)
+            changed = True
+        else:
+            yield from files.file._inner(path=path, user="root", group="root", mode=mode)
+    if host.get_fact(Sha256File, path=GATEWAY_CONFIG) != _sha256(config):
+        new = GATEWAY_CONFIG + ".new"
+        yield from files.put._inner(src=io.StringIO(config), dest=new, user="root", group="root", mode="644")
+        # Validated before it replaces the running config: a bad one fails here, HAProxy serves on.
+        yield f"haproxy -c -q -f {shlex.quote(new)} && mv -f {shlex.quote(new)} {shlex.quote(GATEWAY_CONFIG)}"
+        changed = True
+    if changed:
+        yield RELOAD
+    yield from systemd.service._inner(service="haproxy", running=True, enabled=True)

@@ -1,0 +1,298 @@
+"""The gateway's pure parts: HAProxy's config from the settings, the key maps, the backends, the
+scrape config, and the fleet CLI's reading of HAProxy's runtime answers."""
+
+import json
+import re
+
+import pytest
+
+from freetoken_infra import fleet
+from freetoken_infra.core.layout import GATEWAY_ENGINE_KEY_MAP, GATEWAY_KEYS_MAP, SESSION_HEADER
+from freetoken_infra.core.settings import Settings, SettingsError, build_settings
+from operations import gateway as gw
+from operations.gateway import GatewayBackend, GatewayError
+
+BACKENDS = [GatewayBackend("ws1", "10.0.0.11", 8000), GatewayBackend("ws2", "10.0.0.12", 8000)]
+ENGINE_KEY = "engine-key-0123456789abcdef"
+
+
+def config(**settings) -> str:
+    return gw.haproxy_config(Settings(**settings), BACKENDS, engine_key=True)
+
+
+def section(text: str, header: str) -> str:
+    """One section of haproxy.cfg: from its header line to the next unindented line."""
+    lines = text.splitlines()
+    start = lines.index(header)
+    body = []
+    for line in lines[start + 1:]:
+        if line and not line.startswith(" "):
+            break
+        body.append(line.strip())
+    return "\n".join(body)
+
+
+def test_every_serving_host_is_a_checked_server_and_a_tracking_one_for_sessions():
+    text = config()
+    checked = section(text, "backend freetoken")
+    assert "server ws1 10.0.0.11:8000" in checked and "server ws2 10.0.0.12:8000" in checked
+    assert "balance leastconn" in checked
+    sessions = section(text, "backend freetoken_sessions")
+    assert f"balance hdr({SESSION_HEADER.lower()})" in sessions and "hash-type consistent" in sessions
+    assert "server ws1 10.0.0.11:8000 track freetoken/ws1" in sessions
+    front = section(text, "frontend freetoken_api")
+    assert f"use_backend freetoken_sessions if {{ req.hdr({SESSION_HEADER.lower()}) -m found }}" in front
+    assert "bind :8080" in front
+
+
+def test_health_check_reads_the_json_status_not_the_http_code():
+    checked = section(config(), "backend freetoken")
+    expect = re.search(r"http-check expect rstring '(.*)'", checked)
+    assert expect, checked
+    pattern = re.compile(expect.group(1))
+    # FreeToken answers 200 while loading and on error: only "ok" may pass, compact or spaced.
+    assert pattern.search('{"status":"ok","uptime_s":3}')
+    assert pattern.search(json.dumps({"status": "ok", "model": "m"}))
+    for body in ({"status": "loading", "phase": "weights"}, {"status": "error", "message": "ok"}):
+        assert not pattern.search(json.dumps(body)), body
+    assert "http-check send meth GET uri /health" in checked
+
+
+def test_out_within_seconds_and_rejoin_after_several_good_checks():
+    checked = section(config(), "backend freetoken")
+    server_defaults = next(line for line in checked.splitlines() if line.startswith("default-server"))
+    words = server_defaults.split()
+    value = lambda key: words[words.index(key) + 1]  # noqa: E731
+    assert value("inter") == "1s" and int(value("fall")) * 1 <= 5   # out within 5 s
+    assert int(value("rise")) >= 3                                      # a few intervals in a row
+    assert "observe layer4" in server_defaults and "on-error mark-down" in server_defaults
+
+
+def test_retries_only_what_no_host_answered():
+    text = config()
+    for name in ("backend freetoken", "backend freetoken_sessions"):
+        body = section(text, name)
+        retry = next(line for line in body.splitlines() if line.startswith("retry-on"))
+        assert set(retry.split()[1:]) == {"conn-failure", "empty-response", "response-timeout", "503"}
+        assert "option redispatch 1" in body
+    assert f"tune.bufsize {gw.BUFSIZE}" in text
+
+
+def test_keys_are_checked_at_the_gateway_and_replaced_by_the_engine_key():
+    front = section(config(), "frontend freetoken_api")
+    assert f"map_str({GATEWAY_KEYS_MAP}) -m found" in front
+    assert "http-request return status 401" in front and "unless key_ok" in front
+    assert "http-request del-header x-api-key" in front
+    assert f'set-header Authorization "Bearer %[str(engine),map_str({GATEWAY_ENGINE_KEY_MAP})]"' in front
+    assert ENGINE_KEY not in config()  # the key lives in its 0600 map only
+    without = gw.haproxy_config(Settings(), BACKENDS, engine_key=False)
+    assert "http-request del-header Authorization" in section(without, "frontend freetoken_api")
+
+
+def test_stats_and_metrics_need_a_key_and_the_runtime_api_is_root_only():
+    text = config(gateway_stats_port=9404)
+    stats = section(text, "frontend freetoken_stats")
+    assert "bind :9404" in stats
+    lines = stats.splitlines()
+    refuse = next(i for i, line in enumerate(lines) if "return status 401" in line)
+    served = [i for i, line in enumerate(lines) if "prometheus-exporter" in line or line == "stats enable"]
+    assert served and all(refuse < i for i in served)
+    assert "stats admin" not in text
+    assert re.search(r"stats socket \S+ mode 600 level admin", section(text, "global"))
+    assert "server-state-file" in section(text, "global")
+    assert "load-server-state-from-file global" in section(text, "defaults")
+
+
+def test_the_log_names_the_client_by_label_never_the_key():
+    front = section(config(), "frontend freetoken_api")
+    assert "http-request capture var(txn.client) len 64" in front
+    assert "capture var(txn.api_key)" not in front and "req.hdr(authorization) len" not in front
+
+
+def test_keys_map_lines_labels_and_errors_that_never_show_the_key():
+    text = gw.keys_map("# comment\nalice-key-0123456789 alice\n\nbob-key-0123456789abc  # no label\n")
+    assert text.splitlines()[1:] == ["alice-key-0123456789 alice", "bob-key-0123456789abc client4"]
+    with pytest.raises(GatewayError, match="line 2: this key is listed twice") as err:
+        gw.keys_map("same-key-0123456789\nsame-key-0123456789\n")
+    assert "same-key" not in str(err.value)
+    with pytest.raises(GatewayError, match="line 1") as err:
+        gw.keys_map("short\n")
+    assert "short" not in str(err.value)
+    with pytest.raises(GatewayError, match="no key"):
+        gw.keys_map("# nothing\n")
+
+
+def test_backends_skip_gateway_only_hosts_and_need_a_reachable_engine():
+    hosts = {
+        "ws10": (Settings(listen_host="0.0.0.0"), "192.0.2.20"),
+        "ws2": (Settings(listen_host="192.0.2.12", listen_port=8100), "ws2.lan"),
+        "gw": (Settings(runs_engine=False), "192.0.2.5"),
+    }
+    assert gw.backends_for("gw", hosts) == [GatewayBackend("ws2", "192.0.2.12", 8100),
+                                             GatewayBackend("ws10", "192.0.2.20", 8000)]
+    with pytest.raises(GatewayError, match="host ws1: its engine listens on 127.0.0.1 only.*listen_host"):
+        gw.backends_for("gw", {"ws1": (Settings(), "192.0.2.11")})
+    # the gateway on the serving host itself may reach it on loopback
+    assert gw.backends_for("ws1", {"ws1": (Settings(), None)}) == [GatewayBackend("ws1", "127.0.0.1", 8000)]
+    with pytest.raises(GatewayError, match="no host of the inventory runs an engine"):
+        gw.backends_for("gw", {"gw": (Settings(runs_engine=False), None)})
+
+
+def test_one_engine_key_for_the_fleet(tmp_path, monkeypatch):
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(ENGINE_KEY + "\n")
+    monkeypatch.setenv("FT_ENGINE_KEY", ENGINE_KEY)
+    same = {"ws1": Settings(api_key_source=f"file:{key_file}"),
+            "ws2": Settings(api_key_source="env:FT_ENGINE_KEY")}
+    assert gw.fleet_engine_key(BACKENDS, same) == ENGINE_KEY
+    with pytest.raises(GatewayError, match=r"ws2: api_key_source 'generate'.*same 'file:\.\.\.'"):
+        gw.fleet_engine_key(BACKENDS, {"ws1": same["ws1"], "ws2": Settings()})
+    monkeypatch.setenv("FT_ENGINE_KEY", ENGINE_KEY + "x")
+    with pytest.raises(GatewayError, match="different keys") as err:
+        gw.fleet_engine_key(BACKENDS, same)
+    assert ENGINE_KEY not in str(err.value)
+    none = {"ws1": Settings(api_key_source="none"), "ws2": Settings(api_key_source="none")}
+    assert gw.fleet_engine_key(BACKENDS, none) is None
+
+
+def test_gateway_settings_are_validated():
+    assert build_settings("gw", {"gateway_keys_source": "env:GW_KEYS"}).gateway_keys_source == "env:GW_KEYS"
+    with pytest.raises(SettingsError, match="gateway_keys_source.*file:/path/on/controller"):
+        build_settings("gw", {"gateway_keys_source": "generate"})
+    with pytest.raises(SettingsError, match="gateway_port"):
+        build_settings("gw", {"gateway_port": 0})
+
+
+def test_scrape_config_lists_the_gateway_and_every_serving_host():
+    import yaml
+
+    text = gw.scrape_config("192.0.2.5", Settings(gateway_stats_port=9404),
+                            {"ws1": ("192.0.2.11", Settings()), "ws2": ("192.0.2.12", Settings())})
+    jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
+    gateway = jobs["freetoken-gateway"]
+    assert gateway["static_configs"] == [{"targets": ["192.0.2.5:9404"]}]
+    assert gateway["authorization"]["type"] == "Bearer" and gateway["metrics_path"] == "/metrics"
+    guard = jobs["freetoken-guard"]["static_configs"]
+    assert [c["targets"] for c in guard] == [["192.0.2.11:9100"], ["192.0.2.12:9100"]]
+    assert guard[0]["labels"] == {"host": "ws1", "textfile_dir": "/var/lib/freetoken-deploy/metrics"}
+
+
+# ------------------------------------------------------------------ the fleet CLI's side
+# `show stat` as HAProxy 2.6 answers it (header trimmed to the columns that matter here).
+SHOW_STAT = """# pxname,svname,qcur,qmax,scur,smax,status,check_status,check_code,check_duration,last_chk
+freetoken_api,FRONTEND,,,3,9,OPEN,,,,
+freetoken,ws1,0,0,2,4,UP,L7OK,200,1,
+freetoken,ws2,0,0,0,1,DOWN,L4CON,,0,Connection refused
+freetoken,ws3,0,0,0,0,DOWN,L7RSP,,2,TCPCHK did not match content 'rstring' at step 2
+freetoken,ws4,0,0,1,1,DRAIN,L7OK,200,1,
+freetoken,ws5,0,0,0,0,MAINT,L4TOUT,,2001,
+freetoken,BACKEND,0,0,3,9,UP,,,,
+freetoken_sessions,ws1,0,0,1,2,UP,,,,
+freetoken_sessions,ws4,0,0,0,1,DRAIN,,,,
+freetoken_sessions,BACKEND,0,0,1,2,UP,,,,
+"""
+
+
+def test_status_words_from_haproxy_states():
+    got = {s.host: (s.state, s.active) for s in fleet.parse_stat(SHOW_STAT)}
+    assert got == {"ws1": ("in service", 3), "ws2": ("parked", 0), "ws3": ("failed", 0),
+                   "ws4": ("draining", 1), "ws5": ("maintenance", 0)}
+    assert fleet.classify("UP 1/2", "L4CON") == "in service"     # going down, still serving
+    assert fleet.classify("DOWN 1/3", "L7OK") == "parked"        # back, rising: not in service yet
+    assert fleet.classify("DOWN", "L7STS") == "failed"           # answers, but not ok
+    with pytest.raises(fleet.FleetError, match="unexpected answer"):
+        fleet.parse_stat("Unknown command\n")
+
+
+def test_status_table_has_one_row_per_host():
+    table = fleet.format_status(fleet.parse_stat(SHOW_STAT), {"ws1": 23.5, "ws2": None})
+    lines = table.splitlines()
+    assert lines[1].split()[:3] == ["host", "state", "active"]
+    row = next(line for line in lines if line.startswith("ws1"))
+    assert "in service" in row and "23.5" in row and "L7OK/200" in row
+    assert "Connection refused" in next(line for line in lines if line.startswith("ws2"))
+    assert lines[-1] == "5 host(s): 1 in service, 1 parked, 1 draining, 1 failed"
+
+
+def test_runtime_commands_are_quoted_for_the_shell():
+    assert fleet.runtime_command("set server freetoken/ws1 state drain") == (
+        "echo 'set server freetoken/ws1 state drain' | socat stdio /run/haproxy/admin.sock")
+
+
+def test_remote_from_inventory_data():
+    r = fleet.remote_for("ws1", {"ssh_hostname": "10.0.0.1", "ssh_user": "deploy", "ssh_port": 2222,
+                                 "ssh_key": "/k", "ssh_strict_host_key_checking": "yes"})
+    assert r.sudo and r.ssh_argv[-1] == "deploy@10.0.0.1"
+    assert ["-p", "2222"] == r.ssh_argv[r.ssh_argv.index("-p"):r.ssh_argv.index("-p") + 2]
+    assert "StrictHostKeyChecking=yes" in r.ssh_argv
+    assert fleet.remote_for("@local", {}).ssh_argv is None
+
+
+# ------------------------------------------------------------------ rollouts behind the gateway
+class FakeGateway:
+    """Records what a rollout asks of the gateway, in order, with the hosts' streams."""
+
+    def __init__(self, backends, log):
+        self.backends, self.log, self.active = backends, log, {h: 1 for h in backends}
+
+    def servers(self):
+        return [fleet.ServerStatus(h, "in service", self.active[h], "L7OK", "UP") for h in self.backends]
+
+    def drain(self, hosts):
+        self.log.append(("drain", list(hosts)))
+
+    def wait_idle(self, hosts, timeout, say=None, poll=1.0):
+        self.log.append(("wait_idle", list(hosts)))
+        return []
+
+    def ready(self, hosts):
+        self.log.append(("ready", list(hosts)))
+
+
+def test_a_rollout_drains_each_batch_before_its_deploy_and_readies_only_what_passed(monkeypatch):
+    from freetoken_infra import rollout
+    from freetoken_infra.report import RESULT_FAILED, RESULT_OK
+
+    log: list = []
+    outcome = {"ws1": RESULT_OK, "ws2": RESULT_OK, "ws3": RESULT_FAILED}
+
+    def run_batch(index, hosts, inventory, deploy, data, out=None):
+        log.append(("deploy", list(hosts)))
+        return rollout.BatchRun(hosts, 0, [{"host": h, "result": outcome[h]} for h in hosts])
+
+    monkeypatch.setattr(rollout, "run_batch", run_batch)
+    gateway = FakeGateway(["ws1", "ws2", "ws3"], log)
+    rows, stopped = rollout.rollout("inv.py", [["ws1"], ["ws2", "ws3"]], gateway=gateway, max_fail_pct=100)
+    assert stopped is None
+    assert log == [("drain", ["ws1"]), ("wait_idle", ["ws1"]), ("deploy", ["ws1"]), ("ready", ["ws1"]),
+                   ("drain", ["ws2", "ws3"]), ("wait_idle", ["ws2", "ws3"]), ("deploy", ["ws2", "ws3"]),
+                   ("ready", ["ws2"])]   # ws3 failed its gate: it stays drained
+
+
+def test_a_host_not_behind_the_gateway_is_rolled_out_without_drain(monkeypatch):
+    import io
+
+    from freetoken_infra import rollout
+    from freetoken_infra.report import RESULT_OK
+
+    log: list = []
+    monkeypatch.setattr(rollout, "run_batch", lambda i, hosts, *a, **k: rollout.BatchRun(
+        hosts, 0, [{"host": h, "result": RESULT_OK} for h in hosts]))
+    out = io.StringIO()
+    rollout.rollout("inv.py", [["ws1", "ws9"]], gateway=FakeGateway(["ws1"], log), out=out)
+    assert log == [("drain", ["ws1"]), ("wait_idle", ["ws1"]), ("ready", ["ws1"])]
+    assert "ws9 not behind the gateway" in out.getvalue()
+
+
+def test_wait_idle_waits_for_running_streams():
+    class Busy(fleet.Fleet):
+        def __init__(self):
+            self.polls = 0
+
+        def servers(self):
+            self.polls += 1
+            return [fleet.ServerStatus("ws1", "draining", 2 if self.polls < 3 else 0, "L7OK", "DRAIN")]
+
+    busy = Busy()
+    assert busy.wait_idle(["ws1"], timeout=60, poll=0) == [] and busy.polls == 3
+    assert Busy().wait_idle(["ws1"], timeout=0, poll=0) == ["ws1"]
