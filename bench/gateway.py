@@ -16,6 +16,7 @@ converges ws1 and ws2 behind it and the gateway, and takes it all down at the en
 leaves it running; --reuse measures an already converged fleet with its gateway). Traffic goes
 only to the simulated fleet's addresses.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,14 @@ sys.path.insert(0, str(ROOT))
 from freetoken_infra.fleet import parse_stat, runtime_command  # noqa: E402
 from tests.fleet import harness  # noqa: E402
 from tests.fleet.gateway_load import (  # noqa: E402
-    CLIENT_KEY, ENGINE_KEY, PORT, Watcher, converge_behind_gateway, write_keys,
+    CLIENT_KEY,
+    ENGINE_KEY,
+    PORT,
+    Watcher,
+    converge_behind_gateway,
+    write_keys,
 )
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME, host_address  # noqa: E402
-
 
 KILL_ENGINE = "kill -9 $(systemctl show -p MainPID --value freetoken.service)"
 
@@ -66,15 +71,16 @@ def added_latency(fleet: harness.Fleet, n: int) -> None:
         for _ in range(n):
             d.append(timed_get(direct, ENGINE_KEY))
             g.append(timed_get(via, CLIENT_KEY))
-        added = [b - a for a, b in zip(d, g)]
+        added = [b - a for a, b in zip(d, g, strict=False)]
         print(f"\n== added latency, {n} interleaved requests (GET /v1/models on ws1, ms) ==")
         print(f"{'path':<22}{'p50':>8}{'p99':>8}{'mean':>8}")
         for name, vals in (("direct to ws1", d), ("through the gateway", g)):
             print(f"{name:<22}{pct(vals, 50):>8.3f}{pct(vals, 99):>8.3f}{statistics.mean(vals):>8.3f}")
-        print(f"{'added (pairs)':<22}{pct(added, 50):>8.3f}{pct(added, 99):>8.3f}"
-              f"{statistics.mean(added):>8.3f}")
-        print(f"added at the percentiles: p50 {pct(g, 50) - pct(d, 50):.3f} ms, "
-              f"p99 {pct(g, 99) - pct(d, 99):.3f} ms (targets: <= 1 ms, <= 5 ms)")
+        print(f"{'added (pairs)':<22}{pct(added, 50):>8.3f}{pct(added, 99):>8.3f}{statistics.mean(added):>8.3f}")
+        print(
+            f"added at the percentiles: p50 {pct(g, 50) - pct(d, 50):.3f} ms, "
+            f"p99 {pct(g, 99) - pct(d, 99):.3f} ms (targets: <= 1 ms, <= 5 ms)"
+        )
     finally:
         fleet.run(GATEWAY_NAME, runtime_command("set server freetoken/ws2 state ready"), check=True)
 

@@ -25,15 +25,14 @@ if GATEWAY_GROUP in host.groups:
         if settings.gateway_keys_source is None:
             raise gateway.GatewayError(
                 f"host {host.name}: set gateway_keys_source (file:/path or env:VAR on the controller, "
-                "one client key per line) for the gateway's clients")
+                "one client key per line) for the gateway's clients"
+            )
         hosts = {h.name: (every[h.name], h.data.get("ssh_hostname")) for h in state.inventory}
         backends = gateway.backends_for(host.name, hosts)
         engine_key = gateway.fleet_engine_key(backends, every)
-        client_keys = gateway.keys_map(
-            gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
+        client_keys = gateway.keys_map(gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
         address = host.data.get("ssh_hostname") or host.name
-        scrape = gateway.scrape_config(address, settings,
-                                       {b.name: (b.address, every[b.name]) for b in backends})
+        scrape = gateway.scrape_config(address, settings, {b.name: (b.address, every[b.name]) for b in backends})
     except gateway.GatewayError as exc:
         raise PyinfraError(f"gateway on {host.name}: {exc}") from None
 
@@ -41,5 +40,7 @@ if GATEWAY_GROUP in host.groups:
     gateway.gateway(
         name=f"Gateway: HAProxy in front of {', '.join(b.name for b in backends)} (validated, reloaded)",
         config=gateway.haproxy_config(settings, backends, engine_key is not None),
-        client_keys=client_keys, engine_keys=gateway.engine_key_map(engine_key), scrape=scrape,
+        client_keys=client_keys,
+        engine_keys=gateway.engine_key_map(engine_key),
+        scrape=scrape,
     )

@@ -25,12 +25,17 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from freetoken_infra.core.layout import (
-    GATEWAY_BACKEND, GATEWAY_BACKENDS, GATEWAY_GROUP, GATEWAY_RUNTIME_SOCKET, HostLayout,
+    GATEWAY_BACKEND,
+    GATEWAY_BACKENDS,
+    GATEWAY_GROUP,
+    GATEWAY_RUNTIME_SOCKET,
+    HostLayout,
 )
 from freetoken_infra.core.settings import Settings
 
@@ -51,20 +56,21 @@ class Remote:
     """How to run a command on one inventory host: ssh with its inventory data, or locally."""
 
     name: str
-    ssh_argv: Optional[list[str]]  # None: @local
+    ssh_argv: list[str] | None  # None: @local
     sudo: bool
 
     def run(self, command: str, timeout: float = 20) -> str:
         wrapped = f"sudo -n sh -c {shlex.quote(command)}" if self.sudo else command
         argv = (self.ssh_argv + [wrapped]) if self.ssh_argv is not None else ["sh", "-c", wrapped]
         try:
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                               stdin=subprocess.DEVNULL)
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             raise FleetError(f"{self.name}: no answer within {timeout:g} s") from None
         if r.returncode != 0:
-            raise FleetError(f"{self.name}: {command.split('|')[0].strip()!r} failed ({r.returncode}): "
-                             f"{(r.stderr or r.stdout).strip()[-300:]}")
+            raise FleetError(
+                f"{self.name}: {command.split('|')[0].strip()!r} failed ({r.returncode}): "
+                f"{(r.stderr or r.stdout).strip()[-300:]}"
+            )
         return r.stdout
 
 
@@ -98,9 +104,9 @@ def runtime_command(command: str) -> str:
 @dataclass(frozen=True)
 class ServerStatus:
     host: str
-    state: str           # IN_SERVICE, PARKED, DRAINING, FAILED or MAINTENANCE
-    active: int          # requests in flight on this host (both backends)
-    health: str          # the last check: e.g. "L7OK/200 in 2ms", "L4CON Connection refused"
+    state: str  # IN_SERVICE, PARKED, DRAINING, FAILED or MAINTENANCE
+    active: int  # requests in flight on this host (both backends)
+    health: str  # the last check: e.g. "L7OK/200 in 2ms", "L4CON Connection refused"
     haproxy_status: str  # HAProxy's own word: UP, DOWN, DRAIN, MAINT, "UP 1/2", ...
 
 
@@ -141,21 +147,43 @@ def parse_stat(text: str) -> list[ServerStatus]:
         health = check + (f"/{code}" if code else "") + (f" in {took}ms" if took else "")
         if detail and check not in ("L7OK",):
             health += f" {detail}"
-        out.append(ServerStatus(row["svname"], classify(row["status"], check), active.get(row["svname"], 0),
-                                health.strip() or "-", row["status"]))
+        out.append(
+            ServerStatus(
+                row["svname"],
+                classify(row["status"], check),
+                active.get(row["svname"], 0),
+                health.strip() or "-",
+                row["status"],
+            )
+        )
     return out
 
 
-def format_status(servers: Sequence[ServerStatus], gate_tps: dict[str, Optional[float]]) -> str:
+def format_status(servers: Sequence[ServerStatus], gate_tps: dict[str, float | None]) -> str:
     header = ("host", "state", "active", "last health", "tok/s (last gate)")
-    rows = [(s.host, s.state, str(s.active), s.health[:60],
-             f"{gate_tps[s.host]:.1f}" if gate_tps.get(s.host) is not None else "-") for s in servers]
+    rows = [
+        (
+            s.host,
+            s.state,
+            str(s.active),
+            s.health[:60],
+            f"{gate_tps[s.host]:.1f}" if gate_tps.get(s.host) is not None else "-",
+        )
+        for s in servers
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()  # noqa: E731
     counts = {st: sum(1 for s in servers if s.state == st) for st in (IN_SERVICE, PARKED, DRAINING, FAILED)}
     summary = ", ".join(f"{n} {st}" for st, n in counts.items())
-    return "\n".join(["== fleet status (gateway) ==", fmt(header), "-" * len(fmt(header)),
-                      *(fmt(r) for r in rows), f"{len(servers)} host(s): {summary}"])
+    return "\n".join(
+        [
+            "== fleet status (gateway) ==",
+            fmt(header),
+            "-" * len(fmt(header)),
+            *(fmt(r) for r in rows),
+            f"{len(servers)} host(s): {summary}",
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- the fleet
@@ -167,7 +195,7 @@ class Fleet:
         self.hosts = hosts  # serving hosts: name -> (settings, how to reach it)
 
     @classmethod
-    def from_inventory(cls, inventory: str, data: Optional[dict] = None) -> "Fleet":
+    def from_inventory(cls, inventory: str, data: dict | None = None) -> Fleet:
         from pyinfra.api import State
         from pyinfra.context import ctx_state
         from pyinfra_cli.inventory import make_inventory
@@ -185,11 +213,14 @@ class Fleet:
             raise FleetError(str(exc)) from None
         gateways = [h for h in inv if GATEWAY_GROUP in h.groups]
         if not gateways:
-            raise FleetError(f"{inventory}: no host in the group '{GATEWAY_GROUP}': deploy a gateway first "
-                             "(README, \"One endpoint for the fleet\")")
+            raise FleetError(
+                f"{inventory}: no host in the group '{GATEWAY_GROUP}': deploy a gateway first "
+                '(README, "One endpoint for the fleet")'
+            )
         gw = gateways[0]
-        hosts = {h.name: (settings[h.name], remote_for(h.name, h.data.dict()))
-                 for h in inv if settings[h.name].runs_engine}
+        hosts = {
+            h.name: (settings[h.name], remote_for(h.name, h.data.dict())) for h in inv if settings[h.name].runs_engine
+        }
         return cls(remote_for(gw.name, gw.data.dict()), hosts)
 
     def runtime(self, command: str) -> str:
@@ -202,9 +233,11 @@ class Fleet:
         known = {s.host for s in self.servers()}
         unknown = [h for h in hosts if h not in known]
         if unknown:
-            raise FleetError(f"{', '.join(unknown)}: not a backend of the gateway on {self.gateway.name} "
-                             f"(backends: {', '.join(sorted(known))}); re-run deploys/gateway.py after "
-                             "adding hosts to the inventory")
+            raise FleetError(
+                f"{', '.join(unknown)}: not a backend of the gateway on {self.gateway.name} "
+                f"(backends: {', '.join(sorted(known))}); re-run deploys/gateway.py after "
+                "adding hosts to the inventory"
+            )
         for h in hosts:
             # The session backend's server tracks this one and inherits its drain.
             answer = self.runtime(f"set server {GATEWAY_BACKEND}/{h} state {state}").strip()
@@ -217,8 +250,9 @@ class Fleet:
     def ready(self, hosts: Sequence[str]) -> None:
         self._set_state(hosts, "ready")
 
-    def wait_idle(self, hosts: Sequence[str], timeout: float, say: Callable[[str], None] = lambda m: None,
-                  poll: float = 1.0) -> list[str]:
+    def wait_idle(
+        self, hosts: Sequence[str], timeout: float, say: Callable[[str], None] = lambda m: None, poll: float = 1.0
+    ) -> list[str]:
         """Wait until `hosts` have no request in flight (their streams finished); the hosts still
         busy when `timeout` ran out."""
         deadline = time.monotonic() + timeout
@@ -229,15 +263,17 @@ class Fleet:
             say(f"waiting for {', '.join(busy)} to finish their streams")
             time.sleep(poll)
 
-    def gate_tps(self) -> dict[str, Optional[float]]:
+    def gate_tps(self) -> dict[str, float | None]:
         """Each serving host's decode tok/s from its last health gate (None: unknown/unreachable)."""
-        def one(item: tuple[str, tuple[Settings, Remote]]) -> tuple[str, Optional[float]]:
+
+        def one(item: tuple[str, tuple[Settings, Remote]]) -> tuple[str, float | None]:
             name, (settings, remote) = item
             # Read as the service user, who owns the file (root never reads a path it can write).
             path = shlex.quote(HostLayout.of(settings).last_gate_file)
             try:
-                doc = json.loads(remote.run(
-                    f"runuser -u {shlex.quote(settings.service_user)} -- head -c 65536 {path}", timeout=8))
+                doc = json.loads(
+                    remote.run(f"runuser -u {shlex.quote(settings.service_user)} -- head -c 65536 {path}", timeout=8)
+                )
                 tps = doc.get("decode_tps")
                 return name, float(tps) if isinstance(tps, (int, float)) else None
             except (FleetError, ValueError, AttributeError):
@@ -250,17 +286,26 @@ class Fleet:
         return format_status(self.servers(), self.gate_tps())
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m freetoken_infra.fleet",
-                                 description="Drain, ready and list the fleet's hosts at its gateway.")
-    ap.add_argument("-i", "--inventory", default=os.environ.get("FREETOKEN_INVENTORY", DEFAULT_INVENTORY),
-                    help=f"pyinfra inventory with a '{GATEWAY_GROUP}' group (default: $FREETOKEN_INVENTORY "
-                         f"or {DEFAULT_INVENTORY})")
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m freetoken_infra.fleet", description="Drain, ready and list the fleet's hosts at its gateway."
+    )
+    ap.add_argument(
+        "-i",
+        "--inventory",
+        default=os.environ.get("FREETOKEN_INVENTORY", DEFAULT_INVENTORY),
+        help=f"pyinfra inventory with a '{GATEWAY_GROUP}' group (default: $FREETOKEN_INVENTORY or {DEFAULT_INVENTORY})",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_drain = sub.add_parser("drain", help="finish running streams, send new requests elsewhere")
     p_drain.add_argument("hosts", nargs="+")
-    p_drain.add_argument("--wait", type=float, default=0, metavar="S",
-                         help="wait up to S seconds for the hosts' running requests to finish")
+    p_drain.add_argument(
+        "--wait",
+        type=float,
+        default=0,
+        metavar="S",
+        help="wait up to S seconds for the hosts' running requests to finish",
+    )
     p_ready = sub.add_parser("ready", help="back in service once its health checks pass")
     p_ready.add_argument("hosts", nargs="+")
     sub.add_parser("status", help="one table: state, active requests, last health, last gate tok/s")

@@ -46,9 +46,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TextIO
+from typing import Any, TextIO
 
 from freetoken_infra.core.records import RECORD_ENV, read_records
 from freetoken_infra.fleet import GATEWAY_GROUP, Fleet, FleetError
@@ -84,8 +85,7 @@ def parse_batch_sizes(spec: str) -> list[str]:
     for size in sizes:
         m = re.fullmatch(r"(\d+)(%?)", size)
         if not m or int(m.group(1)) == 0 or (m.group(2) and int(m.group(1)) > 100):
-            raise RolloutError(
-                f"--batches {spec!r}: {size!r} is not a host count (>= 1) or a percentage (1%-100%)")
+            raise RolloutError(f"--batches {spec!r}: {size!r} is not a host count (>= 1) or a percentage (1%-100%)")
     return sizes
 
 
@@ -100,8 +100,7 @@ def natural_key(name: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def plan_batches(hosts: Sequence[str], sizes: Sequence[str],
-                 canary: Sequence[str] = ()) -> list[list[str]]:
+def plan_batches(hosts: Sequence[str], sizes: Sequence[str], canary: Sequence[str] = ()) -> list[list[str]]:
     """Split `hosts` into batches: the canary hosts (when named) or the first size's hosts
     first, then the following sizes, the last one repeating until no host is left."""
     unknown = [h for h in canary if h not in hosts]
@@ -112,8 +111,8 @@ def plan_batches(hosts: Sequence[str], sizes: Sequence[str],
     batches: list[list[str]] = []
     rest = sizes
     if canary:
-        batches.append(ordered[:len(set(canary))])
-        ordered = ordered[len(set(canary)):]
+        batches.append(ordered[: len(set(canary))])
+        ordered = ordered[len(set(canary)) :]
         rest = sizes[1:] or sizes
     i = 0
     while ordered:
@@ -124,8 +123,9 @@ def plan_batches(hosts: Sequence[str], sizes: Sequence[str],
     return batches
 
 
-def batch_stops(index: int, failed: int, size: int, max_fail_pct: float,
-                parked: int = 0, ok: Optional[int] = None) -> Optional[str]:
+def batch_stops(
+    index: int, failed: int, size: int, max_fail_pct: float, parked: int = 0, ok: int | None = None
+) -> str | None:
     """Why the rollout stops after this batch, or None to go on.
 
     Parked hosts (unreachable, nothing done) count neither way. The canary (index 0) allows no
@@ -140,15 +140,16 @@ def batch_stops(index: int, failed: int, size: int, max_fail_pct: float,
         if not reached:
             return f"the canary had no reachable host ({parked} of {size} parked): it proved nothing"
         if not ok:
-            return (f"no canary host converged ({reached - ok} of {size} refused at preflight): "
-                    "it proved nothing")
+            return f"no canary host converged ({reached - ok} of {size} refused at preflight): it proved nothing"
         return None
     if not failed:
         return None
     pct = 100.0 * failed / reached
     if pct > max_fail_pct:
-        return (f"batch {index + 1}: {failed} of {reached} reached host(s) failed ({pct:.0f}% > "
-                f"--max-fail-pct {max_fail_pct:g}%)")
+        return (
+            f"batch {index + 1}: {failed} of {reached} reached host(s) failed ({pct:.0f}% > "
+            f"--max-fail-pct {max_fail_pct:g}%)"
+        )
     return None
 
 
@@ -181,7 +182,7 @@ def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[st
             inv = make_inventory(inventory, cwd=os.getcwd(), override_data=data or None)
     except SystemExit as exc:  # an inventory module may refuse, e.g. inventories/sim.py
         raise RolloutError(f"{inventory}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - pyinfra raises several kinds
+    except Exception as exc:
         raise RolloutError(f"{inventory}: cannot load the inventory: {exc}") from None
     try:
         settings = validate_inventory(inv)
@@ -218,8 +219,9 @@ class BatchRun:
     rows: list[dict] = field(default_factory=list)
 
 
-def run_batch(index: int, hosts: list[str], inventory: str, deploy: str, data: Sequence[str],
-              out: TextIO = sys.stdout) -> BatchRun:
+def run_batch(
+    index: int, hosts: list[str], inventory: str, deploy: str, data: Sequence[str], out: TextIO = sys.stdout
+) -> BatchRun:
     """Converge one batch with the pyinfra CLI, streaming its output; one report row per host."""
     argv = pyinfra_argv(inventory, deploy, hosts, data)
     print(f"\n--> rollout batch {index + 1}: {', '.join(hosts)}", file=out, flush=True)
@@ -227,9 +229,15 @@ def run_batch(index: int, hosts: list[str], inventory: str, deploy: str, data: S
     fd, record_file = tempfile.mkstemp(prefix="freetoken-rollout-", suffix=".jsonl")
     os.close(fd)
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                stdin=subprocess.DEVNULL, env={**os.environ, RECORD_ENV: record_file},
-                                errors="replace")
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, RECORD_ENV: record_file},
+            errors="replace",
+        )
         assert proc.stdout is not None
         for line in proc.stdout:
             out.write(line)
@@ -241,8 +249,12 @@ def run_batch(index: int, hosts: list[str], inventory: str, deploy: str, data: S
     # Everything comes from the run record, connection errors included (report.ConnectRecorder,
     # registered by config.py, which the CLI reads from the working directory): no console text
     # is parsed.
-    rows = [host_row(h, records.get(h, []), batch=index + 1,
-                     no_result=f"no result from the deploy (pyinfra exited {returncode})") for h in hosts]
+    rows = [
+        host_row(
+            h, records.get(h, []), batch=index + 1, no_result=f"no result from the deploy (pyinfra exited {returncode})"
+        )
+        for h in hosts
+    ]
     if returncode != 0 and rows and all(r["result"] == RESULT_OK for r in rows):
         # pyinfra failed although no host reported a failure: trust the exit status.
         for r in rows:
@@ -250,41 +262,52 @@ def run_batch(index: int, hosts: list[str], inventory: str, deploy: str, data: S
     return BatchRun(hosts, returncode, rows)
 
 
-def drain_batch(gateway: "Fleet", hosts: Sequence[str], timeout: float, out=sys.stdout) -> list[str]:
+BatchRunner = Callable[..., BatchRun]
+
+
+def drain_batch(gateway: Fleet, hosts: Sequence[str], timeout: float, out=sys.stdout) -> list[str]:
     """Drain `hosts` at the gateway and wait (up to `timeout`) for their running streams to
     finish; the hosts that are behind the gateway."""
     known = {s.host for s in gateway.servers()}
     behind = [h for h in hosts if h in known]
     missing = [h for h in hosts if h not in known]
     if missing:
-        print(f"--> gateway: {', '.join(missing)} not behind the gateway (re-run deploys/gateway.py)",
-              file=out, flush=True)
+        print(
+            f"--> gateway: {', '.join(missing)} not behind the gateway (re-run deploys/gateway.py)",
+            file=out,
+            flush=True,
+        )
     if behind:
         gateway.drain(behind)
         print(f"--> gateway: draining {', '.join(behind)}", file=out, flush=True)
         busy = gateway.wait_idle(behind, timeout)
         if busy:
-            print(f"--> gateway: {', '.join(busy)} still streaming after {timeout:g} s; going on",
-                  file=out, flush=True)
+            print(f"--> gateway: {', '.join(busy)} still streaming after {timeout:g} s; going on", file=out, flush=True)
     return behind
 
 
-def ready_batch(gateway: "Fleet", behind: Sequence[str], rows: Sequence[dict], out=sys.stdout) -> None:
+def ready_batch(gateway: Fleet, behind: Sequence[str], rows: Sequence[dict], out=sys.stdout) -> None:
     """Put the batch's hosts whose health gate passed back in service; failed ones stay drained."""
     passed = [r["host"] for r in rows if r["host"] in behind and r["result"] == RESULT_OK]
     failed = [h for h in behind if h not in passed]
     if passed:
         gateway.ready(passed)
-        print(f"--> gateway: {', '.join(passed)} ready (in service once their checks pass)",
-              file=out, flush=True)
+        print(f"--> gateway: {', '.join(passed)} ready (in service once their checks pass)", file=out, flush=True)
     if failed:
         print(f"--> gateway: {', '.join(failed)} stay drained (failed)", file=out, flush=True)
 
 
-def rollout(inventory: str, batches: list[list[str]], max_fail_pct: float = 0.0,
-            data: Sequence[str] = (), deploy: str = DEFAULT_DEPLOY, out: TextIO = sys.stdout,
-            run: Optional[BatchRunner] = None, gateway: Optional["Fleet"] = None,
-            drain_timeout: float = 300.0) -> tuple[list[dict], Optional[str]]:
+def rollout(
+    inventory: str,
+    batches: list[list[str]],
+    max_fail_pct: float = 0.0,
+    data: Sequence[str] = (),
+    deploy: str = DEFAULT_DEPLOY,
+    out: TextIO = sys.stdout,
+    run: BatchRunner | None = None,
+    gateway: Fleet | None = None,
+    drain_timeout: float = 300.0,
+) -> tuple[list[dict], str | None]:
     """Run the batches in order; (report rows for every host, why it stopped or None).
 
     Per batch: drain it at the gateway (when there is one), converge it (`run`, the pyinfra
@@ -292,7 +315,7 @@ def rollout(inventory: str, batches: list[list[str]], max_fail_pct: float = 0.0,
     ok, then decide whether the rollout goes on (``batch_stops``)."""
     run = run or run_batch
     rows: list[dict] = []
-    stopped: Optional[str] = None
+    stopped: str | None = None
     for index, hosts in enumerate(batches):
         if stopped:
             rows += [host_row(h, [], batch=index + 1, not_run=f"rollout stopped: {stopped}") for h in hosts]
@@ -315,8 +338,9 @@ def rollout(inventory: str, batches: list[list[str]], max_fail_pct: float = 0.0,
         count = {k: sum(1 for r in batch.rows if r["result"] == k) for k in RESULTS}
         failed = len(batch.rows) - count[RESULT_OK] - count[RESULT_PARKED] - count[RESULT_REFUSED]
         if index < len(batches) - 1 and not stopped:  # after the last batch nothing is left to stop
-            stopped = batch_stops(index, failed, len(hosts), max_fail_pct,
-                                  parked=count[RESULT_PARKED], ok=count[RESULT_OK])
+            stopped = batch_stops(
+                index, failed, len(hosts), max_fail_pct, parked=count[RESULT_PARKED], ok=count[RESULT_OK]
+            )
         if stopped:
             print(f"\n--> rollout stopped: {stopped}", file=out, flush=True)
     return rows, stopped
@@ -332,7 +356,7 @@ def end_batch(index: int, rows: list[dict], out: TextIO) -> None:
         print(f"    {line}", file=out, flush=True)
 
 
-def exit_status(rows: list[dict], stopped: Optional[str]) -> int:
+def exit_status(rows: list[dict], stopped: str | None) -> int:
     """The rollout's exit status (module docstring): the first of stopped, failed, parked,
     refused that applies, else 0."""
     results = {r["result"] for r in rows}
@@ -364,7 +388,7 @@ def reports_dir() -> Path:
     return Path(base) / "freetoken-infra" / "rollouts"
 
 
-def default_report_path(now: Optional[float] = None) -> Path:
+def default_report_path(now: float | None = None) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
     path = reports_dir() / f"rollout-{stamp}.json"
     n = 1
@@ -412,8 +436,7 @@ def load_report(source: str) -> tuple[Path, dict[str, Any]]:
     return path, doc
 
 
-def select_hosts(doc: dict[str, Any], only: Sequence[str], inventory_hosts: Sequence[str],
-                 source: str) -> list[str]:
+def select_hosts(doc: dict[str, Any], only: Sequence[str], inventory_hosts: Sequence[str], source: str) -> list[str]:
     """The hosts of a report whose result is one of `only`, as they are in the inventory now."""
     chosen = [r["host"] for r in doc["hosts"] if isinstance(r, dict) and r.get("result") in only]
     gone = [h for h in chosen if h not in inventory_hosts]
@@ -422,7 +445,7 @@ def select_hosts(doc: dict[str, Any], only: Sequence[str], inventory_hosts: Sequ
     return chosen
 
 
-def gateway_of(inventory: str, data: dict) -> Optional[Fleet]:
+def gateway_of(inventory: str, data: dict) -> Fleet | None:
     """The inventory's gateway (None: it has none); RolloutError when it cannot be reached, since
     rolling out behind it without draining would fail clients' requests."""
     try:
@@ -436,43 +459,73 @@ def gateway_of(inventory: str, data: dict) -> Optional[Fleet]:
     return gateway
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m freetoken_infra.rollout",
         description="Converge a fleet canary first, then in batches, each gated on the health gate; "
-                    "print the fleet report.")
+        "print the fleet report.",
+    )
     ap.add_argument("inventory", help="pyinfra inventory, e.g. inventories/fleet.py")
-    ap.add_argument("--batches", default=DEFAULT_BATCHES,
-                    help="batch sizes, counts or percentages of all hosts; the first batch is the canary, "
-                         f"the last size repeats (default {DEFAULT_BATCHES})")
+    ap.add_argument(
+        "--batches",
+        default=DEFAULT_BATCHES,
+        help="batch sizes, counts or percentages of all hosts; the first batch is the canary, "
+        f"the last size repeats (default {DEFAULT_BATCHES})",
+    )
     ap.add_argument("--canary", default="", help="comma-separated hosts forming the canary batch")
-    ap.add_argument("--max-fail-pct", type=float, default=0.0,
-                    help="a batch after the canary stops the rollout when more than this percent of its "
-                         "hosts failed (default 0)")
-    ap.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a setting for every host, as pyinfra's --data")
+    ap.add_argument(
+        "--max-fail-pct",
+        type=float,
+        default=0.0,
+        help="a batch after the canary stops the rollout when more than this percent of its hosts failed (default 0)",
+    )
+    ap.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting for every host, as pyinfra's --data",
+    )
     ap.add_argument("--limit", default="", help="comma-separated hosts: roll out to these only")
     ap.add_argument("--deploy", default=DEFAULT_DEPLOY, help=f"deploy file (default {DEFAULT_DEPLOY})")
-    ap.add_argument("--json", dest="json_file",
-                    help="write the fleet report as JSON to this file (default: a new file under "
-                         "$XDG_STATE_HOME/freetoken-infra/rollouts/, printed at the end)")
-    ap.add_argument("--from", dest="from_report", metavar="REPORT",
-                    help="catch up: roll out to the hosts of this earlier report (a file, or 'last' for "
-                         "the newest under $XDG_STATE_HOME/freetoken-infra/rollouts/) whose result is one "
-                         "of --only; its --batches, --max-fail-pct and --data apply unless given again")
-    ap.add_argument("--only", metavar="RESULT,...",
-                    help=f"with --from: the results to catch up (default {DEFAULT_ONLY}; any of "
-                         f"{', '.join(r.replace(' ', '-') for r in RESULTS)})")
+    ap.add_argument(
+        "--json",
+        dest="json_file",
+        help="write the fleet report as JSON to this file (default: a new file under "
+        "$XDG_STATE_HOME/freetoken-infra/rollouts/, printed at the end)",
+    )
+    ap.add_argument(
+        "--from",
+        dest="from_report",
+        metavar="REPORT",
+        help="catch up: roll out to the hosts of this earlier report (a file, or 'last' for "
+        "the newest under $XDG_STATE_HOME/freetoken-infra/rollouts/) whose result is one "
+        "of --only; its --batches, --max-fail-pct and --data apply unless given again",
+    )
+    ap.add_argument(
+        "--only",
+        metavar="RESULT,...",
+        help=f"with --from: the results to catch up (default {DEFAULT_ONLY}; any of "
+        f"{', '.join(r.replace(' ', '-') for r in RESULTS)})",
+    )
     # option -> (its default, its key in a report): a catch-up reuses the report's
-    defaults = {"batches": (DEFAULT_BATCHES, "batches_spec"), "max_fail_pct": (0.0, "max_fail_pct"),
-                "data": ([], "data")}
+    defaults = {
+        "batches": (DEFAULT_BATCHES, "batches_spec"),
+        "max_fail_pct": (0.0, "max_fail_pct"),
+        "data": ([], "data"),
+    }
     ap.set_defaults(batches=None, max_fail_pct=None, data=None)
-    ap.add_argument("--drain-timeout", type=float, default=300.0, metavar="S",
-                    help=f"behind a gateway (group '{GATEWAY_GROUP}'): wait up to S seconds for a drained "
-                         "batch's streams to finish (default 300)")
+    ap.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help=f"behind a gateway (group '{GATEWAY_GROUP}'): wait up to S seconds for a drained "
+        "batch's streams to finish (default 300)",
+    )
     args = ap.parse_args(argv)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
-    source: Optional[Path] = None
+    source: Path | None = None
     try:
         if args.only and not args.from_report:
             raise RolloutError("--only needs --from REPORT (the rollout report whose hosts to catch up)")
@@ -491,8 +544,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if source is not None:
             only = parse_only(args.only or DEFAULT_ONLY)
             chosen = select_hosts(earlier, only, hosts, args.from_report)
-            print(f"--> catch-up of {source}: {', '.join(chosen) or 'no host'} "
-                  f"({' or '.join(only)} there)", flush=True)
+            print(f"--> catch-up of {source}: {', '.join(chosen) or 'no host'} ({' or '.join(only)} there)", flush=True)
             if not chosen:
                 print("nothing to catch up", flush=True)
                 return EXIT_OK
@@ -503,29 +555,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RolloutError as exc:
         print(f"rollout: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print("--> rollout plan: " + " | ".join(
-        f"{'canary' if i == 0 else f'batch {i + 1}'}: {', '.join(b)}" for i, b in enumerate(batches)), flush=True)
+    print(
+        "--> rollout plan: "
+        + " | ".join(f"{'canary' if i == 0 else f'batch {i + 1}'}: {', '.join(b)}" for i, b in enumerate(batches)),
+        flush=True,
+    )
 
-    rows, stopped = rollout(args.inventory, batches, args.max_fail_pct, args.data, args.deploy,
-                            gateway=gateway, drain_timeout=args.drain_timeout)
+    rows, stopped = rollout(
+        args.inventory,
+        batches,
+        args.max_fail_pct,
+        args.data,
+        args.deploy,
+        gateway=gateway,
+        drain_timeout=args.drain_timeout,
+    )
 
     print("\n" + format_fleet_report(rows), flush=True)
     if stopped:
         print(f"rollout stopped: {stopped}", flush=True)
     status = exit_status(rows, stopped)
-    doc = {"inventory": args.inventory, "batches": batches, "stopped": stopped, "hosts": rows,
-           # what a catch-up (--from) reuses: the options as given
-           "batches_spec": args.batches, "max_fail_pct": args.max_fail_pct, "data": list(args.data),
-           "caught_up_from": str(source) if source else None, "summary": fleet_counts(rows),
-           "exit_status": status, "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc = {
+        "inventory": args.inventory,
+        "batches": batches,
+        "stopped": stopped,
+        "hosts": rows,
+        # what a catch-up (--from) reuses: the options as given
+        "batches_spec": args.batches,
+        "max_fail_pct": args.max_fail_pct,
+        "data": list(args.data),
+        "caught_up_from": str(source) if source else None,
+        "summary": fleet_counts(rows),
+        "exit_status": status,
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     write_report(report_path, doc)
     print(f"report: {report_path}", flush=True)
-    behind = [k for k in (RESULT_PARKED, RESULT_FAILED, RESULT_NOT_RUN)
-              if any(r["result"] == k for r in rows)]
+    behind = [k for k in (RESULT_PARKED, RESULT_FAILED, RESULT_NOT_RUN) if any(r["result"] == k for r in rows)]
     if behind:
-        only = ",".join(dict.fromkeys([*parse_only(DEFAULT_ONLY), *behind])).replace(" ", "-")
-        print(f"catch up later: python -m freetoken_infra.rollout {args.inventory} "
-              f"--only {only} --from {report_path}", flush=True)
+        catch_up = ",".join(dict.fromkeys([*parse_only(DEFAULT_ONLY), *behind])).replace(" ", "-")
+        print(
+            f"catch up later: python -m freetoken_infra.rollout {args.inventory} --only {catch_up} --from {report_path}",
+            flush=True,
+        )
     print(f"exit status {status}: {exit_meaning(status)}", flush=True)
     return status
 

@@ -9,6 +9,7 @@ carries the settings that point the deploy at the stand-in services on the bridg
 NVIDIA's repository, PyPI and the model hub. When the gateway host runs (`up --gateway`), it
 is the group `gateway` (deploys/gateway.py), a plain Debian host that runs no engine.
 """
+
 import json
 import os
 from pathlib import Path
@@ -36,13 +37,17 @@ SIM_DATA = {
 
 
 def _host(h, **data):
-    return (h["name"], {**data,
-        "ssh_hostname": h["address"],
-        "ssh_user": h.get("ssh_user", "root"),
-        "ssh_key": h["ssh_key"],
-        "ssh_known_hosts_file": _state["known_hosts"],
-        "ssh_strict_host_key_checking": "yes",
-    })
+    return (
+        h["name"],
+        {
+            **data,
+            "ssh_hostname": h["address"],
+            "ssh_user": h.get("ssh_user", "root"),
+            "ssh_key": h["ssh_key"],
+            "ssh_known_hosts_file": _state["known_hosts"],
+            "ssh_strict_host_key_checking": "yes",
+        },
+    )
 
 
 _hosts = sorted(_state["hosts"].values(), key=lambda h: h["name"])

@@ -18,8 +18,8 @@ import ipaddress
 import os
 import re
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -27,9 +27,17 @@ from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files, systemd
 
 from freetoken_infra.core.layout import (
-    GATEWAY_BACKEND, GATEWAY_CONFIG, GATEWAY_ENGINE_KEY_MAP, GATEWAY_KEYS_MAP,
-    GATEWAY_RUNTIME_SOCKET, GATEWAY_SCRAPE_CONFIG, GATEWAY_SERVER_STATE, GATEWAY_SESSION_BACKEND,
-    SERVED_BY_HEADER, SESSION_HEADER, HostLayout,
+    GATEWAY_BACKEND,
+    GATEWAY_CONFIG,
+    GATEWAY_ENGINE_KEY_MAP,
+    GATEWAY_KEYS_MAP,
+    GATEWAY_RUNTIME_SOCKET,
+    GATEWAY_SCRAPE_CONFIG,
+    GATEWAY_SERVER_STATE,
+    GATEWAY_SESSION_BACKEND,
+    SERVED_BY_HEADER,
+    SESSION_HEADER,
+    HostLayout,
 )
 from freetoken_infra.core.settings import Settings
 
@@ -60,12 +68,12 @@ class GatewayError(Exception):
 class GatewayBackend:
     """One serving host as the gateway reaches it."""
 
-    name: str      # the inventory's host name, also the HAProxy server name
+    name: str  # the inventory's host name, also the HAProxy server name
     address: str
     port: int
 
 
-def backend_address(name: str, settings: Settings, hostname: Optional[str], gateway: str) -> str:
+def backend_address(name: str, settings: Settings, hostname: str | None, gateway: str) -> str:
     """Where the gateway reaches `name`'s engine: its `listen_host`, or its inventory address
     when the engine listens on every address; loopback only from the gateway host itself."""
     ip = ipaddress.ip_address(str(settings.listen_host))
@@ -75,11 +83,12 @@ def backend_address(name: str, settings: Settings, hostname: Optional[str], gate
         raise GatewayError(
             f"host {name}: its engine listens on {ip} only, which the gateway on {gateway} cannot "
             "reach: set listen_host to its LAN address or 0.0.0.0 (under WSL with "
-            "networkingMode=mirrored and the port open in the Windows firewall)")
+            "networkingMode=mirrored and the port open in the Windows firewall)"
+        )
     return str(ip)
 
 
-def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, Optional[str]]]) -> list[GatewayBackend]:
+def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, str | None]]) -> list[GatewayBackend]:
     """The gateway's backends: every host of the inventory whose `runs_engine` is set, in name
     order. `hosts`: name -> (settings, ssh_hostname or None)."""
     out, problems = [], []
@@ -88,19 +97,16 @@ def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, Optional[str]
         if not settings.runs_engine:
             continue
         if not _SERVER_NAME_RE.match(name):
-            problems.append(f"host {name}: a gateway backend's name may hold only letters, digits, "
-                            "'.', '_', '-'")
+            problems.append(f"host {name}: a gateway backend's name may hold only letters, digits, '.', '_', '-'")
             continue
         try:
-            out.append(GatewayBackend(name, backend_address(name, settings, hostname, gateway),
-                                      settings.listen_port))
+            out.append(GatewayBackend(name, backend_address(name, settings, hostname, gateway), settings.listen_port))
         except GatewayError as exc:
             problems.append(str(exc))
     if problems:
         raise GatewayError("\n".join(problems))
     if not out:
-        raise GatewayError("no host of the inventory runs an engine (runs_engine): "
-                           "the gateway has no backend")
+        raise GatewayError("no host of the inventory runs an engine (runs_engine): the gateway has no backend")
     return out
 
 
@@ -125,7 +131,7 @@ def read_source(source: str, what: str) -> str:
     raise GatewayError(f"{what} {source!r}: expected file:/path or env:VARIABLE")
 
 
-def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, Settings]) -> Optional[str]:
+def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, Settings]) -> str | None:
     """The one engine key the gateway sends to every backend (None: the engines take none)."""
     sources = {b.name: settings[b.name].api_key_source for b in backends}
     if all(s == "none" for s in sources.values()):
@@ -135,11 +141,14 @@ def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, 
         raise GatewayError(
             f"host(s) {', '.join(bad)}: api_key_source {sources[bad[0]]!r}; behind a gateway every "
             "engine takes the fleet's one key: set api_key_source to the same 'file:...' or 'env:...' "
-            "for all of them")
+            "for all of them"
+        )
     keys = {n: read_source(s, f"host {n}: api_key_source").strip() for n, s in sources.items()}
     if len(set(keys.values())) != 1:
-        raise GatewayError(f"hosts {', '.join(sorted(keys))}: their api_key_source give different keys; "
-                           "the gateway sends one engine key to all of them")
+        raise GatewayError(
+            f"hosts {', '.join(sorted(keys))}: their api_key_source give different keys; "
+            "the gateway sends one engine key to all of them"
+        )
     key = next(iter(keys.values()))
     if not _KEY_RE.match(key):
         raise GatewayError("the fleet's engine key must be 16-256 characters of A-Z a-z 0-9 . _ ~ + / = -")
@@ -157,8 +166,10 @@ def keys_map(text: str, source: str = "gateway_keys_source") -> str:
             continue
         key, label = words[0], (words[1] if len(words) > 1 else f"client{number}")
         if len(words) > 2 or not _KEY_RE.match(key) or not _LABEL_RE.match(label):
-            raise GatewayError(f"{source}, line {number}: expected 'KEY [LABEL]', the key 16-256 "
-                               "characters of A-Z a-z 0-9 . _ ~ + / = -, the label letters, digits, . _ @ -")
+            raise GatewayError(
+                f"{source}, line {number}: expected 'KEY [LABEL]', the key 16-256 "
+                "characters of A-Z a-z 0-9 . _ ~ + / = -, the label letters, digits, . _ @ -"
+            )
         if key in seen:
             raise GatewayError(f"{source}, line {number}: this key is listed twice")
         seen.add(key)
@@ -168,7 +179,7 @@ def keys_map(text: str, source: str = "gateway_keys_source") -> str:
     return "# Managed by freetoken-infra: the gateway's client keys (KEY LABEL).\n" + "".join(lines)
 
 
-def engine_key_map(key: Optional[str]) -> str:
+def engine_key_map(key: str | None) -> str:
     return "# Managed by freetoken-infra: the fleet's engine key.\n" + (f"engine {key}\n" if key else "")
 
 
@@ -177,10 +188,10 @@ def _key_rules() -> list[str]:
     return [
         "http-request set-var(txn.api_key) req.hdr(x-api-key) if { req.hdr(x-api-key) -m found }",
         "http-request set-var(txn.api_key) req.hdr(authorization),bytes(7) "
-        "if { req.hdr(authorization) -m beg -i \"bearer \" }",
+        'if { req.hdr(authorization) -m beg -i "bearer " }',
         f"acl key_ok var(txn.api_key),map_str({GATEWAY_KEYS_MAP}) -m found",
         "http-request return status 401 content-type application/json "
-        "string '{\"error\": \"Unauthorized\"}' unless key_ok",
+        'string \'{"error": "Unauthorized"}\' unless key_ok',
     ]
 
 
@@ -188,35 +199,40 @@ def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key:
     """/etc/haproxy/haproxy.cfg of the gateway host."""
     session = SESSION_HEADER.lower()
     check_servers = "\n".join(f"    server {b.name} {b.address}:{b.port}" for b in backends)
-    tracking = "\n".join(f"    server {b.name} {b.address}:{b.port} track {GATEWAY_BACKEND}/{b.name}"
-                         for b in backends)
-    engine_auth = ("http-request set-header Authorization "
-                   f'"Bearer %[str(engine),map_str({GATEWAY_ENGINE_KEY_MAP})]"'
-                   if engine_key else "http-request del-header Authorization")
-    front = "\n    ".join([
-        "# The gateway's own /health (no key, like the engines'): ok while a host is in service.",
-        "http-request return status 200 content-type application/json string '{\"status\": \"ok\"}' "
-        f"if {{ path /health }} {{ nbsrv({GATEWAY_BACKEND}) gt 0 }}",
-        "http-request return status 503 content-type application/json "
-        "string '{\"status\": \"error\", \"message\": \"no engine in service\"}' if { path /health }",
-        *_key_rules(),
-        "# The log names the client by its label, never by its key.",
-        f"http-request set-var(txn.client) var(txn.api_key),map_str({GATEWAY_KEYS_MAP})",
-        "http-request capture var(txn.client) len 64",
-        "http-request del-header x-api-key",
-        engine_auth,
-        "# Which host answered (clients and the fleet tests see their sessions stay put).",
-        f"http-response set-header {SERVED_BY_HEADER} %s",
-        f"use_backend {GATEWAY_SESSION_BACKEND} if {{ req.hdr({session}) -m found }}",
-        f"default_backend {GATEWAY_BACKEND}",
-    ])
-    stats = "\n    ".join([
-        *_key_rules(),
-        "http-request use-service prometheus-exporter if { path /metrics }",
-        "stats enable",
-        "stats uri /stats",
-        "stats refresh 10s",
-    ])
+    tracking = "\n".join(f"    server {b.name} {b.address}:{b.port} track {GATEWAY_BACKEND}/{b.name}" for b in backends)
+    engine_auth = (
+        f'http-request set-header Authorization "Bearer %[str(engine),map_str({GATEWAY_ENGINE_KEY_MAP})]"'
+        if engine_key
+        else "http-request del-header Authorization"
+    )
+    front = "\n    ".join(
+        [
+            "# The gateway's own /health (no key, like the engines'): ok while a host is in service.",
+            'http-request return status 200 content-type application/json string \'{"status": "ok"}\' '
+            f"if {{ path /health }} {{ nbsrv({GATEWAY_BACKEND}) gt 0 }}",
+            "http-request return status 503 content-type application/json "
+            'string \'{"status": "error", "message": "no engine in service"}\' if { path /health }',
+            *_key_rules(),
+            "# The log names the client by its label, never by its key.",
+            f"http-request set-var(txn.client) var(txn.api_key),map_str({GATEWAY_KEYS_MAP})",
+            "http-request capture var(txn.client) len 64",
+            "http-request del-header x-api-key",
+            engine_auth,
+            "# Which host answered (clients and the fleet tests see their sessions stay put).",
+            f"http-response set-header {SERVED_BY_HEADER} %s",
+            f"use_backend {GATEWAY_SESSION_BACKEND} if {{ req.hdr({session}) -m found }}",
+            f"default_backend {GATEWAY_BACKEND}",
+        ]
+    )
+    stats = "\n    ".join(
+        [
+            *_key_rules(),
+            "http-request use-service prometheus-exporter if { path /metrics }",
+            "stats enable",
+            "stats uri /stats",
+            "stats refresh 10s",
+        ]
+    )
     retry = f"retry-on {RETRY_ON}\n    retries 3\n    option redispatch 1"
     return f"""# Managed by freetoken-infra (deploys/gateway.py); local edits are overwritten.
 global
@@ -275,14 +291,13 @@ backend {GATEWAY_SESSION_BACKEND}
 """
 
 
-def scrape_config(gateway_address: str, gw: Settings,
-                  workstations: Mapping[str, tuple[str, Settings]]) -> str:
+def scrape_config(gateway_address: str, gw: Settings, workstations: Mapping[str, tuple[str, Settings]]) -> str:
     """A Prometheus scrape config for the fleet: the gateway's exporter and each serving host's
     guard metrics (node_exporter's textfile collector on port 9100)."""
     targets = "\n".join(
-        f"      - targets: [\"{address}:9100\"]\n"
-        f"        labels: {{host: \"{name}\", textfile_dir: \"{_textfile_dir(s)}\"}}"
-        for name, (address, s) in sorted(workstations.items()))
+        f'      - targets: ["{address}:9100"]\n        labels: {{host: "{name}", textfile_dir: "{_textfile_dir(s)}"}}'
+        for name, (address, s) in sorted(workstations.items())
+    )
     return f"""# Generated by freetoken-infra (deploys/gateway.py): Prometheus scrape config for the fleet.
 # Put one gateway client key in the credentials file (mode 0600) and merge this into prometheus.yml.
 scrape_configs:
@@ -311,10 +326,12 @@ def _sha256(text: str) -> str:
 
 # Dump the servers' states (drain, maintenance, health), then reload: HAProxy's master starts a
 # new worker on the same sockets and the old one finishes its streams (no connection dropped).
-RELOAD = (f"if systemctl is-active -q haproxy; then "
-          f"echo 'show servers state' | socat stdio {GATEWAY_RUNTIME_SOCKET} > {GATEWAY_SERVER_STATE}.tmp "
-          f"&& mv -f {GATEWAY_SERVER_STATE}.tmp {GATEWAY_SERVER_STATE}; systemctl reload haproxy; "
-          "else systemctl restart haproxy; fi")
+RELOAD = (
+    f"if systemctl is-active -q haproxy; then "
+    f"echo 'show servers state' | socat stdio {GATEWAY_RUNTIME_SOCKET} > {GATEWAY_SERVER_STATE}.tmp "
+    f"&& mv -f {GATEWAY_SERVER_STATE}.tmp {GATEWAY_SERVER_STATE}; systemctl reload haproxy; "
+    "else systemctl restart haproxy; fi"
+)
 
 
 @operation()
@@ -337,17 +354,18 @@ def gateway(config: str, client_keys: str, engine_keys: str, scrape: str):
                         engine_keys=engine, scrape=scrape)
     """
     changed = False
-    for path, text, mode in ((GATEWAY_KEYS_MAP, client_keys, "600"),
-                             (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600"),
-                             (GATEWAY_SCRAPE_CONFIG, scrape, "644")):
+    for path, text, mode in (
+        (GATEWAY_KEYS_MAP, client_keys, "600"),
+        (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600"),
+        (GATEWAY_SCRAPE_CONFIG, scrape, "644"),
+    ):
         have = host.get_fact(Sha256File, path=path)
         if have != _sha256(text):
             if have is None and mode == "600":
                 # A new key map is created 0600 first: the upload then writes into it and never
                 # leaves a world-readable copy at its final path.
                 yield f"install -m 600 -o root -g root /dev/null {shlex.quote(path)}"
-            yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root",
-                                        mode=mode)
+            yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root", mode=mode)
             changed = True
         else:
             yield from files.file._inner(path=path, user="root", group="root", mode=mode)

@@ -2,6 +2,7 @@
 
 `up` and `down` take the fleet lock (harness.exclusive()) like the pytest fixture and the
 benchmark: while another session holds the fleet they say so and wait for it."""
+
 import argparse
 import json
 import sys
@@ -10,14 +11,17 @@ from tests.fleet import harness
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.fleet",
-                                 description="the simulated FreeToken fleet (nspawn hosts)")
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.fleet", description="the simulated FreeToken fleet (nspawn hosts)"
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="bring the fleet up (cleans leftovers first)")
-    p_up.add_argument("--hosts", type=int, default=None,
-                      help="number of hosts (default: FREETOKEN_SIM_HOSTS, else one per profile)")
-    p_up.add_argument("--gateway", action="store_true",
-                      help="also boot the gateway host (plain Debian, for deploys/gateway.py)")
+    p_up.add_argument(
+        "--hosts", type=int, default=None, help="number of hosts (default: FREETOKEN_SIM_HOSTS, else one per profile)"
+    )
+    p_up.add_argument(
+        "--gateway", action="store_true", help="also boot the gateway host (plain Debian, for deploys/gateway.py)"
+    )
     sub.add_parser("down", help="stop everything and remove host copies")
     sub.add_parser("status", help="print what runs, as JSON")
     a = ap.parse_args(argv)

@@ -14,9 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 from freetoken_infra.core.layout import GATEWAY_BACKEND, GATEWAY_RUNTIME_SOCKET, SERVED_BY_HEADER, SESSION_HEADER
 
@@ -41,27 +41,37 @@ def write_keys(directory: Path) -> dict[str, Path]:
 
 def data_args(keys: dict[str, Path]) -> list[str]:
     """The settings of a fleet behind a gateway: engines on every address, one engine key."""
-    return ["--data", "listen_host=0.0.0.0", "--data", f"api_key_source=file:{keys['engine']}",
-            "--data", f"gateway_keys_source=file:{keys['clients']}"]
+    return [
+        "--data",
+        "listen_host=0.0.0.0",
+        "--data",
+        f"api_key_source=file:{keys['engine']}",
+        "--data",
+        f"gateway_keys_source=file:{keys['clients']}",
+    ]
 
 
 def pyinfra(*args: str, timeout: int = 1500, quiet: bool = False) -> subprocess.CompletedProcess:
     """The pyinfra CLI on the simulated fleet's inventory, as a user runs it."""
     from tests.fleet import harness
 
-    run = subprocess.run([str(Path(sys.executable).with_name("pyinfra")), "-y", *args], cwd=ROOT,
-                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout,
-                         env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())})
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("pyinfra")), "-y", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+    )
     if not quiet or run.returncode != 0:
         print(run.stdout[-12000:], run.stderr[-6000:], sep="\n")
     return run
 
 
-def converge_behind_gateway(keys: dict[str, Path]) -> tuple[subprocess.CompletedProcess,
-                                                            subprocess.CompletedProcess]:
+def converge_behind_gateway(keys: dict[str, Path]) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     """ws1 and ws2 with their engines on every address and the fleet's key, then the gateway."""
-    hosts = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/freetoken.py",
-                    "--limit", "ws1", "--limit", "ws2")
+    hosts = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1", "--limit", "ws2")
     gateway = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
     return hosts, gateway
 
@@ -74,16 +84,18 @@ class Outcome:
     t1: float = 0.0
     started: bool = False
     ok: bool = False
-    host: Optional[str] = None
+    host: str | None = None
     error: str = ""
 
 
-def stream_chat(address: str, port: int, key: str, max_tokens: int = 12, session: Optional[str] = None,
-                timeout: float = 60) -> Outcome:
+def stream_chat(
+    address: str, port: int, key: str, max_tokens: int = 12, session: str | None = None, timeout: float = 60
+) -> Outcome:
     """One streamed chat completion through the gateway."""
     out = Outcome(time.time())
-    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": "hi"}]})
+    body = json.dumps(
+        {"model": MODEL, "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]}
+    )
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     if session:
         headers[SESSION_HEADER] = session
@@ -127,28 +139,41 @@ class Load:
     sends the session header `sessions[i]` (its turns go to one host), the others none (the
     least busy host)."""
 
-    def __init__(self, address: str, port: int, key: str, clients: int = 4, max_tokens: int = 12,
-                 max_requests: int = 5000, max_seconds: float = 900, sessions: Sequence[str] = ()):
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        key: str,
+        clients: int = 4,
+        max_tokens: int = 12,
+        max_requests: int = 5000,
+        max_seconds: float = 900,
+        sessions: Sequence[str] = (),
+    ):
         self.address, self.port, self.key = address, port, key
         self.clients, self.max_tokens, self.sessions = clients, max_tokens, list(sessions)
         self.max_requests, self.deadline = max_requests, time.time() + max_seconds
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
-                         for i in range(clients)]
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
 
     def _client(self, i: int) -> None:
         while not self._stop.is_set() and time.time() < self.deadline:
             with self._lock:
                 if len(self.outcomes) >= self.max_requests:
                     return
-            o = stream_chat(self.address, self.port, self.key, self.max_tokens,
-                            session=self.sessions[i] if i < len(self.sessions) else None)
+            o = stream_chat(
+                self.address,
+                self.port,
+                self.key,
+                self.max_tokens,
+                session=self.sessions[i] if i < len(self.sessions) else None,
+            )
             with self._lock:
                 self.outcomes.append(o)
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for t in self._threads:
             t.start()
         return self
@@ -172,19 +197,22 @@ def summary(outcomes: list[Outcome]) -> dict:
     for o in outcomes:
         if o.ok:
             by_host[o.host or "?"] = by_host.get(o.host or "?", 0) + 1
-    return {"requests": len(outcomes), "ok": sum(o.ok for o in outcomes),
-            "failed_before_streaming": [o.error for o in outcomes if not o.started],
-            "failed_while_streaming": [o.error for o in outcomes if o.started and not o.ok],
-            "by_host": by_host}
+    return {
+        "requests": len(outcomes),
+        "ok": sum(o.ok for o in outcomes),
+        "failed_before_streaming": [o.error for o in outcomes if not o.started],
+        "failed_while_streaming": [o.error for o in outcomes if o.started and not o.ok],
+        "by_host": by_host,
+    }
 
 
 # Runs on the gateway host: prints one JSON line per change of a server's status, with the time.
-WATCH_SCRIPT = r"""
+WATCH_SCRIPT = rf"""
 import csv, io, json, socket, sys, time
-seen = {}
+seen = {{}}
 while True:
     s = socket.socket(socket.AF_UNIX)
-    s.connect(%r)
+    s.connect({GATEWAY_RUNTIME_SOCKET!r})
     s.sendall(b"show stat\n")
     data = b""
     while True:
@@ -196,13 +224,13 @@ while True:
     text = data.decode()
     rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
     for r in rows:
-        if r["pxname"] == %r and r["svname"] not in ("BACKEND", "FRONTEND"):
+        if r["pxname"] == {GATEWAY_BACKEND!r} and r["svname"] not in ("BACKEND", "FRONTEND"):
             if seen.get(r["svname"]) != r["status"]:
                 seen[r["svname"]] = r["status"]
-                print(json.dumps({"t": time.time(), "host": r["svname"], "status": r["status"],
-                                  "check": r["check_status"]}), flush=True)
+                print(json.dumps({{"t": time.time(), "host": r["svname"], "status": r["status"],
+                                  "check": r["check_status"]}}), flush=True)
     time.sleep(0.05)
-""" % (GATEWAY_RUNTIME_SOCKET, GATEWAY_BACKEND)
+"""
 
 
 @dataclass
@@ -213,8 +241,12 @@ class Watcher:
     events: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._proc = subprocess.Popen(self.ssh_argv + ["python3", "-u", "-c", shlex.quote(WATCH_SCRIPT)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._proc = subprocess.Popen(
+            self.ssh_argv + ["python3", "-u", "-c", shlex.quote(WATCH_SCRIPT)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         self._lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -228,19 +260,18 @@ class Watcher:
             with self._lock:
                 self.events.append(event)
 
-    def status(self, host: str) -> Optional[str]:
+    def status(self, host: str) -> str | None:
         with self._lock:
             last = [e for e in self.events if e["host"] == host]
         return last[-1]["status"] if last else None
 
-    def wait_for(self, host: str, predicate, since: float, timeout: float) -> Optional[float]:
+    def wait_for(self, host: str, predicate, since: float, timeout: float) -> float | None:
         """The gateway's time of the first change of `host` after `since` whose status matches,
         or None after `timeout`."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             with self._lock:
-                hits = [e for e in self.events
-                        if e["host"] == host and e["t"] >= since and predicate(e["status"])]
+                hits = [e for e in self.events if e["host"] == host and e["t"] >= since and predicate(e["status"])]
             if hits:
                 return hits[0]["t"]
             time.sleep(0.1)

@@ -11,6 +11,7 @@ Needs root. Paths: FREETOKEN_SIM_CACHE (default /var/cache/freetoken-sim: base r
 copies, .deb cache, SSH key) and FREETOKEN_SIM_STATE (default /run/freetoken-sim: state.json,
 PIDs, logs, served directories).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,14 +30,19 @@ from pathlib import Path
 
 from tests.fleet import profiles
 from tests.fleet.profiles import (
-    BRIDGE_ADDRESS, BRIDGE_NAME, BRIDGE_PREFIX, GATEWAY_ADDRESS, GATEWAY_NAME, HostProfile,
+    BRIDGE_ADDRESS,
+    BRIDGE_NAME,
+    BRIDGE_PREFIX,
+    GATEWAY_ADDRESS,
+    GATEWAY_NAME,
+    HostProfile,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STANDINS = Path(__file__).resolve().parent / "standins"
 SUITE = "bookworm"
 BASE_PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,python3,iproute2,ca-certificates"
-NETNS_PREFIX = "ftsim-"          # netns and host-side veth names: ftsim-ws1, ...
+NETNS_PREFIX = "ftsim-"  # netns and host-side veth names: ftsim-ws1, ...
 COMPLETE_MARK = ".freetoken-sim-complete"
 BOOT_TIMEOUT_S = float(os.environ.get("FREETOKEN_SIM_BOOT_TIMEOUT", "120"))
 
@@ -45,9 +51,15 @@ CUDA_REPO_PATH = "compute/cuda/repos/ubuntu2404/x86_64/"
 
 # Host tools the harness needs, by command -> Debian package (installed when missing).
 HOST_TOOLS = {
-    "debootstrap": "debootstrap", "systemd-nspawn": "systemd-container",
-    "ssh": "openssh-client", "ssh-keygen": "openssh-client", "ip": "iproute2",
-    "gcc": "gcc", "apt-ftparchive": "apt-utils", "gpg": "gnupg", "dpkg-deb": "dpkg",
+    "debootstrap": "debootstrap",
+    "systemd-nspawn": "systemd-container",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    "ip": "iproute2",
+    "gcc": "gcc",
+    "apt-ftparchive": "apt-utils",
+    "gpg": "gnupg",
+    "dpkg-deb": "dpkg",
 }
 
 
@@ -72,8 +84,10 @@ def host_count() -> int:
     profile (ws1..ws3). The CLI, the pytest fixture and the benchmark all ask here."""
     value = os.environ.get("FREETOKEN_SIM_HOSTS", str(len(profiles.PROFILES)))
     if not value.isdigit() or not 1 <= int(value) <= profiles.MAX_HOSTS:
-        raise FleetError(f"FREETOKEN_SIM_HOSTS={value!r}: expected a whole number of hosts from 1 "
-                         f"to {profiles.MAX_HOSTS} (hosts beyond ws3 repeat the healthy profiles)")
+        raise FleetError(
+            f"FREETOKEN_SIM_HOSTS={value!r}: expected a whole number of hosts from 1 "
+            f"to {profiles.MAX_HOSTS} (hosts beyond ws3 repeat the healthy profiles)"
+        )
     return int(value)
 
 
@@ -82,7 +96,7 @@ def host_names(n_hosts: int) -> list[str]:
 
 
 LOCK_FD_ENV = "FREETOKEN_SIM_LOCK_FD"
-_held_lock: list = []          # the lock file this process holds (nested exclusive() re-enter)
+_held_lock: list = []  # the lock file this process holds (nested exclusive() re-enter)
 
 
 def _inherited_lock_fd(path: Path) -> int | None:
@@ -98,7 +112,7 @@ def _inherited_lock_fd(path: Path) -> int | None:
         return None
     if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino):
         return None
-    try:   # succeeds at once only when this open file already holds the lock
+    try:  # succeeds at once only when this open file already holds the lock
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return None
@@ -151,6 +165,7 @@ def _sh(*cmd, check=True, quiet=False, **kw) -> subprocess.CompletedProcess:
 
 
 # ---------------------------------------------------------------------------- machine setup
+
 
 def ensure_host_tools() -> None:
     if os.geteuid() != 0:
@@ -214,8 +229,16 @@ def ensure_base_rootfs() -> Path:
     mirror = debian_mirror()
     _log(f"debootstrap {SUITE} from {mirror} (once; cached in {base})")
     t0 = time.monotonic()
-    r = _sh("debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", SUITE, tmp, mirror,
-            check=False, capture_output=True)
+    r = _sh(
+        "debootstrap",
+        "--variant=minbase",
+        f"--include={BASE_PACKAGES}",
+        SUITE,
+        tmp,
+        mirror,
+        check=False,
+        capture_output=True,
+    )
     if r.returncode != 0:
         raise FleetError(f"debootstrap failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
     tmp.rename(base)
@@ -238,13 +261,13 @@ def build_libcuda() -> Path:
     out = cache_dir() / "build" / f"libcuda-{digest}.so.1"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        _sh("gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wl,-soname,libcuda.so.1", "-o",
-            str(out) + ".tmp", src)
+        _sh("gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wl,-soname,libcuda.so.1", "-o", str(out) + ".tmp", src)
         os.replace(str(out) + ".tmp", out)
     return out
 
 
 # ---------------------------------------------------------------------------- state
+
 
 def load_state() -> dict | None:
     try:
@@ -315,8 +338,9 @@ def _stop_pid(pid: int, expect: str, term_wait: float = 10.0) -> None:
 
 def _netns_names() -> list[str]:
     r = _sh("ip", "netns", "list", check=False, capture_output=True)
-    return [line.split()[0] for line in r.stdout.splitlines()
-            if line.split() and line.split()[0].startswith(NETNS_PREFIX)]
+    return [
+        line.split()[0] for line in r.stdout.splitlines() if line.split() and line.split()[0].startswith(NETNS_PREFIX)
+    ]
 
 
 def _kill_netns_processes(ns: str) -> None:
@@ -344,10 +368,12 @@ def _our_stray_processes() -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         cmd = _pid_cmdline(int(entry.name))
-        if ("systemd-nspawn" in cmd and f"-D {hosts_dir}" in cmd) or (
-                "tests.fleet.standins" in cmd and BRIDGE_ADDRESS in cmd) or (
-                "http.server" in cmd and f"--bind {BRIDGE_ADDRESS}" in cmd) or (
-                os.path.basename(cmd.split(" ", 1)[0]) in ("cp", "chroot") and hosts_dir in cmd):
+        if (
+            ("systemd-nspawn" in cmd and f"-D {hosts_dir}" in cmd)
+            or ("tests.fleet.standins" in cmd and BRIDGE_ADDRESS in cmd)
+            or ("http.server" in cmd and f"--bind {BRIDGE_ADDRESS}" in cmd)
+            or (os.path.basename(cmd.split(" ", 1)[0]) in ("cp", "chroot") and hosts_dir in cmd)
+        ):
             found.append(int(entry.name))
     return found
 
@@ -389,6 +415,7 @@ def down(quiet: bool = False) -> None:
 
 # ---------------------------------------------------------------------------- network
 
+
 def _setup_bridge() -> None:
     _sh("ip", "link", "add", BRIDGE_NAME, "type", "bridge")
     _sh("ip", "addr", "add", f"{BRIDGE_ADDRESS}/{BRIDGE_PREFIX}", "dev", BRIDGE_NAME)
@@ -421,16 +448,22 @@ def _wait_port(address: str, port: int, timeout: float, what: str, log: Path | N
 
 # ---------------------------------------------------------------------------- services
 
-def _start_service(state: dict, name: str, argv: list[str], port: int, url: str,
-                   match: str) -> None:
+
+def _start_service(state: dict, name: str, argv: list[str], port: int, url: str, match: str) -> None:
     log = state_dir() / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
     with open(log, "ab") as f:
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    state["services"][name] = {"pid": proc.pid, "url": url, "port": port, "log": str(log),
-                               "match": match}
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    state["services"][name] = {"pid": proc.pid, "url": url, "port": port, "log": str(log), "match": match}
     _save_state(state)
     _wait_port(BRIDGE_ADDRESS, port, 30, name, log)
 
@@ -443,99 +476,203 @@ def _start_services(state: dict) -> None:
 
     # Debian packages for the hosts, through a caching forward proxy to this machine's mirror.
     allow = sorted({u.split("/")[2].split(":")[0] for u, _ in apt_sources() if u.startswith("http")})
-    argv = [py, "-m", "tests.fleet.standins.apt_proxy", "--bind", BRIDGE_ADDRESS,
-            "--port", str(PORTS["apt_proxy"]), "--cache", str(cache_dir() / "debs")]
+    argv = [
+        py,
+        "-m",
+        "tests.fleet.standins.apt_proxy",
+        "--bind",
+        BRIDGE_ADDRESS,
+        "--port",
+        str(PORTS["apt_proxy"]),
+        "--cache",
+        str(cache_dir() / "debs"),
+    ]
     for host in allow:
         argv += ["--allow", host]
-    _start_service(state, "apt_proxy", argv, PORTS["apt_proxy"],
-                   f"{base}:{PORTS['apt_proxy']}", "tests.fleet.standins.apt_proxy")
+    _start_service(
+        state, "apt_proxy", argv, PORTS["apt_proxy"], f"{base}:{PORTS['apt_proxy']}", "tests.fleet.standins.apt_proxy"
+    )
 
     # NVIDIA's CUDA apt repository (stand-in), signed, flat, served statically.
     cuda_url = f"{base}:{PORTS['cuda_repo']}/{CUDA_REPO_PATH}"
     from tests.fleet.standins import cuda_repo
+
     cuda_repo.build(srv / "cuda", cuda_url)
-    _start_service(state, "cuda_repo",
-                   [py, "-m", "http.server", "--bind", BRIDGE_ADDRESS, "--directory",
-                    str(srv / "cuda"), str(PORTS["cuda_repo"])],
-                   PORTS["cuda_repo"], cuda_url, "http.server")
+    _start_service(
+        state,
+        "cuda_repo",
+        [py, "-m", "http.server", "--bind", BRIDGE_ADDRESS, "--directory", str(srv / "cuda"), str(PORTS["cuda_repo"])],
+        PORTS["cuda_repo"],
+        cuda_url,
+        "http.server",
+    )
     state["services"]["cuda_repo"]["keyring_url"] = cuda_url + "cuda-keyring_1.1-1_all.deb"
 
     # The hub and the wheelhouse: modules written by another helper (tests/fleet/standins/
     # hub.py + hub_repos.py, wheelhouse.py). Started when present, else recorded as missing.
     if (STANDINS / "hub.py").exists() and (STANDINS / "hub_repos.py").exists():
-        _sh(py, "-m", "tests.fleet.standins.hub_repos", "build", srv / "hub", cwd=REPO_ROOT,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, quiet=True)
-        _start_service(state, "hub",
-                       [py, "-m", "tests.fleet.standins.hub", "--bind", BRIDGE_ADDRESS,
-                        "--port", str(PORTS["hub"]), "--repos", str(srv / "hub")],
-                       PORTS["hub"], f"{base}:{PORTS['hub']}", "tests.fleet.standins.hub")
+        _sh(
+            py,
+            "-m",
+            "tests.fleet.standins.hub_repos",
+            "build",
+            srv / "hub",
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            quiet=True,
+        )
+        _start_service(
+            state,
+            "hub",
+            [
+                py,
+                "-m",
+                "tests.fleet.standins.hub",
+                "--bind",
+                BRIDGE_ADDRESS,
+                "--port",
+                str(PORTS["hub"]),
+                "--repos",
+                str(srv / "hub"),
+            ],
+            PORTS["hub"],
+            f"{base}:{PORTS['hub']}",
+            "tests.fleet.standins.hub",
+        )
     else:
         state["services"]["hub"] = {"pid": None, "url": None, "missing": "standins/hub.py"}
         _log("note: tests/fleet/standins/hub.py not there yet; hub stand-in not started")
     # The VM kernel's memory accounting (stand-in): grows a host's swap use on its engine
     # stand-in's request (the `swap` fault), by rewriting that host's /.sim/meminfo.
-    _start_service(state, "vm_memory",
-                   [py, "-m", "tests.fleet.standins.vm_memory", "--bind", BRIDGE_ADDRESS,
-                    "--port", str(PORTS["vm_memory"]), "--state", str(state_file())],
-                   PORTS["vm_memory"], f"{base}:{PORTS['vm_memory']}/swap/grow",
-                   "tests.fleet.standins.vm_memory")
+    _start_service(
+        state,
+        "vm_memory",
+        [
+            py,
+            "-m",
+            "tests.fleet.standins.vm_memory",
+            "--bind",
+            BRIDGE_ADDRESS,
+            "--port",
+            str(PORTS["vm_memory"]),
+            "--state",
+            str(state_file()),
+        ],
+        PORTS["vm_memory"],
+        f"{base}:{PORTS['vm_memory']}/swap/grow",
+        "tests.fleet.standins.vm_memory",
+    )
     if (STANDINS / "wheelhouse.py").exists():
-        _sh(py, "-m", "tests.fleet.standins.wheelhouse", "build", srv / "wheelhouse",
-            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, quiet=True)
-        _start_service(state, "wheelhouse",
-                       [py, "-m", "http.server", "--bind", BRIDGE_ADDRESS, "--directory",
-                        str(srv / "wheelhouse"), str(PORTS["wheelhouse"])],
-                       PORTS["wheelhouse"], f"{base}:{PORTS['wheelhouse']}/simple/",
-                       "http.server")
+        _sh(
+            py,
+            "-m",
+            "tests.fleet.standins.wheelhouse",
+            "build",
+            srv / "wheelhouse",
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            quiet=True,
+        )
+        _start_service(
+            state,
+            "wheelhouse",
+            [
+                py,
+                "-m",
+                "http.server",
+                "--bind",
+                BRIDGE_ADDRESS,
+                "--directory",
+                str(srv / "wheelhouse"),
+                str(PORTS["wheelhouse"]),
+            ],
+            PORTS["wheelhouse"],
+            f"{base}:{PORTS['wheelhouse']}/simple/",
+            "http.server",
+        )
     else:
-        state["services"]["wheelhouse"] = {"pid": None, "url": None,
-                                           "missing": "standins/wheelhouse.py"}
+        state["services"]["wheelhouse"] = {"pid": None, "url": None, "missing": "standins/wheelhouse.py"}
         _log("note: tests/fleet/standins/wheelhouse.py not there yet; wheelhouse not started")
     _save_state(state)
 
 
 # ---------------------------------------------------------------------------- host root fs
 
+
 def meminfo_text(profile: HostProfile, swap_used: int = 0) -> str:
     """/proc/meminfo as the WSL VM of `profile` reports it (real layout: 16-column label,
     8-column right-aligned value, ' kB')."""
     kb = lambda b: int(b // 1024)  # noqa: E731
     total = profile.mem_total_bytes
-    used = 1_400 * 1024 ** 2
-    cached = 900 * 1024 ** 2
+    used = 1_400 * 1024**2
+    cached = 900 * 1024**2
     swap_total = profile.swap_total_bytes
     swap_used = max(0, min(swap_used, swap_total))
     rows = [
-        ("MemTotal", kb(total)), ("MemFree", kb(total - used - cached)),
-        ("MemAvailable", kb(total - used)), ("Buffers", 40_212), ("Cached", kb(cached)),
-        ("SwapCached", kb(min(swap_used, 64 * 1024 ** 2))), ("Active", 612_104),
-        ("Inactive", 1_024_388), ("Active(anon)", 402_816), ("Inactive(anon)", 0),
-        ("Active(file)", 209_288), ("Inactive(file)", 1_024_388), ("Unevictable", 0),
-        ("Mlocked", 0), ("SwapTotal", kb(swap_total)), ("SwapFree", kb(swap_total - swap_used)),
-        ("Zswap", 0), ("Zswapped", 0), ("Dirty", 112), ("Writeback", 0),
-        ("AnonPages", 398_220), ("Mapped", 187_404), ("Shmem", 3_320), ("KReclaimable", 61_932),
-        ("Slab", 132_848), ("SReclaimable", 61_932), ("SUnreclaim", 70_916),
-        ("KernelStack", 6_496), ("PageTables", 9_876), ("SecPageTables", 0),
-        ("NFS_Unstable", 0), ("Bounce", 0), ("WritebackTmp", 0),
-        ("CommitLimit", kb(total // 2 + swap_total)), ("Committed_AS", 2_131_468),
-        ("VmallocTotal", 34_359_738_367), ("VmallocUsed", 28_132), ("VmallocChunk", 0),
-        ("Percpu", 5_888), ("AnonHugePages", 0), ("ShmemHugePages", 0),
-        ("ShmemPmdMapped", 0), ("FileHugePages", 0), ("FilePmdMapped", 0),
+        ("MemTotal", kb(total)),
+        ("MemFree", kb(total - used - cached)),
+        ("MemAvailable", kb(total - used)),
+        ("Buffers", 40_212),
+        ("Cached", kb(cached)),
+        ("SwapCached", kb(min(swap_used, 64 * 1024**2))),
+        ("Active", 612_104),
+        ("Inactive", 1_024_388),
+        ("Active(anon)", 402_816),
+        ("Inactive(anon)", 0),
+        ("Active(file)", 209_288),
+        ("Inactive(file)", 1_024_388),
+        ("Unevictable", 0),
+        ("Mlocked", 0),
+        ("SwapTotal", kb(swap_total)),
+        ("SwapFree", kb(swap_total - swap_used)),
+        ("Zswap", 0),
+        ("Zswapped", 0),
+        ("Dirty", 112),
+        ("Writeback", 0),
+        ("AnonPages", 398_220),
+        ("Mapped", 187_404),
+        ("Shmem", 3_320),
+        ("KReclaimable", 61_932),
+        ("Slab", 132_848),
+        ("SReclaimable", 61_932),
+        ("SUnreclaim", 70_916),
+        ("KernelStack", 6_496),
+        ("PageTables", 9_876),
+        ("SecPageTables", 0),
+        ("NFS_Unstable", 0),
+        ("Bounce", 0),
+        ("WritebackTmp", 0),
+        ("CommitLimit", kb(total // 2 + swap_total)),
+        ("Committed_AS", 2_131_468),
+        ("VmallocTotal", 34_359_738_367),
+        ("VmallocUsed", 28_132),
+        ("VmallocChunk", 0),
+        ("Percpu", 5_888),
+        ("AnonHugePages", 0),
+        ("ShmemHugePages", 0),
+        ("ShmemPmdMapped", 0),
+        ("FileHugePages", 0),
+        ("FilePmdMapped", 0),
     ]
     lines = [f"{k + ':':<16}{v:>8} kB" for k, v in rows]
-    lines += [f"{'HugePages_Total:':<16}{0:>8}", f"{'HugePages_Free:':<16}{0:>8}",
-              f"{'HugePages_Rsvd:':<16}{0:>8}", f"{'HugePages_Surp:':<16}{0:>8}",
-              f"{'Hugepagesize:':<16}{2048:>8} kB", f"{'Hugetlb:':<16}{0:>8} kB",
-              f"{'DirectMap4k:':<16}{120_832:>8} kB", f"{'DirectMap2M:':<16}{6_170_624:>8} kB",
-              f"{'DirectMap1G:':<16}{kb(total) // 1024 // 1024 * 1024 * 1024:>8} kB"]
+    lines += [
+        f"{'HugePages_Total:':<16}{0:>8}",
+        f"{'HugePages_Free:':<16}{0:>8}",
+        f"{'HugePages_Rsvd:':<16}{0:>8}",
+        f"{'HugePages_Surp:':<16}{0:>8}",
+        f"{'Hugepagesize:':<16}{2048:>8} kB",
+        f"{'Hugetlb:':<16}{0:>8} kB",
+        f"{'DirectMap4k:':<16}{120_832:>8} kB",
+        f"{'DirectMap2M:':<16}{6_170_624:>8} kB",
+        f"{'DirectMap1G:':<16}{kb(total) // 1024 // 1024 * 1024 * 1024:>8} kB",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def write_meminfo(path: Path, profile: dict, swap_used: int) -> None:
     """Rewrite a host's /.sim/meminfo in place (same inode, so the bind mount over /proc/meminfo
     sees it; the values are fixed-width, so a reader never sees a half-written file)."""
-    text = meminfo_text(HostProfile(**{**profile, "gpu": profiles.GpuProfile(**profile["gpu"])}),
-                        swap_used=swap_used)
+    text = meminfo_text(HostProfile(**{**profile, "gpu": profiles.GpuProfile(**profile["gpu"])}), swap_used=swap_used)
     with open(path, "r+b") as f:
         f.seek(0)
         f.write(text.encode())
@@ -543,17 +680,21 @@ def write_meminfo(path: Path, profile: dict, swap_used: int) -> None:
 
 
 def proc_version_text(profile: HostProfile) -> str:
-    return (f"Linux version {profile.kernel_release} (root@af282157c79e) (gcc (GCC) 11.2.0, "
-            f"GNU ld (GNU Binutils) 2.37) #1 SMP PREEMPT_DYNAMIC Thu Jun  5 18:30:46 UTC 2025\n")
+    return (
+        f"Linux version {profile.kernel_release} (root@af282157c79e) (gcc (GCC) 11.2.0, "
+        f"GNU ld (GNU Binutils) 2.37) #1 SMP PREEMPT_DYNAMIC Thu Jun  5 18:30:46 UTC 2025\n"
+    )
 
 
 def gpu_conf_text(profile: HostProfile) -> str:
     g = profile.gpu
-    return ("# STAND-IN GPU description for the simulated fleet's libcuda.so.1 and nvidia-smi\n"
-            f"name={g.name}\nmemory_total_mib={g.memory_total_mib}\n"
-            f"memory_used_mib={g.memory_used_mib}\ncompute_cap={g.compute_cap}\n"
-            f"allocation_locked={int(g.allocation_locked)}\nlocked_free_mib={g.locked_free_mib}\n"
-            f"cuda_driver_api_version={g.cuda_driver_api_version}\n")
+    return (
+        "# STAND-IN GPU description for the simulated fleet's libcuda.so.1 and nvidia-smi\n"
+        f"name={g.name}\nmemory_total_mib={g.memory_total_mib}\n"
+        f"memory_used_mib={g.memory_used_mib}\ncompute_cap={g.compute_cap}\n"
+        f"allocation_locked={int(g.allocation_locked)}\nlocked_free_mib={g.locked_free_mib}\n"
+        f"cuda_driver_api_version={g.cuda_driver_api_version}\n"
+    )
 
 
 WSLCONFIG = "# my own settings - keep this comment\n[wsl2]\nmemory=16GB\nguiApplications=false\n"
@@ -577,8 +718,11 @@ def _link(path: Path, target: str) -> None:
 def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -> None:
     """Dress a fresh copy of the base root fs up as the profile's WSL2 workstation."""
     sim = root / ".sim"
-    _write(sim / "README", "STAND-IN data of the simulated fleet (tests/fleet/harness.py): "
-                           "profile, /proc/version and /proc/meminfo sources, stand-in tools.\n")
+    _write(
+        sim / "README",
+        "STAND-IN data of the simulated fleet (tests/fleet/harness.py): "
+        "profile, /proc/version and /proc/meminfo sources, stand-in tools.\n",
+    )
     _write(sim / "version", proc_version_text(profile))
     _write(sim / "meminfo", meminfo_text(profile))
     _write(sim / "profile.json", json.dumps(profile.to_dict(), indent=1, ensure_ascii=False))
@@ -603,25 +747,36 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     _write(wsl_lib / "nvidia-smi", (STANDINS / "bin" / "nvidia-smi").read_bytes(), 0o755)
     for so in ("libcuda.so", "libcuda.so.1", "libcuda.so.1.1"):
         _write(wsl_lib / so, libcuda.read_bytes(), 0o755)
-    _write(root / "etc/ld.so.conf.d/ld.wsl.conf",
-           "# This file was automatically generated by WSL. To stop automatic generation of "
-           "this file, add the following entry to /etc/wsl.conf:\n# [automount]\n"
-           "# ldconfig = false\n/usr/lib/wsl/lib\n")
-    _write(root / "etc/tmpfiles.d/wsl-dxg.conf",
-           "# STAND-IN for WSL's /dev/dxg (the GPU paravirtualisation device), made at boot\n"
-           "c /dev/dxg 0666 root root - 10:63\n")
+    _write(
+        root / "etc/ld.so.conf.d/ld.wsl.conf",
+        "# This file was automatically generated by WSL. To stop automatic generation of "
+        "this file, add the following entry to /etc/wsl.conf:\n# [automount]\n"
+        "# ldconfig = false\n/usr/lib/wsl/lib\n",
+    )
+    _write(
+        root / "etc/tmpfiles.d/wsl-dxg.conf",
+        "# STAND-IN for WSL's /dev/dxg (the GPU paravirtualisation device), made at boot\n"
+        "c /dev/dxg 0666 root root - 10:63\n",
+    )
     _sh("chroot", root, "ldconfig", quiet=True)
 
     # Engine stand-in: pace, the GPU its CUDA OOM line names, where its `swap` fault asks for
     # swap growth (read by tests/fleet/standins/engine).
     g = profile.gpu
     gpu_free_mib = g.locked_free_mib if g.allocation_locked else g.memory_total_mib - g.memory_used_mib
-    _write(root / "etc/freetoken-standin.json",
-           json.dumps({"tokens_per_s": profile.tokens_per_s,
-                       "load_seconds": profile.load_seconds,
-                       "gpu_total_mib": g.memory_total_mib, "gpu_free_mib": gpu_free_mib,
-                       "swap_url": f"http://{BRIDGE_ADDRESS}:{PORTS['vm_memory']}/swap/grow"})
-           + "\n")
+    _write(
+        root / "etc/freetoken-standin.json",
+        json.dumps(
+            {
+                "tokens_per_s": profile.tokens_per_s,
+                "load_seconds": profile.load_seconds,
+                "gpu_total_mib": g.memory_total_mib,
+                "gpu_free_mib": gpu_free_mib,
+                "swap_url": f"http://{BRIDGE_ADDRESS}:{PORTS['vm_memory']}/swap/grow",
+            }
+        )
+        + "\n",
+    )
 
     prepare_plain_root(root, profile.name, pubkey)
 
@@ -630,30 +785,46 @@ def prepare_plain_root(root: Path, name: str, pubkey: str) -> None:
     """What every simulated host gets, the gateway too: apt through the bridge, root's SSH key,
     its name."""
     # apt: Debian through the bridge proxy, the bridge's own repos directly.
-    _write(root / "etc/apt/apt.conf.d/01freetoken-sim-proxy",
-           "// simulated fleet: the host reaches the Debian mirror only through the harness's\n"
-           "// caching proxy on the bridge; repositories on the bridge itself are direct.\n"
-           f'Acquire::http::Proxy "http://{BRIDGE_ADDRESS}:{PORTS["apt_proxy"]}";\n'
-           f'Acquire::http::Proxy::{BRIDGE_ADDRESS} "DIRECT";\n')
+    _write(
+        root / "etc/apt/apt.conf.d/01freetoken-sim-proxy",
+        "// simulated fleet: the host reaches the Debian mirror only through the harness's\n"
+        "// caching proxy on the bridge; repositories on the bridge itself are direct.\n"
+        f'Acquire::http::Proxy "http://{BRIDGE_ADDRESS}:{PORTS["apt_proxy"]}";\n'
+        f'Acquire::http::Proxy::{BRIDGE_ADDRESS} "DIRECT";\n',
+    )
 
     # root login with the harness's key; hostname.
     ssh_dir = root / "root/.ssh"
     ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     _write(ssh_dir / "authorized_keys", pubkey, 0o600)
     _write(root / "etc/hostname", name + "\n")
-    _write(root / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{name}\n"
-                               f"{BRIDGE_ADDRESS}\tftsim-bridge\n")
+    _write(root / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{name}\n{BRIDGE_ADDRESS}\tftsim-bridge\n")
 
 
 # ---------------------------------------------------------------------------- containers
 
+
 def _nspawn_argv(name: str, root: Path, ns: str, wsl: bool = True) -> list[str]:
-    argv = ["systemd-nspawn", "--register=no", "--keep-unit", "--quiet", "-b", "-D", str(root),
-            "-M", name, f"--network-namespace-path=/run/netns/{ns}",
-            "--console=pipe", "--resolv-conf=off", "--timezone=off"]
-    if wsl:   # the gateway is a plain Debian host: no WSL kernel or VM memory stand-ins
-        argv += ["--bind-ro=/.sim/version:/proc/version",      # source must be inside the tree
-                 "--bind-ro=/.sim/meminfo:/proc/meminfo"]
+    argv = [
+        "systemd-nspawn",
+        "--register=no",
+        "--keep-unit",
+        "--quiet",
+        "-b",
+        "-D",
+        str(root),
+        "-M",
+        name,
+        f"--network-namespace-path=/run/netns/{ns}",
+        "--console=pipe",
+        "--resolv-conf=off",
+        "--timezone=off",
+    ]
+    if wsl:  # the gateway is a plain Debian host: no WSL kernel or VM memory stand-ins
+        argv += [
+            "--bind-ro=/.sim/version:/proc/version",  # source must be inside the tree
+            "--bind-ro=/.sim/meminfo:/proc/meminfo",
+        ]
     return argv
 
 
@@ -669,17 +840,34 @@ def _start_container(state: dict, name: str) -> None:
     log = Path(h["console_log"])
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
-        proc = subprocess.Popen(_nspawn_argv(name, Path(h["root"]), h["netns"], h.get("wsl", True)),
-                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            _nspawn_argv(name, Path(h["root"]), h["netns"], h.get("wsl", True)),
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     h["pid"] = proc.pid
     _save_state(state)
 
 
 def _ssh_argv(key: str, address: str, known_hosts: str, timeout: int = 5) -> list[str]:
-    return ["ssh", "-i", key, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}",
-            "-o", f"UserKnownHostsFile={known_hosts}", "-o", "StrictHostKeyChecking=yes",
-            "-o", "LogLevel=ERROR", f"root@{address}"]
+    return [
+        "ssh",
+        "-i",
+        key,
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={timeout}",
+        "-o",
+        f"UserKnownHostsFile={known_hosts}",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "LogLevel=ERROR",
+        f"root@{address}",
+    ]
 
 
 def _wait_booted(state: dict, names: list[str], timeout: float = BOOT_TIMEOUT_S) -> None:
@@ -691,21 +879,23 @@ def _wait_booted(state: dict, names: list[str], timeout: float = BOOT_TIMEOUT_S)
             h = _record(state, name)
             if not _alive(h["pid"]):
                 _reap(h["pid"])
-                raise FleetError(f"{name}: systemd-nspawn exited during boot\n"
-                                 + _tail(h["console_log"]))
-            r = subprocess.run(_ssh_argv(h["ssh_key"], h["address"], state["known_hosts"], 2)
-                               + ["systemctl", "is-system-running"],
-                               capture_output=True, text=True, timeout=15)
+                raise FleetError(f"{name}: systemd-nspawn exited during boot\n" + _tail(h["console_log"]))
+            r = subprocess.run(
+                _ssh_argv(h["ssh_key"], h["address"], state["known_hosts"], 2) + ["systemctl", "is-system-running"],
+                capture_output=True,
+                text=True,
+                timeout=15,
+            )
             last[name] = (r.stdout + r.stderr).strip()
             if r.stdout.strip() in ("running", "degraded"):
                 pending.discard(name)
         if pending:
             time.sleep(0.5)
     if pending:
-        details = "\n".join(f"--- {n}: last answer {last.get(n)!r}\n"
-                            + _tail(_record(state, n)["console_log"]) for n in sorted(pending))
-        raise FleetError(f"hosts not up within {timeout:.0f} s: {', '.join(sorted(pending))}\n"
-                         + details)
+        details = "\n".join(
+            f"--- {n}: last answer {last.get(n)!r}\n" + _tail(_record(state, n)["console_log"]) for n in sorted(pending)
+        )
+        raise FleetError(f"hosts not up within {timeout:.0f} s: {', '.join(sorted(pending))}\n" + details)
 
 
 def _tail(path: str, n: int = 40) -> str:
@@ -716,7 +906,7 @@ def _tail(path: str, n: int = 40) -> str:
     return "console log tail:\n" + "\n".join(lines[-n:])
 
 
-def up(n_hosts: int | None = None, gateway: bool = False) -> "Fleet":
+def up(n_hosts: int | None = None, gateway: bool = False) -> Fleet:
     """Bring up the bridge services and hosts ws1..wsN (N: host_count()), and the gateway host
     when asked; return the Fleet."""
     n_hosts = host_count() if n_hosts is None else n_hosts
@@ -731,16 +921,21 @@ def up(n_hosts: int | None = None, gateway: bool = False) -> "Fleet":
     base = ensure_base_rootfs()
     key = ensure_ssh_key()
     libcuda = build_libcuda()
-    state: dict = {"version": 1, "started": time.time(), "bridge": {
-        "name": BRIDGE_NAME, "address": BRIDGE_ADDRESS, "prefix": BRIDGE_PREFIX},
-        "ssh_key": str(key), "known_hosts": str(state_dir() / "known_hosts"),
-        "cache_dir": str(cache_dir()), "state_dir": str(state_dir()),
-        "services": {}, "hosts": {}}
+    state: dict = {
+        "version": 1,
+        "started": time.time(),
+        "bridge": {"name": BRIDGE_NAME, "address": BRIDGE_ADDRESS, "prefix": BRIDGE_PREFIX},
+        "ssh_key": str(key),
+        "known_hosts": str(state_dir() / "known_hosts"),
+        "cache_dir": str(cache_dir()),
+        "state_dir": str(state_dir()),
+        "services": {},
+        "hosts": {},
+    }
     _save_state(state)
     hostkey = (base / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()[:2]
     names = host_names(n_hosts)
-    Path(state["known_hosts"]).write_text("".join(
-        f"{profiles.host_address(n)} {' '.join(hostkey)}\n" for n in names))
+    Path(state["known_hosts"]).write_text("".join(f"{profiles.host_address(n)} {' '.join(hostkey)}\n" for n in names))
     try:
         _setup_bridge()
         _start_services(state)
@@ -755,10 +950,17 @@ def up(n_hosts: int | None = None, gateway: bool = False) -> "Fleet":
             prepare_root(root, profile, pubkey, libcuda)
             ns = _setup_host_network(name, address)
             state["hosts"][name] = {
-                "name": name, "address": address, "profile": profile.to_dict(),
-                "hardware_class": profile.hardware_class, "ssh_key": str(key),
-                "ssh_user": "root", "root": str(root), "netns": ns, "pid": None,
-                "console_log": str(state_dir() / "logs" / f"{name}.console.log")}
+                "name": name,
+                "address": address,
+                "profile": profile.to_dict(),
+                "hardware_class": profile.hardware_class,
+                "ssh_key": str(key),
+                "ssh_user": "root",
+                "root": str(root),
+                "netns": ns,
+                "pid": None,
+                "console_log": str(state_dir() / "logs" / f"{name}.console.log"),
+            }
             _start_container(state, name)
         _wait_booted(state, names)
     except BaseException:
@@ -794,9 +996,16 @@ def start_gateway() -> dict:
         with open(state["known_hosts"], "a") as f:
             f.write(f"{GATEWAY_ADDRESS} {' '.join(hostkey)}\n")
         state["gateway"] = {
-            "name": GATEWAY_NAME, "address": GATEWAY_ADDRESS, "ssh_key": state["ssh_key"],
-            "ssh_user": "root", "root": str(root), "netns": ns, "pid": None, "wsl": False,
-            "console_log": str(state_dir() / "logs" / f"{GATEWAY_NAME}.console.log")}
+            "name": GATEWAY_NAME,
+            "address": GATEWAY_ADDRESS,
+            "ssh_key": state["ssh_key"],
+            "ssh_user": "root",
+            "root": str(root),
+            "netns": ns,
+            "pid": None,
+            "wsl": False,
+            "console_log": str(state_dir() / "logs" / f"{GATEWAY_NAME}.console.log"),
+        }
         _save_state(state)
     _start_container(state, GATEWAY_NAME)
     _wait_booted(state, [GATEWAY_NAME])
@@ -912,9 +1121,10 @@ class Fleet:
 
     @property
     def hosts(self) -> dict[str, SimHost]:
-        return {n: SimHost(n, h["address"], h["profile"], h["ssh_key"], h["root"],
-                           h["hardware_class"], h["netns"])
-                for n, h in self.state["hosts"].items()}
+        return {
+            n: SimHost(n, h["address"], h["profile"], h["ssh_key"], h["root"], h["hardware_class"], h["netns"])
+            for n, h in self.state["hosts"].items()
+        }
 
     @property
     def services(self) -> dict[str, dict]:
@@ -936,14 +1146,13 @@ class Fleet:
         h = self._host(host)
         return _ssh_argv(h["ssh_key"], h["address"], self.state["known_hosts"])
 
-    def run(self, host, cmd: str, check: bool = False, timeout: float = 300,
-            binary: bool = False) -> subprocess.CompletedProcess:
+    def run(
+        self, host, cmd: str, check: bool = False, timeout: float = 300, binary: bool = False
+    ) -> subprocess.CompletedProcess:
         """Run shell command `cmd` as root on `host` over SSH."""
-        r = subprocess.run(self.ssh_argv(host) + [cmd], capture_output=True,
-                           text=not binary, timeout=timeout)
+        r = subprocess.run(self.ssh_argv(host) + [cmd], capture_output=True, text=not binary, timeout=timeout)
         if check and r.returncode != 0:
-            raise FleetError(f"{self._host(host)['name']}: {cmd!r} exited {r.returncode}\n"
-                             f"{r.stdout}\n{r.stderr}")
+            raise FleetError(f"{self._host(host)['name']}: {cmd!r} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
         return r
 
     def reboot(self, host, timeout: float = BOOT_TIMEOUT_S) -> None:
@@ -983,8 +1192,8 @@ class Fleet:
         volatile paths, dpkg packages, systemd unit files, and the Windows stand-ins' calls that
         change Windows (anything but a query)."""
         r = subprocess.run(
-            self.ssh_argv(host) + ["python3", "-"], input=SNAPSHOT_SCRIPT,
-            capture_output=True, text=True, timeout=120)
+            self.ssh_argv(host) + ["python3", "-"], input=SNAPSHOT_SCRIPT, capture_output=True, text=True, timeout=120
+        )
         if r.returncode != 0:
             raise FleetError(f"snapshot failed on {self._host(host)['name']}: {r.stderr}")
         return json.loads(r.stdout)
@@ -1008,9 +1217,12 @@ def status() -> dict:
     state = load_state()
     if not state:
         return {"running": False}
-    hosts = {n: {"address": h["address"], "pid": h["pid"],
-                 "alive": bool(h["pid"]) and _alive(h["pid"])} for n, h in state["hosts"].items()}
-    services = {n: {"url": s.get("url"), "pid": s.get("pid"),
-                    "alive": bool(s.get("pid")) and _alive(s["pid"])}
-                for n, s in state["services"].items()}
+    hosts = {
+        n: {"address": h["address"], "pid": h["pid"], "alive": bool(h["pid"]) and _alive(h["pid"])}
+        for n, h in state["hosts"].items()
+    }
+    services = {
+        n: {"url": s.get("url"), "pid": s.get("pid"), "alive": bool(s.get("pid")) and _alive(s["pid"])}
+        for n, s in state["services"].items()
+    }
     return {"running": True, "state": str(state_file()), "hosts": hosts, "services": services}

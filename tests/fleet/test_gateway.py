@@ -21,8 +21,19 @@ import pytest
 
 from tests.fleet import client, harness
 from tests.fleet.gateway_load import (
-    CLIENT_KEY, ENGINE_KEY, PORT, STATS_PORT, Load, Watcher, converge_behind_gateway, data_args, pyinfra,
-    session_on, stream_chat, summary, write_keys,
+    CLIENT_KEY,
+    ENGINE_KEY,
+    PORT,
+    STATS_PORT,
+    Load,
+    Watcher,
+    converge_behind_gateway,
+    data_args,
+    pyinfra,
+    session_on,
+    stream_chat,
+    summary,
+    write_keys,
 )
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME
 
@@ -42,9 +53,14 @@ def deploy_gateway(keys) -> subprocess.CompletedProcess:
 
 
 def fleet_cli(*args: str) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, "-m", "freetoken_infra.fleet", "-i", "inventories/sim.py", *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())})
+    run = subprocess.run(
+        [sys.executable, "-m", "freetoken_infra.fleet", "-i", "inventories/sim.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+    )
     print(run.stdout, run.stderr)
     return run
 
@@ -125,55 +141,71 @@ def _get(url: str, key: str | None = None) -> int:
 def test_a_wrong_or_missing_key_is_refused(gateway):
     base = f"http://{GATEWAY_ADDRESS}:{PORT}"
     assert _get(base + "/v1/models", CLIENT_KEY) == 200
-    assert _get(base + "/v1/models", ENGINE_KEY) == 401      # the engines' key is not a client key
+    assert _get(base + "/v1/models", ENGINE_KEY) == 401  # the engines' key is not a client key
     assert _get(base + "/v1/models", "sim-client-key-mallory-000000") == 401
     assert _get(base + "/v1/models") == 401
-    assert _get(base + "/health") == 200                      # like the engines' own /health
+    assert _get(base + "/health") == 200  # like the engines' own /health
 
 
 def test_the_stats_page_is_not_reachable_from_another_host_without_a_key(gateway):
     fleet = gateway["fleet"]
-    script = ("import sys,urllib.request,urllib.error\n"
-              "key=sys.stdin.readline().strip()\n"
-              "for path,k in (('/stats',None),('/metrics',None),('/stats','x'*20),('/metrics',key)):\n"
-              "  h={'Authorization':'Bearer '+k} if k else {}\n"
-              "  try: print(urllib.request.urlopen(urllib.request.Request("
-              f"'http://{GATEWAY_ADDRESS}:{STATS_PORT}'+path,headers=h),timeout=10).status)\n"
-              "  except urllib.error.HTTPError as e: print(e.code)\n")
-    r = subprocess.run(fleet.ssh_argv("ws1") + ["python3", "-c", shlex.quote(script)],
-                       input=CLIENT_KEY + "\n", capture_output=True, text=True, timeout=60)
+    script = (
+        "import sys,urllib.request,urllib.error\n"
+        "key=sys.stdin.readline().strip()\n"
+        "for path,k in (('/stats',None),('/metrics',None),('/stats','x'*20),('/metrics',key)):\n"
+        "  h={'Authorization':'Bearer '+k} if k else {}\n"
+        "  try: print(urllib.request.urlopen(urllib.request.Request("
+        f"'http://{GATEWAY_ADDRESS}:{STATS_PORT}'+path,headers=h),timeout=10).status)\n"
+        "  except urllib.error.HTTPError as e: print(e.code)\n"
+    )
+    r = subprocess.run(
+        fleet.ssh_argv("ws1") + ["python3", "-c", shlex.quote(script)],
+        input=CLIENT_KEY + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.stdout.split() == ["401", "401", "401", "200"], r.stderr
 
 
 def test_the_engine_key_is_in_no_argv_log_or_stats_page(gateway):
     # Compared on the gateway host, the key on stdin (never in an argument).
-    script = ("import sys,os,subprocess,urllib.request\n"
-              "key=sys.stdin.readline().strip();client=sys.stdin.readline().strip()\n"
-              "argv=[open(f'/proc/{p}/cmdline','rb').read() for p in os.listdir('/proc') if p.isdigit()"
-              " and os.path.exists(f'/proc/{p}/cmdline')]\n"
-              "journal=subprocess.run(['journalctl','--no-pager','-o','cat'],capture_output=True).stdout\n"
-              "req=urllib.request.Request('http://127.0.0.1:8404/stats;csv',\n"
-              "  headers={'Authorization':'Bearer '+client})\n"
-              "stats=urllib.request.urlopen(req,timeout=10).read()\n"
-              "k=key.encode();c=client.encode()\n"
-              "print(any(k in a for a in argv), k in journal, k in stats, c in journal)\n")
-    r = subprocess.run(gateway["fleet"].ssh_argv(GATEWAY_NAME) + ["python3", "-c", shlex.quote(script)],
-                       input=f"{ENGINE_KEY}\n{CLIENT_KEY}\n", capture_output=True, text=True, timeout=60)
+    script = (
+        "import sys,os,subprocess,urllib.request\n"
+        "key=sys.stdin.readline().strip();client=sys.stdin.readline().strip()\n"
+        "argv=[open(f'/proc/{p}/cmdline','rb').read() for p in os.listdir('/proc') if p.isdigit()"
+        " and os.path.exists(f'/proc/{p}/cmdline')]\n"
+        "journal=subprocess.run(['journalctl','--no-pager','-o','cat'],capture_output=True).stdout\n"
+        "req=urllib.request.Request('http://127.0.0.1:8404/stats;csv',\n"
+        "  headers={'Authorization':'Bearer '+client})\n"
+        "stats=urllib.request.urlopen(req,timeout=10).read()\n"
+        "k=key.encode();c=client.encode()\n"
+        "print(any(k in a for a in argv), k in journal, k in stats, c in journal)\n"
+    )
+    r = subprocess.run(
+        gateway["fleet"].ssh_argv(GATEWAY_NAME) + ["python3", "-c", shlex.quote(script)],
+        input=f"{ENGINE_KEY}\n{CLIENT_KEY}\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.stdout.split() == ["False", "False", "False", "False"], r.stderr
 
 
 def test_same_session_stays_on_one_host_and_moves_when_that_host_is_parked(gateway):
     fleet = gateway["fleet"]
     wait_in_service(fleet, ["ws1", "ws2"])
-    hosts = [stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY, max_tokens=4, session="conversation-42").host
-             for _ in range(20)]
+    hosts = [
+        stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY, max_tokens=4, session="conversation-42").host for _ in range(20)
+    ]
     home = max(set(hosts), key=hosts.count)
-    assert hosts.count(home) >= 18, hosts                     # >= 90 % on one host
+    assert hosts.count(home) >= 18, hosts  # >= 90 % on one host
     other = {"ws1": "ws2", "ws2": "ws1"}[home]
-    fleet.run(home, "systemctl stop freetoken.service", check=True)   # the PC goes to play/sleep
+    fleet.run(home, "systemctl stop freetoken.service", check=True)  # the PC goes to play/sleep
     try:
-        moved = [stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY, max_tokens=4, session="conversation-42")
-                 for _ in range(10)]
+        moved = [
+            stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY, max_tokens=4, session="conversation-42") for _ in range(10)
+        ]
         assert all(o.ok for o in moved), [o.error for o in moved]
         assert {o.host for o in moved} == {other}
         assert {s["host"]: s["state"] for s in status_rows(fleet)}[home] == "parked"
@@ -189,13 +221,12 @@ def test_fleet_cli_drains_readies_and_prints_one_status_table(gateway, keys):
     assert run.returncode == 0
     rows = {line.split()[0]: line for line in run.stdout.splitlines() if line.startswith("ws")}
     assert "in service" in rows["ws1"] and "in service" in rows["ws2"] and "parked" in rows["ws3"]
-    assert float(rows["ws1"].split()[-1]) > 0   # decode tok/s of ws1's last health gate
+    assert float(rows["ws1"].split()[-1]) > 0  # decode tok/s of ws1's last health gate
     assert fleet_cli("drain", "ws1").returncode == 0
     try:
         assert {s["host"]: s["state"] for s in status_rows(fleet)}["ws1"] == "draining"
-        hosts = {stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY, max_tokens=4, session=f"s{i}").host
-                 for i in range(10)}
-        assert hosts == {"ws2"}                # new requests, sessions too, go elsewhere
+        hosts = {stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY, max_tokens=4, session=f"s{i}").host for i in range(10)}
+        assert hosts == {"ws2"}  # new requests, sessions too, go elsewhere
         # A config change reloads HAProxy: the drained host stays drained.
         keys["clients"].write_text(keys["clients"].read_text() + "sim-client-key-carol-5555555555 carol\n")
         assert deploy_gateway(keys).returncode == 0
@@ -218,8 +249,16 @@ def test_under_load_kill_power_off_sleep_drain_upgrade_and_reload_fail_no_unstar
         # A conversation on each host (retried elsewhere when its host goes) and two clients
         # without a session (the least busy host).
         sessions = [session_on(h, GATEWAY_ADDRESS, PORT, CLIENT_KEY) for h in ("ws1", "ws2")]
-        with Load(GATEWAY_ADDRESS, PORT, CLIENT_KEY, clients=4, max_tokens=24, max_requests=20000,
-                  max_seconds=900, sessions=sessions) as load:
+        with Load(
+            GATEWAY_ADDRESS,
+            PORT,
+            CLIENT_KEY,
+            clients=4,
+            max_tokens=24,
+            max_requests=20000,
+            max_seconds=900,
+            sessions=sessions,
+        ) as load:
             time.sleep(3)
             # 1. ws1's engine is killed (systemd restarts it; it rejoins after its checks).
             t = time.time()
@@ -254,10 +293,23 @@ def test_under_load_kill_power_off_sleep_drain_upgrade_and_reload_fail_no_unstar
             # 4. A rollout upgrades ws1's engine: drained first, ready after its gate.
             t = time.time()
             roll = subprocess.run(
-                [sys.executable, "-m", "freetoken_infra.rollout", "inventories/sim.py", "--limit", "ws1",
-                 *data_args(keys), "--data", "engine_version=0.2.2"],
-                cwd=ROOT, capture_output=True, text=True, timeout=1500,
-                env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())})
+                [
+                    sys.executable,
+                    "-m",
+                    "freetoken_infra.rollout",
+                    "inventories/sim.py",
+                    "--limit",
+                    "ws1",
+                    *data_args(keys),
+                    "--data",
+                    "engine_version=0.2.2",
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=1500,
+                env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+            )
             print(roll.stdout[-8000:], roll.stderr[-3000:])
             assert roll.returncode == 0
             assert "--> gateway: draining ws1" in roll.stdout and "--> gateway: ws1 ready" in roll.stdout
@@ -275,14 +327,17 @@ def test_under_load_kill_power_off_sleep_drain_upgrade_and_reload_fail_no_unstar
         watcher.close()
     result = summary(outcomes)
     in_phase = lambda name: [  # noqa: E731
-        o for o in outcomes if o.t1 >= phases[name][0] and o.t0 <= phases[name][1]]
-    print(f"gateway under load: {result['requests']} requests, {result['ok']} ok, "
-          f"by host {result['by_host']}; "
-          f"failed before streaming: {len(result['failed_before_streaming'])}, "
-          f"cut while streaming: {len(result['failed_while_streaming'])}")
+        o for o in outcomes if o.t1 >= phases[name][0] and o.t0 <= phases[name][1]
+    ]
+    print(
+        f"gateway under load: {result['requests']} requests, {result['ok']} ok, "
+        f"by host {result['by_host']}; "
+        f"failed before streaming: {len(result['failed_before_streaming'])}, "
+        f"cut while streaming: {len(result['failed_while_streaming'])}"
+    )
     for name, seconds in figures.items():
         print(f"  {name}: {seconds:.2f}")
-    assert result["failed_before_streaming"] == []            # zero failed requests that had not started
+    assert result["failed_before_streaming"] == []  # zero failed requests that had not started
     assert result["by_host"].get("ws1") and result["by_host"].get("ws2")
     # Drained before its engine was touched and put back after its gate; a reload drops nothing.
     for name in ("rollout", "reload"):

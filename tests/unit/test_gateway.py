@@ -25,7 +25,7 @@ def section(text: str, header: str) -> str:
     lines = text.splitlines()
     start = lines.index(header)
     body = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line and not line.startswith(" "):
             break
         body.append(line.strip())
@@ -63,8 +63,8 @@ def test_out_within_seconds_and_rejoin_after_several_good_checks():
     server_defaults = next(line for line in checked.splitlines() if line.startswith("default-server"))
     words = server_defaults.split()
     value = lambda key: words[words.index(key) + 1]  # noqa: E731
-    assert value("inter") == "1s" and int(value("fall")) * 1 <= 5   # out within 5 s
-    assert int(value("rise")) >= 3                                      # a few intervals in a row
+    assert value("inter") == "1s" and int(value("fall")) * 1 <= 5  # out within 5 s
+    assert int(value("rise")) >= 3  # a few intervals in a row
     assert "observe layer4" in server_defaults and "on-error mark-down" in server_defaults
 
 
@@ -128,8 +128,10 @@ def test_backends_skip_gateway_only_hosts_and_need_a_reachable_engine():
         "ws2": (Settings(listen_host="192.0.2.12", listen_port=8100), "ws2.lan"),
         "gw": (Settings(runs_engine=False), "192.0.2.5"),
     }
-    assert gw.backends_for("gw", hosts) == [GatewayBackend("ws2", "192.0.2.12", 8100),
-                                             GatewayBackend("ws10", "192.0.2.20", 8000)]
+    assert gw.backends_for("gw", hosts) == [
+        GatewayBackend("ws2", "192.0.2.12", 8100),
+        GatewayBackend("ws10", "192.0.2.20", 8000),
+    ]
     with pytest.raises(GatewayError, match="host ws1: its engine listens on 127.0.0.1 only.*listen_host"):
         gw.backends_for("gw", {"ws1": (Settings(), "192.0.2.11")})
     # the gateway on the serving host itself may reach it on loopback
@@ -142,8 +144,7 @@ def test_one_engine_key_for_the_fleet(tmp_path, monkeypatch):
     key_file = tmp_path / "engine.key"
     key_file.write_text(ENGINE_KEY + "\n")
     monkeypatch.setenv("FT_ENGINE_KEY", ENGINE_KEY)
-    same = {"ws1": Settings(api_key_source=f"file:{key_file}"),
-            "ws2": Settings(api_key_source="env:FT_ENGINE_KEY")}
+    same = {"ws1": Settings(api_key_source=f"file:{key_file}"), "ws2": Settings(api_key_source="env:FT_ENGINE_KEY")}
     assert gw.fleet_engine_key(BACKENDS, same) == ENGINE_KEY
     with pytest.raises(GatewayError, match=r"ws2: api_key_source 'generate'.*same 'file:\.\.\.'"):
         gw.fleet_engine_key(BACKENDS, {"ws1": same["ws1"], "ws2": Settings()})
@@ -166,8 +167,11 @@ def test_gateway_settings_are_validated():
 def test_scrape_config_lists_the_gateway_and_every_serving_host():
     import yaml
 
-    text = gw.scrape_config("192.0.2.5", Settings(gateway_stats_port=9404),
-                            {"ws1": ("192.0.2.11", Settings()), "ws2": ("192.0.2.12", Settings())})
+    text = gw.scrape_config(
+        "192.0.2.5",
+        Settings(gateway_stats_port=9404),
+        {"ws1": ("192.0.2.11", Settings()), "ws2": ("192.0.2.12", Settings())},
+    )
     jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
     gateway = jobs["freetoken-gateway"]
     assert gateway["static_configs"] == [{"targets": ["192.0.2.5:9404"]}]
@@ -195,11 +199,16 @@ freetoken_sessions,BACKEND,0,0,1,2,UP,,,,
 
 def test_status_words_from_haproxy_states():
     got = {s.host: (s.state, s.active) for s in fleet.parse_stat(SHOW_STAT)}
-    assert got == {"ws1": ("in service", 3), "ws2": ("parked", 0), "ws3": ("failed", 0),
-                   "ws4": ("draining", 1), "ws5": ("maintenance", 0)}
-    assert fleet.classify("UP 1/2", "L4CON") == "in service"     # going down, still serving
-    assert fleet.classify("DOWN 1/3", "L7OK") == "parked"        # back, rising: not in service yet
-    assert fleet.classify("DOWN", "L7STS") == "failed"           # answers, but not ok
+    assert got == {
+        "ws1": ("in service", 3),
+        "ws2": ("parked", 0),
+        "ws3": ("failed", 0),
+        "ws4": ("draining", 1),
+        "ws5": ("maintenance", 0),
+    }
+    assert fleet.classify("UP 1/2", "L4CON") == "in service"  # going down, still serving
+    assert fleet.classify("DOWN 1/3", "L7OK") == "parked"  # back, rising: not in service yet
+    assert fleet.classify("DOWN", "L7STS") == "failed"  # answers, but not ok
     with pytest.raises(fleet.FleetError, match="unexpected answer"):
         fleet.parse_stat("Unknown command\n")
 
@@ -216,14 +225,23 @@ def test_status_table_has_one_row_per_host():
 
 def test_runtime_commands_are_quoted_for_the_shell():
     assert fleet.runtime_command("set server freetoken/ws1 state drain") == (
-        "echo 'set server freetoken/ws1 state drain' | socat stdio /run/haproxy/admin.sock")
+        "echo 'set server freetoken/ws1 state drain' | socat stdio /run/haproxy/admin.sock"
+    )
 
 
 def test_remote_from_inventory_data():
-    r = fleet.remote_for("ws1", {"ssh_hostname": "10.0.0.1", "ssh_user": "deploy", "ssh_port": 2222,
-                                 "ssh_key": "/k", "ssh_strict_host_key_checking": "yes"})
+    r = fleet.remote_for(
+        "ws1",
+        {
+            "ssh_hostname": "10.0.0.1",
+            "ssh_user": "deploy",
+            "ssh_port": 2222,
+            "ssh_key": "/k",
+            "ssh_strict_host_key_checking": "yes",
+        },
+    )
     assert r.sudo and r.ssh_argv[-1] == "deploy@10.0.0.1"
-    assert ["-p", "2222"] == r.ssh_argv[r.ssh_argv.index("-p"):r.ssh_argv.index("-p") + 2]
+    assert ["-p", "2222"] == r.ssh_argv[r.ssh_argv.index("-p") : r.ssh_argv.index("-p") + 2]
     assert "StrictHostKeyChecking=yes" in r.ssh_argv
     assert fleet.remote_for("@local", {}).ssh_argv is None
 
@@ -264,9 +282,16 @@ def test_a_rollout_drains_each_batch_before_its_deploy_and_readies_only_what_pas
     gateway = FakeGateway(["ws1", "ws2", "ws3"], log)
     rows, stopped = rollout.rollout("inv.py", [["ws1"], ["ws2", "ws3"]], gateway=gateway, max_fail_pct=100)
     assert stopped is None
-    assert log == [("drain", ["ws1"]), ("wait_idle", ["ws1"]), ("deploy", ["ws1"]), ("ready", ["ws1"]),
-                   ("drain", ["ws2", "ws3"]), ("wait_idle", ["ws2", "ws3"]), ("deploy", ["ws2", "ws3"]),
-                   ("ready", ["ws2"])]   # ws3 failed its gate: it stays drained
+    assert log == [
+        ("drain", ["ws1"]),
+        ("wait_idle", ["ws1"]),
+        ("deploy", ["ws1"]),
+        ("ready", ["ws1"]),
+        ("drain", ["ws2", "ws3"]),
+        ("wait_idle", ["ws2", "ws3"]),
+        ("deploy", ["ws2", "ws3"]),
+        ("ready", ["ws2"]),
+    ]  # ws3 failed its gate: it stays drained
 
 
 def test_a_host_not_behind_the_gateway_is_rolled_out_without_drain(monkeypatch):
@@ -276,8 +301,11 @@ def test_a_host_not_behind_the_gateway_is_rolled_out_without_drain(monkeypatch):
     from freetoken_infra.report import RESULT_OK
 
     log: list = []
-    monkeypatch.setattr(rollout, "run_batch", lambda i, hosts, *a, **k: rollout.BatchRun(
-        hosts, 0, [{"host": h, "result": RESULT_OK} for h in hosts]))
+    monkeypatch.setattr(
+        rollout,
+        "run_batch",
+        lambda i, hosts, *a, **k: rollout.BatchRun(hosts, 0, [{"host": h, "result": RESULT_OK} for h in hosts]),
+    )
     out = io.StringIO()
     rollout.rollout("inv.py", [["ws1", "ws9"]], gateway=FakeGateway(["ws1"], log), out=out)
     assert log == [("drain", ["ws1"]), ("wait_idle", ["ws1"]), ("ready", ["ws1"])]
