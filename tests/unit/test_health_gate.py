@@ -356,3 +356,61 @@ def test_gate_report_prints_once_every_host_is_done(capsys):
     assert "no gate: refused at preflight" in rows["ws3"] and rows["ws3"].split()[1] == "-"
     assert "no gate: failed at: CUDA: toolkit packages" in rows["ws4"]
     assert "4 host(s): 2 serving, 0 below the decode floor, 0 failed, 2 stopped before the gate" in table
+
+
+# ---------------------------------------------------------------------------- the answer, the version
+def test_the_gate_asks_a_question_with_one_right_answer(ready_engine, key_file):
+    run = run_script(ready_engine.url, "--key-file", str(key_file))
+    assert run.rc == 0, run.stdout + run.stderr
+    r = run.result
+    a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", r["question"]).groups())
+    assert r["answer"] == str(a + b), r
+
+
+def test_a_wrong_answer_fails_the_gate_in_the_answer_phase(engine_factory, key_file):
+    engine = engine_factory(load_seconds=0.5, wrong_answers=True)
+    run = run_script(engine.url, "--key-file", str(key_file))
+    assert run.rc == 1, run.stdout
+    r = run.result
+    assert r["ok"] is False and r["phase"] == "answer", r
+    assert r["error"].startswith("wrong answer: asked 'What is "), r
+    a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", r["question"]).groups())
+    assert r["answer"] == str(a + b + 1) and f"expected {a + b}," in r["error"], r
+    assert r["decode_tps"] is None  # nothing after a wrong answer counts
+
+
+def test_wrong_answers_can_apply_to_one_engine_version_only(engine_factory, key_file):
+    engine = engine_factory(load_seconds=0.5, wrong_answers=["0.2.2"])  # the stand-in is 0.2.1
+    assert run_script(engine.url, "--key-file", str(key_file)).result["ok"] is True
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("42", True), ("17 + 25 = 42", True), ("The answer is **42**.", True), (" 42\n", True),
+    ("43", False), ("42 or 43", False), ("forty-two", False), ("", False), ("4 2", False),
+])
+def test_check_answer_takes_the_last_number(text, ok):
+    gate = _gate_module()
+    if ok:
+        gate.check_answer("What is 17 + 25?", 42, text)
+    else:
+        with pytest.raises(gate.GateFailure, match="wrong answer"):
+            gate.check_answer("What is 17 + 25?", 42, text)
+
+
+def _gate_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("health_gate_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_engine_other_than_the_one_installed_fails_in_the_version_phase(ready_engine, key_file):
+    run = run_script(ready_engine.url, "--key-file", str(key_file), "--expect-version", "0.2.2")
+    assert run.rc == 1
+    r = run.result
+    assert r["phase"] == "version" and r["version"] == "0.2.1", r
+    assert "reports version 0.2.1, not 0.2.2 that this run installed" in r["error"], r
+    same = run_script(ready_engine.url, "--key-file", str(key_file), "--expect-version", "0.2.1")
+    assert same.result["ok"] is True, same.result

@@ -34,7 +34,13 @@ named by env FREETOKEN_STANDIN_CONFIG: ``{"tokens_per_s": 24.0, "load_seconds": 
 "error_exit_delay_s": 10, "broken": false, "fatal_exit": "sigterm", "default_max_tokens": 32}``.
 ``broken: true`` (or a wheel built broken, version.BROKEN) fails after loading.
 
-Fault switches: ``POST /_standin/fault`` ``{"kind": "crash"|"exit"|"oom"|"swap"}`` (loopback
+Answers: a question "What is A + B?" (the health gate's) is answered with the sum, as a real
+model does at temperature 0, ending at the answer (finish_reason "stop"); anything else gets the
+paced stand-in words. ``wrong_answers`` in the config (``true``, or a list of engine versions it
+applies to, e.g. ``["0.2.2"]``) makes it answer the sum plus one instead: an engine that streams
+garbage (broken kernels, a bad shard) while /health says ok.
+
+Fault switches: ``POST /_standin/fault`` ``{"kind": "crash"|"exit"|"oom"|"swap"|"wrong"}`` (loopback
 clients only; API key required when one is set): crash = the process dies at once with a worker
 traceback and exit code 1 (no health error); exit = backend death: health error, then exit
 after the delay; oom = the CUDA OOM lines of the field report are logged to stderr, naming the
@@ -44,7 +50,8 @@ pace up to SwapTotal for as long as this process lives and falls back when it en
 process's swapped-out memory does: it holds a connection to the simulated fleet's VM memory
 stand-in (config ``swap_url``, tests/fleet/standins/vm_memory.py), which rewrites the host's
 /proc/meminfo source; 400 when no ``swap_url`` is configured, 502 when it cannot be reached.
-The answer (200) comes once the growth has begun.
+The answer (200) comes once the growth has begun. wrong = from now on this process answers
+questions wrongly (see ``wrong_answers``; the config survives a restart, the switch does not).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -75,8 +83,10 @@ DEFAULT_CONFIG = {
     "gpu_free_mib": 11878,
     "swap_url": None,
     "swap_mib_per_s": 256,
+    "wrong_answers": False,
 }
 SYSTEM_CONFIG = "/etc/freetoken-standin.json"
+QUESTION = re.compile(r"What is (-?\d+) \+ (-?\d+)\?")
 WORDS = "Hello from the FreeToken stand-in , a tiny model that speaks in paced tokens .".split()
 # The field report's line (an RTX 5060 Ti: 16311 MiB total, 11.6 GiB "free" under the WDDM lock);
 # total and free come from the host's GPU (stand-in config gpu_total_mib / gpu_free_mib).
@@ -97,6 +107,8 @@ def load_config() -> dict:
         with open(path) as f:
             cfg.update(json.load(f))
     cfg["broken"] = bool(cfg.get("broken")) or BROKEN
+    wrong = cfg.get("wrong_answers")
+    cfg["wrong_answers"] = wrong is True or (isinstance(wrong, list) and __version__ in wrong)
     return cfg
 
 
@@ -479,8 +491,8 @@ class Handler(BaseHTTPRequestHandler):
         if not (self.client_address[0].startswith("127.") or self.client_address[0] == "::1"):
             return self._json(403, {"error": "fault switches are loopback-only"})
         kind = body.get("kind")
-        if kind not in ("crash", "exit", "oom", "swap"):
-            return self._json(400, {"error": "kind must be crash, exit, oom or swap"})
+        if kind not in ("crash", "exit", "oom", "swap", "wrong"):
+            return self._json(400, {"error": "kind must be crash, exit, oom, swap or wrong"})
         if kind == "swap":
             if not self.engine.cfg.get("swap_url"):
                 return self._json(400, {"error": "no swap source: swap_url is not in the stand-in config"})
@@ -495,6 +507,8 @@ class Handler(BaseHTTPRequestHandler):
                                      % (os.getpid() + 1))
         elif kind == "oom":
             self.engine.oom()
+        elif kind == "wrong":
+            self.engine.cfg["wrong_answers"] = True
         self._json(200, {"ok": True, "kind": kind})
         self.wfile.flush()
         if kind == "crash":
@@ -513,6 +527,11 @@ class Handler(BaseHTTPRequestHandler):
         limit = body.get("max_tokens", body.get("max_completion_tokens"))
         n = int(limit) if isinstance(limit, int) and limit > 0 else int(e.cfg["default_max_tokens"])
         finish = "length" if isinstance(limit, int) and limit > 0 else "stop"
+        words = WORDS
+        asked = QUESTION.search(text_in)
+        if asked:  # one right answer: the sum, and the reply ends there
+            total = int(asked.group(1)) + int(asked.group(2)) + (1 if e.cfg.get("wrong_answers") else 0)
+            words, n, finish = [str(total)], 1, "stop"
         prompt_tokens = _prompt_tokens(text_in)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         with e.lock:
@@ -529,7 +548,7 @@ class Handler(BaseHTTPRequestHandler):
                     time.sleep(delay)
                 with e.lock:
                     e.tokens_generated += 1
-                yield (" " if i else "") + WORDS[i % len(WORDS)]
+                yield (" " if i else "") + words[i % len(words)]
 
         if not body.get("stream"):
             text = "".join(tokens())
