@@ -32,9 +32,21 @@ FETCH_SCRIPT = f"{LIB_DIR}/fetch_model.py"
 CACHE_SCRIPT = f"{LIB_DIR}/model_cache.py"
 QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
 MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
+HOST_LOCK_SCRIPT = f"{LIB_DIR}/host_lock.py"
 
 # Root's own state on the target: never inside the service user's state_dir.
 DEPLOY_STATE_DIR = "/var/lib/freetoken-deploy"
+# Root's runtime state (tmpfs: gone with a reboot, which ends every run that held anything).
+DEPLOY_RUN_DIR = "/run/freetoken-deploy"
+# One deploy run per host at a time (operations/host_lock.py): who holds the host, and the
+# file its take-over decisions are serialised on. Volatile: the lock is taken before the
+# preflight, so also on a host the preflight then refuses, which must be left as it was.
+HOST_LOCK_FILE = f"{DEPLOY_RUN_DIR}/run.lock"
+HOST_LOCK_MUTEX = f"{DEPLOY_RUN_DIR}/run.lock.mutex"
+# The health gate's record: the last result, what it gated, and the last passed gate.
+GATE_RECORD_FILE = f"{DEPLOY_STATE_DIR}/health-gate.json"
+# Written into an engine venv as the last step of building it: a venv without it is unfinished.
+ENGINE_COMPLETE_MARKER = ".freetoken-infra-complete"
 
 KEY_VAR = "FREETOKEN_API_KEY"
 
@@ -89,12 +101,20 @@ class HostLayout:
     def deploy_state_dir(self) -> str:
         return DEPLOY_STATE_DIR
 
-    # --- under state_dir (owned by the service user) -------------------------------------
     @property
     def last_gate_file(self) -> str:
-        """The health gate's last result (decode tok/s for a report on a run with nothing
-        to re-check)."""
-        return f"{self.state_dir}/health-gate.json"
+        """The health gate's record (root's: the skip decision and the rollback target are read
+        from it): last result, what it gated, the last passed gate."""
+        return GATE_RECORD_FILE
+
+    @property
+    def host_lock_file(self) -> str:
+        return HOST_LOCK_FILE
+
+    def engine_complete_marker(self, version: str) -> str:
+        return f"{self.engine_venv_for(version)}/{ENGINE_COMPLETE_MARKER}"
+
+    # --- under state_dir (owned by the service user) -------------------------------------
 
     @property
     def fetch_status_dir(self) -> str:

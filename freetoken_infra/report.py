@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 
 from pyinfra.api.state import BaseStateCallback
 
+from freetoken_infra.layout import HostLayout
 from freetoken_infra.rules import Finding
 
 _MARK = {"pass": "pass", "warn": "WARN", "block": "BLOCK"}
@@ -64,9 +65,9 @@ RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN = "ok", "failed", "not run"
 
 
 def last_gate_path(settings) -> str:
-    """Where the health gate leaves its last result on the host (decode tok/s for a report
-    when a later run had nothing to re-check)."""
-    return f"{settings.state_dir}/health-gate.json"
+    """Where the health gate leaves its record on the host (decode tok/s for a report when a
+    later run had nothing to re-check): root's, ``layout.GATE_RECORD_FILE``."""
+    return HostLayout.of(settings).last_gate_file
 
 
 def record(host_name: str, **fields: Any) -> None:
@@ -170,7 +171,7 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
     `unreachable`: pyinfra's connection error when the deploy recorded nothing; `no_result`:
     the reason when it recorded nothing and no connection error was seen."""
     observed: dict = {}
-    gate = rollback = finished = None
+    gate = rollback = finished = lost = None
     op_errors: list[str] = []
     restart_files: list[str] = []
     for r in records:
@@ -178,6 +179,7 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
         gate = r.get("gate", gate)
         rollback = r.get("rollback", rollback)
         finished = r.get("finished", finished)
+        lost = r.get("lost", lost)
         if r.get("op_error"):
             op_errors.append(r["op_error"])
         restart_files += r.get("restart_pending") or []
@@ -186,7 +188,9 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
 
     last_gate = observed.get("last_gate") or None
     health_before = observed.get("health") or {}
-    if gate is not None:
+    if gate is not None and gate.get("cut_off"):
+        health, tps, tps_source, engine = "cut off", None, None, health_before.get("version")
+    elif gate is not None:
         health = "ok" if gate.get("ok") else f"failed ({gate.get('phase') or '?'})"
         tps, tps_source = gate.get("decode_tps"), "this run"
         engine = gate.get("version") or (observed.get("engine_version") if gate.get("ok") else None)
@@ -208,6 +212,8 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
         result, reason = RESULT_FAILED, "restart required: run `wsl.exe --shutdown` from Windows, then re-run"
     elif observed.get("blockers"):
         result, reason = RESULT_FAILED, "refused at preflight: " + ", ".join(observed["blockers"])
+    elif lost:
+        result, reason = RESULT_FAILED, f"connection lost during {lost.get('step')}; re-run to finish"
     elif rollback:
         result = RESULT_FAILED
         if rollback.get("ok"):

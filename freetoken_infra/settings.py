@@ -145,6 +145,7 @@ class Settings(BaseModel):
     cache_dir: str = "/var/cache/freetoken"
     start_timeout_s: int = Field(300, ge=30, le=3600)
     health_timeout_s: int = Field(600, ge=10, le=7200)
+    host_lock_timeout_s: int = Field(600, ge=0, le=86400)  # how long a run waits for another run's host lock
     decode_floor_tps: Optional[float] = Field(None, gt=0)
     guard_enabled: bool = True
     guard_interval_s: int = Field(30, ge=5, le=3600)

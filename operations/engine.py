@@ -2,6 +2,11 @@
 (`/opt/freetoken/<version>`), and an `active` link to the version in service.
 
 Versions side by side make an upgrade a link switch and a rollback another one.
+A run cut at any point leaves no half-built environment in service: an environment counts as
+built only once its completion marker (``layout.ENGINE_COMPLETE_MARKER``) is written, after pip
+finished, and until then the next run builds it again (pip resumes); the ``active`` link is
+switched only to a built one, atomically (a new link beside it renamed over it), so it never
+dangles or is missing.
 ninja is not a declared dependency of FreeToken but its JIT needs it (freetoken.md),
 so it is installed into the same environment.
 """
@@ -9,6 +14,7 @@ so it is installed into the same environment.
 from __future__ import annotations
 
 import io
+import shlex
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -17,6 +23,7 @@ from pyinfra.operations import files, server
 
 from facts.engine import EngineInstall
 from facts.files import FileText
+from freetoken_infra.layout import HostLayout
 from freetoken_infra.settings import Settings
 
 
@@ -83,19 +90,43 @@ def environment(settings: Settings, version: str | None = None, activate: bool =
         environment(name="FreeToken 0.2.2 beside 0.2.1", settings=s, version="0.2.2", activate=False)
     """
     version = version or settings.engine_version
-    venv = f"{settings.engine_base_dir}/{version}"
+    layout = HostLayout.of(settings)
+    venv = layout.engine_venv_for(version)
     extras = f"[{','.join(settings.engine_extras)}]" if settings.engine_extras else ""
     requirement = f"{settings.engine_package}{extras}=={version}"
     installed = host.get_fact(EngineInstall, base_dir=settings.engine_base_dir)
+    marker = layout.engine_complete_marker(version)
+    built = (bool(host.get_fact(File, path=marker)) and installed.versions.get(version) == version
+             and bool(host.get_fact(File, path=f"{venv}/bin/ninja")))
 
-    if not host.get_fact(File, path=f"{venv}/pyvenv.cfg"):
+    if not built:
         yield from files.directory._inner(path=settings.engine_base_dir, mode="755")
-        yield f"python3 -m venv {venv}"
+        # Also on an existing folder: it repairs a venv whose creation was cut off.
+        yield f"python3 -m venv {shlex.quote(venv)}"
     if host.get_fact(FileText, path=f"{venv}/pip.conf") != pip_conf(settings):
         yield from files.put._inner(src=io.StringIO(pip_conf(settings)), dest=f"{venv}/pip.conf", mode="644")
-    has_ninja = host.get_fact(File, path=f"{venv}/bin/ninja")
-    if installed.versions.get(version) != version or not has_ninja:
-        # pip reads <venv>/pip.conf, so mirrors apply without arguments.
-        yield f"{venv}/bin/pip install --progress-bar off '{requirement}' ninja"
+    if not built:
+        # pip reads <venv>/pip.conf, so mirrors apply without arguments; the marker comes last.
+        yield (f"rm -f {shlex.quote(marker)} && {shlex.quote(venv)}/bin/pip install --progress-bar off "
+               f"{shlex.quote(requirement)} ninja && printf '%s\\n' {shlex.quote(requirement)} > {shlex.quote(marker)}")
     if activate:
-        yield from files.link._inner(path=settings.engine_active_link, target=venv)
+        yield from switch_active(settings, version, installed)
+
+
+def switch_active(settings: Settings, version: str, installed=None):
+    """Point the ``active`` link at ``version``'s environment atomically (a new link beside it,
+    renamed over it): at every instant the link names a whole environment. Yields nothing when
+    it already does."""
+    installed = installed or host.get_fact(EngineInstall, base_dir=settings.engine_base_dir)
+    venv = HostLayout.of(settings).engine_venv_for(version)
+    if installed.active_target == venv:
+        return
+    yield active_link_command(settings, version)
+
+
+def active_link_command(settings: Settings, version: str) -> str:
+    """The shell command that switches ``active`` to ``version`` in one rename."""
+    layout = HostLayout.of(settings)
+    link = shlex.quote(layout.engine_active_link)
+    tmp = shlex.quote(f"{layout.engine_active_link}.new")
+    return f"ln -sfn {shlex.quote(layout.engine_venv_for(version))} {tmp} && mv -Tf {tmp} {link}"

@@ -155,12 +155,18 @@ def unit(settings: Settings, plan: LaunchPlan):
     """
     env = engine_environment(settings)
     if host.get_fact(FileText, path=env_path(settings)) != env:
-        yield from files.put._inner(
-            src=io.StringIO(env), dest=env_path(settings), user="root", group="root", mode="600"
-        )
+        yield from _put_atomically(env, env_path(settings), mode="600")
     else:
         yield from files.file._inner(path=env_path(settings), user="root", group="root", mode="600")
     text = engine_unit(settings, plan)
     if host.get_fact(FileText, path=UNIT_PATH) != text:
-        yield from files.put._inner(src=io.StringIO(text), dest=UNIT_PATH, mode="644")
+        yield from _put_atomically(text, UNIT_PATH, mode="644")
         yield "systemctl daemon-reload"
+
+
+def _put_atomically(text: str, path: str, mode: str):
+    """Upload beside ``path`` and rename over it: a run cut mid-upload leaves the old file whole
+    (the next run, seeing it differ, writes it again)."""
+    tmp = f"{path}.new"
+    yield from files.put._inner(src=io.StringIO(text), dest=tmp, user="root", group="root", mode=mode)
+    yield f"mv -f {tmp} {path}"

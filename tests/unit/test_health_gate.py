@@ -267,7 +267,8 @@ def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
         f"s = Settings(listen_port={ready_engine.port}, model_dir='/srv/models/{MODEL_NAME}',\n"
         f"             health_timeout_s=30, decode_floor_tps=1000, state_dir={str(tmp_path)!r})\n"
         f"health_gate(name='gate', settings=s, key_file={str(key_file)!r},\n"
-        f"            script_path={str(tmp_path / 'lib' / 'health_gate.py')!r})\n"
+        f"            script_path={str(tmp_path / 'lib' / 'health_gate.py')!r},\n"
+        f"            record_path={str(tmp_path / 'state' / 'health-gate.json')!r})\n"
     )
     pyinfra = Path(sys.executable).with_name("pyinfra")
     proc = subprocess.run([str(pyinfra), "-y", "@local", str(deploy)], capture_output=True, text=True,
@@ -275,6 +276,7 @@ def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert (tmp_path / "lib" / "health_gate.py").read_text() == SCRIPT.read_text()
+    assert json.loads((tmp_path / "state" / "health-gate.json").read_text())["ok"] is True
     assert "[@local] stream ok" in out
     # The table comes by itself once the run is over, after pyinfra's results.
     table = out[out.index("== health gate =="):]
@@ -414,3 +416,85 @@ def test_an_engine_other_than_the_one_installed_fails_in_the_version_phase(ready
     assert "reports version 0.2.1, not 0.2.2 that this run installed" in r["error"], r
     same = run_script(ready_engine.url, "--key-file", str(key_file), "--expect-version", "0.2.1")
     assert same.result["ok"] is True, same.result
+
+
+# ---------------------------------------------------------------------------- what a gate gated
+SUBJECT = {"engine_version": "0.2.1", "unit_sha256": "u1", "environment_sha256": "e1",
+           "model": "nvidia/Qwen3.6-35B-A3B-NVFP4@main", "launch": ["python", "-m", "freetoken"]}
+
+
+def test_the_record_says_what_was_gated_and_a_later_run_skips_only_on_a_match(ready_engine, key_file, tmp_path):
+    GATE_RESULTS.clear()
+    record_file = tmp_path / "deploy-state" / "health-gate.json"
+    settings = settings_for(ready_engine.port, health_timeout_s=30)
+    previous = {"ok": True, "phase": "done", "version": "0.2.0", "gated": {**SUBJECT, "engine_version": "0.2.0"}}
+    result = run_gate(None, LocalHost("ws1", journal=[]), settings, str(key_file), str(SCRIPT),
+                      result_path=str(record_file), subject=SUBJECT, previous=previous)
+    assert result["ok"] is True
+    doc = json.loads(record_file.read_text())
+    assert doc["ok"] is True and doc["version"] == "0.2.1" and doc["question"]
+    assert doc["gated"] == {**SUBJECT, "manifest_sha256": None}  # no manifest in this test
+    assert doc["last_passed"]["version"] == "0.2.1" and "last_passed" not in doc["last_passed"]
+
+    assert health.why_gate(doc, SUBJECT, None, "0.2.1") is None
+    assert "another unit_sha256" in health.why_gate(doc, {**SUBJECT, "unit_sha256": "u2"}, None, "0.2.1")
+    assert "another manifest_sha256" in health.why_gate(doc, SUBJECT, "f00d", "0.2.1")
+    assert "another engine_version" in health.why_gate(doc, {**SUBJECT, "engine_version": "0.2.2"}, None, "0.2.2")
+    assert "serving reports version 0.2.2" in health.why_gate(doc, SUBJECT, None, "0.2.2")
+    assert health.why_gate(None, SUBJECT, None, "0.2.1") == "no gate record on the host"
+    assert "did not pass (started)" in health.why_gate({**doc, "ok": False, "phase": "started"}, SUBJECT, None, "0.2.1")
+    assert "does not say what it gated" in health.why_gate({"ok": True, "decode_tps": 23.5}, SUBJECT, None, "0.2.1")
+
+
+def test_a_failed_gate_keeps_the_last_passed_one_for_the_rollback_target(engine_factory, key_file, tmp_path):
+    GATE_RESULTS.clear()
+    engine = engine_factory(load_seconds=0.5, wrong_answers=True)
+    record_file = tmp_path / "health-gate.json"
+    passed = {"ok": True, "phase": "done", "version": "0.2.1", "gated": {**SUBJECT, "manifest_sha256": None}}
+    settings = settings_for(engine.port, health_timeout_s=30, engine_version="0.2.1")
+    with pytest.raises(OperationError, match="failed in the answer phase: wrong answer"):
+        run_gate(None, LocalHost("ws1", journal=[]), settings, str(key_file), str(SCRIPT),
+                 result_path=str(record_file), subject=SUBJECT, previous=passed)
+    doc = json.loads(record_file.read_text())
+    assert doc["ok"] is False and doc["phase"] == "answer" and doc["last_passed"] == passed
+
+    class Installed:
+        def __init__(self, active, versions):
+            self.active, self.versions = active, {v: v for v in versions}
+
+    upgrade = Settings(engine_version="0.2.2")
+    # the run that switched: active is still the old version
+    assert health.rollback_target(Installed("0.2.1", ["0.2.1", "0.2.2"]), upgrade, None) == "0.2.1"
+    # a run cut after the switch left active on 0.2.2: the last passed gate names 0.2.1
+    cut = {"ok": False, "phase": "started", "last_passed": {**passed}}
+    assert health.rollback_target(Installed("0.2.2", ["0.2.1", "0.2.2"]), upgrade, cut) == "0.2.1"
+    assert health.rollback_target(Installed("0.2.2", ["0.2.2"]), upgrade, cut) is None  # not installed
+    assert health.rollback_target(Installed("0.2.2", ["0.2.1", "0.2.2"]), upgrade, None) is None
+
+
+class LostHost(LocalHost):
+    """The SSH session ends while the gate script runs."""
+
+    def run_shell_command(self, command, print_output=False, **arguments):
+        if "health_gate" in str(command):
+            from paramiko import SSHException
+
+            raise SSHException("SSH session not active")
+        return super().run_shell_command(command, print_output=print_output, **arguments)
+
+
+def test_a_lost_connection_is_one_line_and_the_table_says_cut_off(key_file, tmp_path, capsys):
+    GATE_RESULTS.clear()
+    settings = settings_for(free_port(with_next=True), health_timeout_s=10)
+    status = run_gate(None, LostHost("ws1", journal=[]), settings, str(key_file), str(SCRIPT),
+                      subject=SUBJECT, previous=None)
+    assert status is False  # the operation fails without a traceback
+    err = capsys.readouterr().err
+    assert "ws1: connection lost during the health gate; re-run to finish" in err.splitlines()
+    assert "Traceback" not in err
+    assert GATE_RESULTS["ws1"]["cut_off"] is True
+    table = format_gate_report(GATE_RESULTS)
+    row = next(line for line in table.splitlines() if line.startswith("ws1 "))
+    assert row.split()[1:3] == ["cut", "off"] and "gate cut off: connection lost; re-run to finish" in row
+    assert "FAILED" not in table
+    assert table.splitlines()[-1] == "1 host(s): 0 serving, 0 below the decode floor, 0 failed, 1 cut off"
