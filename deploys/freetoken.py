@@ -142,17 +142,11 @@ if ok:
 
     guard.clear_guard_state(name="Guard: clear a tripped state", settings=settings)
     was_running = (host.get_fact(SystemdStatus) or {}).get("freetoken.service", False)
-    systemd.service(name="Service: enabled and running", service="freetoken.service", running=True, enabled=True)
-    if was_running:
-        systemd.service(
-            name="Service: restart (unit, environment, key, model or engine changed)",
-            service="freetoken.service", restarted=True, _if=changed,
-        )
-    guard.guard(name="Guard: timer", settings=settings)
 
-    # The gate is skipped only when nothing changed and the host's last passed gate was for
-    # exactly what is installed and serving now; anything else (cut off, failed, never run,
-    # another version or state) gates again.
+    # The gate (and the restart) are skipped only when nothing changed and the host's last
+    # passed gate was for exactly what is installed and serving now; anything else (a run cut
+    # off after a change but before the restart or the gate, a failed gate, another version or
+    # state) restarts the engine on what is installed and gates it again.
     subject = health.gate_subject(settings, service.engine_unit(settings, plan),
                                   service.engine_environment(settings), engine_command(settings, plan))
     serving = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port)
@@ -161,6 +155,15 @@ if ok:
         manifest = host.get_fact(Sha256File, path=health.manifest_path(settings))
         why_gate = health.why_gate(gate_record, subject, manifest, serving.version)
     gate_args = {"_if": changed} if why_gate is None else {}
+
+    systemd.service(name="Service: enabled and running", service="freetoken.service", running=True, enabled=True)
+    if was_running:
+        systemd.service(
+            name="Service: restart (unit, environment, key, model or engine changed, or not gated as it is)",
+            service="freetoken.service", restarted=True, **gate_args,
+        )
+    guard.guard(name="Guard: timer", settings=settings)
+
     health.health_gate(
         name="Health gate: /health ok, the right answer, decode tok/s",
         settings=settings, key_file=service.key_path(settings), rollback_to=rollback_to,

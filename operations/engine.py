@@ -108,7 +108,8 @@ def environment(settings: Settings, version: str | None = None, activate: bool =
     if not built:
         # pip reads <venv>/pip.conf, so mirrors apply without arguments; the marker comes last.
         yield (f"rm -f {shlex.quote(marker)} && {shlex.quote(venv)}/bin/pip install --progress-bar off "
-               f"{shlex.quote(requirement)} ninja && printf '%s\\n' {shlex.quote(requirement)} > {shlex.quote(marker)}")
+               f"{shlex.quote(requirement)} ninja && "
+               f"printf '%s\\n' {shlex.quote(requirement)} > {shlex.quote(marker)}")
     if activate:
         yield from switch_active(settings, version, installed)
 

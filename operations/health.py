@@ -429,7 +429,8 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
 
 @operation(is_idempotent=False)
 def _health_gate(settings: Settings, key_file: Optional[str], script_path: str, rollback_to: Optional[str],
-                 subject: Optional[Mapping[str, Any]], previous: Optional[Mapping[str, Any]], record_path: str):
+                 subject: Optional[Mapping[str, Any]], previous: Optional[Mapping[str, Any]],
+                 record_path: str):
     """The operation behind ``health_gate`` (see there)."""
     yield from files.put._inner(
         src=str(GATE_SCRIPT_SOURCE),
@@ -497,7 +498,8 @@ class GateReport(BaseStateCallback):
                 # Healthy before the run and nothing changed: the gate had nothing to prove.
                 rows[name] = {**(LAST_GATES[name] or {}), "ok": True, "checked": False}
             elif name in self.lost:
-                rows[name] = {"ok": False, "stopped": f"connection lost during {self.lost[name]}; re-run to finish"}
+                rows[name] = {"ok": False,
+                              "stopped": f"connection lost during {self.lost[name]}; re-run to finish"}
             elif name in self.failed_ops:
                 rows[name] = {"ok": False, "stopped": "failed at: " + "; ".join(self.failed_ops[name])}
             else:

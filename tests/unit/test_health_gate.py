@@ -423,11 +423,13 @@ SUBJECT = {"engine_version": "0.2.1", "unit_sha256": "u1", "environment_sha256":
            "model": "nvidia/Qwen3.6-35B-A3B-NVFP4@main", "launch": ["python", "-m", "freetoken"]}
 
 
-def test_the_record_says_what_was_gated_and_a_later_run_skips_only_on_a_match(ready_engine, key_file, tmp_path):
+def test_the_record_says_what_was_gated_and_a_later_run_skips_only_on_a_match(ready_engine, key_file,
+                                                                                tmp_path):
     GATE_RESULTS.clear()
     record_file = tmp_path / "deploy-state" / "health-gate.json"
     settings = settings_for(ready_engine.port, health_timeout_s=30)
-    previous = {"ok": True, "phase": "done", "version": "0.2.0", "gated": {**SUBJECT, "engine_version": "0.2.0"}}
+    previous = {"ok": True, "phase": "done", "version": "0.2.0",
+                "gated": {**SUBJECT, "engine_version": "0.2.0"}}
     result = run_gate(None, LocalHost("ws1", journal=[]), settings, str(key_file), str(SCRIPT),
                       result_path=str(record_file), subject=SUBJECT, previous=previous)
     assert result["ok"] is True
@@ -439,11 +441,12 @@ def test_the_record_says_what_was_gated_and_a_later_run_skips_only_on_a_match(re
     assert health.why_gate(doc, SUBJECT, None, "0.2.1") is None
     assert "another unit_sha256" in health.why_gate(doc, {**SUBJECT, "unit_sha256": "u2"}, None, "0.2.1")
     assert "another manifest_sha256" in health.why_gate(doc, SUBJECT, "f00d", "0.2.1")
-    assert "another engine_version" in health.why_gate(doc, {**SUBJECT, "engine_version": "0.2.2"}, None, "0.2.2")
-    assert "serving reports version 0.2.2" in health.why_gate(doc, SUBJECT, None, "0.2.2")
-    assert health.why_gate(None, SUBJECT, None, "0.2.1") == "no gate record on the host"
-    assert "did not pass (started)" in health.why_gate({**doc, "ok": False, "phase": "started"}, SUBJECT, None, "0.2.1")
-    assert "does not say what it gated" in health.why_gate({"ok": True, "decode_tps": 23.5}, SUBJECT, None, "0.2.1")
+    why = health.why_gate
+    assert "another engine_version" in why(doc, {**SUBJECT, "engine_version": "0.2.2"}, None, "0.2.2")
+    assert "serving reports version 0.2.2" in why(doc, SUBJECT, None, "0.2.2")
+    assert why(None, SUBJECT, None, "0.2.1") == "no gate record on the host"
+    assert "did not pass (started)" in why({**doc, "ok": False, "phase": "started"}, SUBJECT, None, "0.2.1")
+    assert "does not say what it gated" in why({"ok": True, "decode_tps": 23.5}, SUBJECT, None, "0.2.1")
 
 
 def test_a_failed_gate_keeps_the_last_passed_one_for_the_rollback_target(engine_factory, key_file, tmp_path):

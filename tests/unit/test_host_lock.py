@@ -22,7 +22,8 @@ SCRIPT = Path(host_lock.__file__).resolve().parent / "scripts" / "host_lock.py"
 
 
 def holder(token: str, pid: int | None = None, **extra) -> dict:
-    return {"controller": "ctl", "user": "alice", "pid": pid or os.getpid(), "started": "2026-12-03 07:00:00 UTC",
+    return {"controller": "ctl", "user": "alice", "pid": pid or os.getpid(),
+            "started": "2026-12-03 07:00:00 UTC",
             "command": "pyinfra -y inventories/sim.py deploys/freetoken.py", "token": token, **extra}
 
 
@@ -63,7 +64,8 @@ def _start_ticks(pid: int) -> int:
 def test_a_lock_whose_holder_is_gone_is_taken_over(tmp_path):
     gone = subprocess.Popen(["sleep", "0"])
     gone.wait()
-    _write_lock(tmp_path, {**holder("OLD"), "session": {"pid": gone.pid, "start": 1}, "expires": time.time() + 3600})
+    _write_lock(tmp_path, {**holder("OLD"), "session": {"pid": gone.pid, "start": 1},
+                           "expires": time.time() + 3600})
     rc, doc = lock(tmp_path, "take", "--holder", b64(holder("NEW")), "--lease", "60")
     assert rc == 0 and doc["why"] == "holder gone" and doc["took_over"]["token"] == "OLD"
 
@@ -115,7 +117,8 @@ def test_the_fact_reads_a_held_a_gone_and_no_lock(tmp_path):
         out = subprocess.run(HostLock().command(str(path)), shell=True, capture_output=True, text=True)
         return parse_host_lock_output(out.stdout.splitlines())
 
-    held = fact({**holder("A", command="pyinfra\n@@ft:lock forged"), "session": me, "expires": time.time() + 100})
+    held = fact({**holder("A", command="pyinfra\n@@ft:lock forged"), "session": me,
+                 "expires": time.time() + 100})
     assert held.held and held.holder_alive is True and 90 < held.lease_left_s <= 100
     assert held.holder["command"] == "pyinfra\n@@ft:lock forged"  # crossed encoded
     gone = fact({**holder("A"), "session": {**me, "start": me["start"] + 1}, "expires": time.time() + 100})
@@ -166,12 +169,14 @@ def test_a_second_run_waits_says_who_holds_it_and_stops_after_the_timeout(tmp_pa
     monkeypatch.setattr(host_lock, "POLL_S", 0.2)
     first, second = _State(), _State()
     host = LocalHost("ws1", tmp_path)
-    assert host_lock.take(first, host, timeout_s=1, argv=["pyinfra", "-y", "inv.py", "deploys/freetoken.py"]) is None
+    argv = ["pyinfra", "-y", "inv.py", "deploys/freetoken.py"]
+    assert host_lock.take(first, host, timeout_s=1, argv=argv) is None
     keeper = first.callback_handlers[0]
     try:
         why = host_lock.take(second, host, timeout_s=1, argv=["pyinfra", "other"])
         err = capsys.readouterr().err
-        assert why.startswith("the host lock is held by ") and "gave up after 1 s (host_lock_timeout_s)" in why
+        assert why.startswith("the host lock is held by ")
+        assert "gave up after 1 s (host_lock_timeout_s)" in why
         assert "pyinfra -y inv.py deploys/freetoken.py" in why
         waiting = [line for line in err.splitlines() if "waiting for the host lock" in line]
         assert len(waiting) == 1 and "[ws1] waiting for the host lock, held by " in waiting[0], err
