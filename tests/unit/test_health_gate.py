@@ -501,3 +501,21 @@ def test_a_lost_connection_is_one_line_and_the_table_says_cut_off(key_file, tmp_
     assert row.split()[1:3] == ["cut", "off"] and "gate cut off: connection lost; re-run to finish" in row
     assert "FAILED" not in table
     assert table.splitlines()[-1] == "1 host(s): 0 serving, 0 below the decode floor, 0 failed, 1 cut off"
+
+
+def test_the_fleet_report_says_a_host_lost_its_connection():
+    from freetoken_infra.report import host_row
+
+    observed = {"engine_active": "0.2.1", "engine_version": "0.2.2", "blockers": [], "restart_only": False,
+                "health": {"status": "ok", "version": "0.2.1"}, "last_gate": {"ok": True, "decode_tps": 23.5}}
+    cut = {"ok": False, "phase": health.CUT_OFF, "cut_off": True, "error": "connection lost (x)"}
+    row = host_row("ws1", [{"host": "ws1", "observed": observed},
+                           {"host": "ws1", "gate": cut, "lost": {"step": "the health gate"}},
+                           {"host": "ws1", "op_error": "Health gate"},
+                           {"host": "ws1", "finished": {"failed": True, "changes": 5}}])
+    assert (row["result"], row["reason"]) == ("failed", "connection lost during the health gate; re-run to finish")
+    assert row["health"] == "cut off" and row["tokens_per_s"] is None  # not the last gate's 23.5
+    other = host_row("ws1", [{"host": "ws1", "observed": observed},
+                             {"host": "ws1", "lost": {"step": "Service: restart"}},
+                             {"host": "ws1", "finished": {"failed": True, "changes": 3}}])
+    assert other["reason"] == "connection lost during Service: restart; re-run to finish"
