@@ -115,7 +115,8 @@ def start_deploy(*extra: str) -> tuple[subprocess.Popen, Path]:
 def cut(fleet, mode: str, kind: str, arg: str, *extra: str) -> str:
     """Run the deploy with ``extra``, cut it when the watcher sees ``kind``/``arg``; its output."""
     watcher = subprocess.Popen(fleet.ssh_argv(HOST) + ["python3", "-", mode, kind, shlex.quote(arg)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     watcher.stdin.write(WATCHER)
     watcher.stdin.close()
     time.sleep(1.0)  # the watcher runs before the deploy starts

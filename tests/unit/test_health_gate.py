@@ -513,7 +513,8 @@ def test_the_fleet_report_says_a_host_lost_its_connection():
                            {"host": "ws1", "gate": cut, "lost": {"step": "the health gate"}},
                            {"host": "ws1", "op_error": "Health gate"},
                            {"host": "ws1", "finished": {"failed": True, "changes": 5}}])
-    assert (row["result"], row["reason"]) == ("failed", "connection lost during the health gate; re-run to finish")
+    assert row["result"] == "failed"
+    assert row["reason"] == "connection lost during the health gate; re-run to finish"
     assert row["health"] == "cut off" and row["tokens_per_s"] is None  # not the last gate's 23.5
     other = host_row("ws1", [{"host": "ws1", "observed": observed},
                              {"host": "ws1", "lost": {"step": "Service: restart"}},
