@@ -1,6 +1,8 @@
 """Converge a workstation into a FreeToken endpoint:
 `pyinfra inventories/home.py deploys/freetoken.py`.
 
+0. The host lock: one run per host at a time, taken before this run reads what it acts on
+   (a run that finds another one's lock waits, saying who holds it, up to host_lock_timeout_s).
 1. Preflight (the doctor's rules): a host with a blocker is stopped before any
    change, with its findings printed; the other hosts go on.
 2. Windows side: .wslconfig [wsl2] and /etc/wsl.conf [boot] systemd=true, merged
@@ -9,14 +11,19 @@
 3. CUDA 13 toolchain from NVIDIA's repository, with driver packages pinned out.
 4. The engine in its own environment, the model (downloaded and verified by a
    systemd unit), the service, the guard timer.
-5. Health gate: /health ok, one chat completion, decode tokens/s.
+5. Health gate: /health ok on the version this run installed, a question with one right answer,
+   decode tokens/s. Skipped only when the host's last passed gate was for exactly what is
+   installed and serving now.
 A second run on a converged host changes nothing.
 """
+
+from typing import Any
 
 import click
 from pyinfra import host
 from pyinfra.api.exceptions import OperationError
 from pyinfra.context import state
+from pyinfra.facts.files import Sha256File
 from pyinfra.facts.server import Command
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import python, systemd
@@ -27,21 +34,29 @@ from facts.engine import EngineHealth
 from facts.windows_tasks import WslDistroName
 from freetoken_infra import report, rules
 from freetoken_infra.core import records
-from freetoken_infra.preflight import fleet_settings, run_preflight
-from operations import cuda, engine, guard, health, model, service, windows
-
-RESTART = "restart required: run `wsl.exe --shutdown` from Windows"
+from freetoken_infra.core.launch import engine_command
+from freetoken_infra.core.layout import ENGINE_UNIT, RESTART_MESSAGE
+from freetoken_infra.preflight import fail_host, fleet_settings, run_preflight
+from operations import cuda, engine, guard, health, host_lock, model, service, windows
 
 # Every host's settings, validated before this deploy reads anything from any host. The repo's
 # config.py already did this before pyinfra connected; this covers runs that skip config.py
 # (another working directory, `--config`, the Python API).
 fleet_settings(state)
 
-# One round trip for every fact this host's last run read (facts/batch.py).
-batch.prefetch(state, host, [(Command, {"command": "id -u"})])
 # Operations need root; a workstation user runs the deploy through sudo.
 if host.get_fact(Command, command="id -u").strip() != "0":
     host.data._sudo = True
+ELEVATION = {"_sudo": True} if host.data.get("_sudo") else {}
+
+# One run per host at a time (operations/host_lock.py): taken before the facts this run acts on
+# are read, so that a run that waited plans from the state the other run left.
+lock_refused = host_lock.take(state, host, fleet_settings(state)[host.name].host_lock_timeout_s, ELEVATION)
+if lock_refused:
+    fail_host(state, host, lock_refused)
+else:
+    # One round trip for every fact this host's last run read (facts/batch.py).
+    batch.prefetch(state, host, [(Command, {"command": "id -u"})])
 
 
 def windows_side(settings, obs) -> list[str]:
@@ -60,7 +75,7 @@ def windows_side(settings, obs) -> list[str]:
 def stop_for_restart(obs) -> None:
     """The only blockers are the deploy's own to fix: apply the Windows side, then stop."""
     changing = windows_side(fleet_settings(state)[host.name], obs)
-    message = f"{host.name}: {RESTART} ({', '.join(changing) or 'systemd not yet PID 1'}); every later step waits for it"
+    message = f"{host.name}: {RESTART_MESSAGE} ({', '.join(changing) or 'systemd not yet PID 1'}); every later step waits for it"
     click.echo(f"    [{host.name}] {message}", err=True)
 
     def stop():
@@ -69,29 +84,36 @@ def stop_for_restart(obs) -> None:
     python.call(name="Wait for the WSL restart", function=stop)
 
 
-settings, obs, findings, ok = run_preflight(
-    state, host, on_fixable=stop_for_restart,
-    # for a rollout's fleet report (only under FREETOKEN_RUN_RECORD), before a refused host stops
-    on_findings=lambda s, o, f: report.record_host(state, host, s, o, f),
-)
+ok = False
+if not lock_refused:
+    settings, obs, findings, ok = run_preflight(
+        state,
+        host,
+        on_fixable=stop_for_restart,
+        # for a rollout's fleet report (only under FREETOKEN_RUN_RECORD), before a refused host stops
+        on_findings=lambda s, o, f: report.record_host(state, host, s, o, f),
+    )
 
 if ok:
     changing = windows_side(settings, obs)
     if changing:
         click.echo(
-            f"    [{host.name}] {RESTART}: {', '.join(changing)} change(s); the engine runs with the "
+            f"    [{host.name}] {RESTART_MESSAGE}: {', '.join(changing)} change(s); the engine runs with the "
             "old VM limits until then (no later step waits for it)",
             err=True,
         )
     if settings.windows_autostart:
         windows.windows_autostart(
-            name="Windows: start the distro at logon", task_name="FreeToken-WSL",
+            name="Windows: start the distro at logon",
+            task_name="FreeToken-WSL",
             distro=host.get_fact(WslDistroName),
         )
 
     gpu = rules.primary_gpu(obs)
-    arch = f"compute_{gpu.compute_cap[0]}{gpu.compute_cap[1]}"
     plan = rules.plan_for(settings, obs)
+    # The preflight's gpu, compute_capability and launch_plan checks block a host without these.
+    assert gpu is not None and gpu.compute_cap is not None and plan is not None, host.name
+    arch = f"compute_{gpu.compute_cap[0]}{gpu.compute_cap[1]}"
 
     cuda.packages_present(name="Prerequisites", packages=["ca-certificates", "curl", "python3-venv"])
     cuda.repository(name="CUDA: NVIDIA repository, keyring, driver pin", settings=settings)
@@ -99,8 +121,10 @@ if ok:
 
     engine.service_user(name="Engine: service user and directories", settings=settings)
     # Blue-green: the version that serves now stays installed; if the new one fails the
-    # health gate, the gate switches back to it (README, "Upgrades and rollback").
-    rollback_to = engine.previous_version(obs.engine, settings)
+    # health gate, the gate switches back to it (README, "Upgrades and rollback"). A run cut off
+    # after the switch left `active` on the new version: then it is the last passed gate's.
+    gate_record = health.gate_record(settings)
+    rollback_to = health.rollback_target(obs.engine, settings, gate_record)
     env_op = engine.environment(name=f"Engine: {settings.engine_requirement} environment", settings=settings)
 
     # The fleet's LAN model cache host fetches first and then serves its verified copy; the
@@ -113,8 +137,11 @@ if ok:
     if fetches_first:
         model.model_fetcher(name="Model: downloader unit", settings=settings, sources=sources)
         model_op = model.model_present(name=model_name, settings=settings)
-    model.model_cache(name="Model: LAN cache (on the model_cache_host only)", settings=settings,
-                      present=settings.model_cache_host == host.name)
+    model.model_cache(
+        name="Model: LAN cache (on the model_cache_host only)",
+        settings=settings,
+        present=settings.model_cache_host == host.name,
+    )
     if not fetches_first:
         model.model_fetcher(name="Model: downloader unit (LAN cache first)", settings=settings, sources=sources)
         model_op = model.model_present(name=f"{model_name} (LAN cache first)", settings=settings)
@@ -124,18 +151,40 @@ if ok:
     changed = any_changed(env_op, model_op, key_op, unit_op)
 
     guard.clear_guard_state(name="Guard: clear a tripped state", settings=settings)
-    was_running = (host.get_fact(SystemdStatus) or {}).get("freetoken.service", False)
-    systemd.service(name="Service: enabled and running", service="freetoken.service", running=True, enabled=True)
+    was_running = (host.get_fact(SystemdStatus) or {}).get(ENGINE_UNIT, False)
+
+    # The gate (and the restart) are skipped only when nothing changed and the host's last
+    # passed gate was for exactly what is installed and serving now; anything else (a run cut
+    # off after a change but before the restart or the gate, a failed gate, another version or
+    # state) restarts the engine on what is installed and gates it again.
+    subject = health.gate_subject(
+        settings,
+        service.engine_unit(settings, plan),
+        service.engine_environment(settings),
+        engine_command(settings, plan),
+    )
+    serving = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port)
+    why_gate: str | None = "the engine was not serving before this run"
+    if serving.status == "ok" and was_running:
+        manifest = host.get_fact(Sha256File, path=health.manifest_path(settings))
+        why_gate = health.why_gate(gate_record, subject, manifest, serving.version)
+    gate_args: dict[str, Any] = {"_if": changed} if why_gate is None else {}
+
+    systemd.service(name="Service: enabled and running", service=ENGINE_UNIT, running=True, enabled=True)
     if was_running:
         systemd.service(
-            name="Service: restart (unit, environment, key, model or engine changed)",
-            service="freetoken.service", restarted=True, _if=changed,
+            name="Service: restart (unit, environment, key, model or engine changed, or not gated as it is)",
+            service=ENGINE_UNIT,
+            restarted=True,
+            **gate_args,
         )
     guard.guard(name="Guard: timer", settings=settings)
 
-    healthy_now = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port).status == "ok"
-    gate_args = {} if not (healthy_now and was_running) else {"_if": changed}
     health.health_gate(
-        name="Health gate: /health ok, chat completion, decode tok/s",
-        settings=settings, key_file=service.key_path(settings), rollback_to=rollback_to, **gate_args,
+        name="Health gate: /health ok, the right answer, decode tok/s",
+        settings=settings,
+        key_file=service.key_path(settings),
+        rollback_to=rollback_to,
+        subject=subject,
+        **gate_args,
     )

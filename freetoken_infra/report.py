@@ -7,7 +7,8 @@ import json
 import os
 import shutil
 import textwrap
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from pyinfra.api.state import BaseStateCallback
 
@@ -136,8 +137,11 @@ def record_host(state, host, settings, obs, findings) -> None:
     }
     if not blocked:
         health = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port)
-        observed["health"] = {"status": health.status if health.reachable else "down",
-                              "version": health.version, "message": health.message}
+        observed["health"] = {
+            "status": health.status if health.reachable else "down",
+            "version": health.version,
+            "message": health.message,
+        }
         text = host.get_fact(FileText, path=HostLayout.of(settings).last_gate_file)
         try:
             observed["last_gate"] = json.loads(text) if text else None
@@ -155,15 +159,21 @@ def _first_line(text: Any) -> str:
     return lines[0] if lines else ""
 
 
-def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
-             not_run: Optional[str] = None, unreachable: Optional[str] = None,
-             no_result: str = "no result from the deploy") -> dict[str, Any]:
+def host_row(
+    name: str,
+    records: list[dict],
+    *,
+    batch: int | None = None,
+    not_run: str | None = None,
+    unreachable: str | None = None,
+    no_result: str = "no result from the deploy",
+) -> dict[str, Any]:
     """One report row from a host's records. `not_run`: why the rollout never got to it;
     `unreachable`: pyinfra's connection error when the deploy recorded nothing (the host is
     parked); `no_result`: the reason when it recorded nothing and no connection error was
     seen."""
     observed: dict = {}
-    gate = rollback = finished = None
+    gate = rollback = finished = lost = None
     op_errors: list[str] = []
     restart_files: list[str] = []
     # pyinfra's connection error, recorded (ConnectRecorder) or read from its output by the caller
@@ -174,6 +184,7 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
         gate = r.get("gate", gate)
         rollback = r.get("rollback", rollback)
         finished = r.get("finished", finished)
+        lost = r.get("lost", lost)
         if r.get("op_error"):
             op_errors.append(r["op_error"])
         restart_files += r.get("restart_pending") or []
@@ -182,7 +193,9 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
 
     last_gate = observed.get("last_gate") or None
     health_before = observed.get("health") or {}
-    if gate is not None:
+    if gate is not None and gate.get("cut_off"):
+        health, tps, tps_source, engine = "cut off", None, None, health_before.get("version")
+    elif gate is not None:
         health = "ok" if gate.get("ok") else f"failed ({gate.get('phase') or '?'})"
         tps, tps_source = gate.get("decode_tps"), "this run"
         engine = gate.get("version") or (observed.get("engine_version") if gate.get("ok") else None)
@@ -206,13 +219,17 @@ def host_row(name: str, records: list[dict], *, batch: Optional[int] = None,
         result, reason = RESULT_FAILED, f"{RESTART_MESSAGE}, then re-run"
     elif observed.get("blockers"):
         result, reason = RESULT_REFUSED, "refused at preflight: " + ", ".join(observed["blockers"])
+    elif lost:
+        result, reason = RESULT_FAILED, f"connection lost during {lost.get('step')}; re-run to finish"
     elif rollback:
         result = RESULT_FAILED
         if rollback.get("ok"):
             reason = f"rolled back to {rollback.get('to')}: {_first_line(rollback.get('reason'))}"
         else:
-            reason = (f"rollback to {rollback.get('to')} failed too: {_first_line(rollback.get('error'))} "
-                      f"(upgrade failed: {_first_line(rollback.get('reason'))})")
+            reason = (
+                f"rollback to {rollback.get('to')} failed too: {_first_line(rollback.get('error'))} "
+                f"(upgrade failed: {_first_line(rollback.get('reason'))})"
+            )
     elif gate is not None and not gate.get("ok"):
         result = RESULT_FAILED
         reason = f"health gate failed in the {gate.get('phase') or '?'} phase: {_first_line(gate.get('error'))}"
@@ -276,21 +293,30 @@ def format_fleet_report(rows: list[dict]) -> str:
     table = []
     for r in rows:
         tps = r.get("tokens_per_s")
-        tps_text = "-" if not isinstance(tps, (int, float)) else (
-            f"{tps:.1f}" + ("*" if r.get("tokens_per_s_source") == "last gate" else ""))
+        tps_text = (
+            "-"
+            if not isinstance(tps, (int, float))
+            else (f"{tps:.1f}" + ("*" if r.get("tokens_per_s_source") == "last gate" else ""))
+        )
         restart = r.get("restart_pending")
-        table.append((
-            r["host"], r.get("gpu") or "-",
-            f"{r['vram_gb']} GB" if r.get("vram_gb") is not None else "-",
-            r.get("wsl_version") or "-", r.get("engine_version") or "-", r.get("model") or "-",
-            r.get("health") or "-", tps_text,
-            "-" if restart is None else ("yes" if restart else "no"),
-            f"{r['result']}: {r['reason']}" if r.get("reason") else r["result"],
-        ))
+        table.append(
+            (
+                r["host"],
+                r.get("gpu") or "-",
+                f"{r['vram_gb']} GB" if r.get("vram_gb") is not None else "-",
+                r.get("wsl_version") or "-",
+                r.get("engine_version") or "-",
+                r.get("model") or "-",
+                r.get("health") or "-",
+                tps_text,
+                "-" if restart is None else ("yes" if restart else "no"),
+                f"{r['result']}: {r['reason']}" if r.get("reason") else r["result"],
+            )
+        )
     widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header) - 1)]
 
     def fmt(row):
-        cells = [f"{str(c):<{w}}" for c, w in zip(row[:-1], widths)] + [str(row[-1])]
+        cells = [f"{str(c):<{w}}" for c, w in zip(row[:-1], widths, strict=False)] + [str(row[-1])]
         return "  ".join(cells).rstrip()
 
     lines = ["== fleet report ==", fmt(header), "-" * (sum(widths) + 2 * len(widths) + len("result"))]

@@ -2,6 +2,11 @@
 (`/opt/freetoken/<version>`), and an `active` link to the version in service.
 
 Versions side by side make an upgrade a link switch and a rollback another one.
+A run cut at any point leaves no half-built environment in service: an environment counts as
+built only once its completion marker (``layout.ENGINE_COMPLETE_MARKER``) is written, after pip
+finished, and until then the next run builds it again (pip resumes); the ``active`` link is
+switched only to a built one, atomically (a new link beside it renamed over it), so it never
+dangles or is missing.
 ninja is not a declared dependency of FreeToken but its JIT needs it (freetoken.md),
 so it is installed into the same environment.
 """
@@ -18,9 +23,8 @@ from pyinfra.operations import files, server
 
 from facts.engine import EngineInstall
 from facts.files import FileText
-from freetoken_infra.core.layout import DEPLOY_STATE_DIR, DEPLOY_STATE_MODE
+from freetoken_infra.core.layout import DEPLOY_STATE_DIR, DEPLOY_STATE_MODE, HostLayout
 from freetoken_infra.core.settings import Settings
-
 
 PIP_CONF_MODE = "600"
 
@@ -35,7 +39,7 @@ def pip_conf(settings: Settings) -> str:
     # pip ignores a plain-http index unless trusted; configuring one is the user's trust.
     plain = [u for u in [settings.pip_index_url, *settings.pip_extra_index_urls] if u and u.scheme == "http"]
     if plain:
-        lines.append("trusted-host = " + " ".join(sorted({u.host for u in plain})))
+        lines.append("trusted-host = " + " ".join(sorted({u.host for u in plain if u.host})))
     return "\n".join(lines) + "\n"
 
 
@@ -63,16 +67,18 @@ def service_user(settings: Settings):
     + settings: the host's Settings (service_user, state_dir, cache_dir, config_dir)
     """
     yield from server.user._inner(
-        user=settings.service_user, system=True, home=settings.state_dir,
-        shell="/usr/sbin/nologin", ensure_home=False,
+        user=settings.service_user,
+        system=True,
+        home=settings.state_dir,
+        shell="/usr/sbin/nologin",
+        ensure_home=False,
     )
     for path in (settings.state_dir, settings.cache_dir, settings.model_dir.rsplit("/", 1)[0]):
         yield from files.directory._inner(
             path=path, user=settings.service_user, group=settings.service_user, mode="755"
         )
     yield from files.directory._inner(path=settings.config_dir, user="root", group="root", mode="755")
-    yield from files.directory._inner(path=DEPLOY_STATE_DIR, user="root", group="root",
-                                      mode=DEPLOY_STATE_MODE)
+    yield from files.directory._inner(path=DEPLOY_STATE_DIR, user="root", group="root", mode=DEPLOY_STATE_MODE)
 
 
 @operation()
@@ -92,25 +98,56 @@ def environment(settings: Settings, version: str | None = None, activate: bool =
         environment(name="FreeToken 0.2.2 beside 0.2.1", settings=s, version="0.2.2", activate=False)
     """
     version = version or settings.engine_version
-    venv = f"{settings.engine_base_dir}/{version}"
+    layout = HostLayout.of(settings)
+    venv = layout.engine_venv_for(version)
     extras = f"[{','.join(settings.engine_extras)}]" if settings.engine_extras else ""
     requirement = f"{settings.engine_package}{extras}=={version}"
     installed = host.get_fact(EngineInstall, base_dir=settings.engine_base_dir)
+    marker = layout.engine_complete_marker(version)
+    built = (
+        bool(host.get_fact(File, path=marker))
+        and installed.versions.get(version) == version
+        and bool(host.get_fact(File, path=f"{venv}/bin/ninja"))
+    )
 
-    if not host.get_fact(File, path=f"{venv}/pyvenv.cfg"):
+    if not built:
         yield from files.directory._inner(path=settings.engine_base_dir, mode="755")
+        # Also on an existing folder: it repairs a venv whose creation was cut off.
         yield f"python3 -m venv {shlex.quote(venv)}"
     # 0600 root: an index URL may carry credentials (user:password@), which must be readable by
     # root's pip only; pip reads the file, so they are never in an argument either.
     conf = f"{venv}/pip.conf"
     if host.get_fact(FileText, path=conf) != pip_conf(settings):
-        yield from files.put._inner(src=io.StringIO(pip_conf(settings)), dest=conf,
-                                    user="root", group="root", mode=PIP_CONF_MODE)
+        yield from files.put._inner(
+            src=io.StringIO(pip_conf(settings)), dest=conf, user="root", group="root", mode=PIP_CONF_MODE
+        )
     else:
         yield from files.file._inner(path=conf, user="root", group="root", mode=PIP_CONF_MODE)
-    has_ninja = host.get_fact(File, path=f"{venv}/bin/ninja")
-    if installed.versions.get(version) != version or not has_ninja:
-        # pip reads <venv>/pip.conf, so mirrors apply without arguments.
-        yield f"{shlex.quote(venv + '/bin/pip')} install --progress-bar off {shlex.quote(requirement)} ninja"
+    if not built:
+        # pip reads <venv>/pip.conf, so mirrors apply without arguments; the marker comes last.
+        yield (
+            f"rm -f {shlex.quote(marker)} && {shlex.quote(venv)}/bin/pip install --progress-bar off "
+            f"{shlex.quote(requirement)} ninja && "
+            f"printf '%s\\n' {shlex.quote(requirement)} > {shlex.quote(marker)}"
+        )
     if activate:
-        yield from files.link._inner(path=settings.engine_active_link, target=venv)
+        yield from switch_active(settings, version, installed)
+
+
+def switch_active(settings: Settings, version: str, installed=None):
+    """Point the ``active`` link at ``version``'s environment atomically (a new link beside it,
+    renamed over it): at every instant the link names a whole environment. Yields nothing when
+    it already does."""
+    installed = installed or host.get_fact(EngineInstall, base_dir=settings.engine_base_dir)
+    venv = HostLayout.of(settings).engine_venv_for(version)
+    if installed.active_target == venv:
+        return
+    yield active_link_command(settings, version)
+
+
+def active_link_command(settings: Settings, version: str) -> str:
+    """The shell command that switches ``active`` to ``version`` in one rename."""
+    layout = HostLayout.of(settings)
+    link = shlex.quote(layout.engine_active_link)
+    tmp = shlex.quote(f"{layout.engine_active_link}.new")
+    return f"ln -sfn {shlex.quote(layout.engine_venv_for(version))} {tmp} && mv -Tf {tmp} {link}"

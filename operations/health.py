@@ -9,11 +9,14 @@ timed stream, on the target itself (the engine listens on loopback by default).
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import shlex
+import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import click
 from pyinfra import host as current_host
@@ -23,22 +26,36 @@ from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files
 
 from facts.files import FileText
-from freetoken_infra.core.layout import HostLayout
+from freetoken_infra.core.layout import ENGINE_UNIT, GATE_RECORD_FILE, GATE_SCRIPT, HostLayout
+from freetoken_infra.core.manifest import MANIFEST_NAME
+from freetoken_infra.core.pyinfra_internals import connection_lost
 from freetoken_infra.core.records import record
 from freetoken_infra.core.settings import Settings
 
 GATE_SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "health_gate.py"
-GATE_SCRIPT_PATH = "/usr/local/lib/freetoken/health_gate.py"
-ENGINE_UNIT = "freetoken.service"
+GATE_SCRIPT_PATH = GATE_SCRIPT
 JOURNAL_LINES = 30
 # Time the chat and the stream may take once /health says ok (cold first requests compile
 # kernels), on top of settings.health_timeout_s.
 INFERENCE_MARGIN_S = 300
 # The operation's privilege arguments (``_sudo=True`` ...) also apply to the gate's own commands:
 # a python callback does not inherit them, so they are handed over explicitly.
-_ELEVATION_ARGS = ("_sudo", "_sudo_user", "_use_sudo_login", "_sudo_password", "_preserve_sudo_env",
-                   "_su_user", "_use_su_login", "_preserve_su_env", "_su_shell", "_su_password",
-                   "_doas", "_doas_user", "_dzdo", "_dzdo_user")
+_ELEVATION_ARGS = (
+    "_sudo",
+    "_sudo_user",
+    "_use_sudo_login",
+    "_sudo_password",
+    "_preserve_sudo_env",
+    "_su_user",
+    "_use_su_login",
+    "_preserve_su_env",
+    "_su_shell",
+    "_su_password",
+    "_doas",
+    "_doas_user",
+    "_dzdo",
+    "_dzdo_user",
+)
 
 # host name -> the gate script's result, plus "decode_floor_tps" (the host's floor, or None).
 # Written as each host's gate runs; GateReport prints the table (format_gate_report) when the
@@ -46,16 +63,98 @@ _ELEVATION_ARGS = ("_sudo", "_sudo_user", "_use_sudo_login", "_sudo_password", "
 GATE_RESULTS: dict[str, dict[str, Any]] = {}
 # host name -> the result its previous run's gate left on the host (None: none), read while the
 # deploy is prepared: the tok/s shown for a host whose gate had nothing to prove again.
-LAST_GATES: dict[str, Optional[dict[str, Any]]] = {}
+LAST_GATES: dict[str, dict[str, Any] | None] = {}
 
 _REMEDY = {
     "health": "see the engine's journal below; `systemctl status freetoken` and "
-              "`pyinfra INVENTORY deploys/doctor.py` help, and a slow first start may need a "
-              "larger health_timeout_s",
+    "`pyinfra INVENTORY deploys/doctor.py` help, and a slow first start may need a "
+    "larger health_timeout_s",
     "chat": "the engine is up but does not answer a chat; a 401 means the key file does not "
-            "match the key the engine was started with (restart the service after a key change)",
+    "match the key the engine was started with (restart the service after a key change)",
     "stream": "the engine answers plain chats but not streamed ones; see the journal below",
+    "answer": "the engine answers, but wrongly: broken kernels or a damaged model file; re-verify the model "
+    "(`--data model_reverify=true`) and see the journal below",
+    "version": "another run (or a person) switched the engine while this run gated it; re-run once the "
+    "other run is done",
 }
+# What a gate result says when the connection to the host was lost while the gate ran.
+CUT_OFF = "cut off"
+
+
+# --------------------------------------------------------------------------- what a gate gated
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def gate_subject(settings: Settings, unit_text: str, environment_text: str, launch_argv: list[str]) -> dict[str, Any]:
+    """What this run's gate proves, but for the model manifest's hash (read on the host when the
+    gate runs): the engine version, the unit and its environment (hashes), the model revision,
+    the launch plan's command line."""
+    return {
+        "engine_version": settings.engine_version,
+        "unit_sha256": _sha256(unit_text),
+        "environment_sha256": _sha256(environment_text),
+        "model": f"{settings.model_repo}@{settings.model_revision}",
+        "launch": list(launch_argv),
+    }
+
+
+def manifest_path(settings: Settings) -> str:
+    return f"{HostLayout.of(settings).model_dir}/{MANIFEST_NAME}"
+
+
+def why_gate(
+    record_doc: Mapping[str, Any] | None,
+    subject: Mapping[str, Any],
+    manifest_sha256: str | None,
+    serving_version: str | None,
+) -> str | None:
+    """Why this run must gate the host although nothing it converges changed (None: it need not,
+    the last gate passed for exactly what is installed and serving now). Anything else runs the
+    gate: no record, a failed or cut-off gate, another engine, unit, environment, model,
+    manifest or launch plan than the one gated, or another version serving."""
+    if not record_doc:
+        return "no gate record on the host"
+    if not record_doc.get("ok"):
+        return f"the last gate did not pass ({record_doc.get('phase') or '?'})"
+    gated = record_doc.get("gated")
+    if not isinstance(gated, Mapping):
+        return "the last gate does not say what it gated"
+    wanted = {**subject, "manifest_sha256": manifest_sha256}
+    differs = sorted(k for k in set(wanted) | set(gated) if gated.get(k) != wanted.get(k))
+    if differs:
+        return "the last passed gate was for another " + ", ".join(differs)
+    if serving_version != subject.get("engine_version"):
+        return f"the engine serving reports version {serving_version}, not {subject.get('engine_version')}"
+    return None
+
+
+def rollback_target(installed, settings: Settings, record_doc: Mapping[str, Any] | None) -> str | None:
+    """The version to switch back to when this run's version fails its gate: the one serving
+    before this run (``active`` now, when it is another installed version), else the version of
+    the host's last passed gate (a run cut off after the switch left ``active`` on the new one).
+
+    + installed: the ``EngineInstall`` fact (``EngineInstallInfo``)
+    """
+    candidates = [installed.active]
+    last_passed = (record_doc or {}).get("last_passed")
+    if isinstance(last_passed, Mapping):
+        raw_gated = last_passed.get("gated")
+        gated: Mapping[str, Any] = raw_gated if isinstance(raw_gated, Mapping) else {}
+        candidates.append(gated.get("engine_version") or last_passed.get("version"))
+    for version in candidates:
+        if version and version != settings.engine_version and installed.versions.get(version) == version:
+            return str(version)
+    return None
+
+
+def lost_line(host_name: str, step: str) -> str:
+    """The one line a run prints for a host whose connection dropped."""
+    return f"{host_name}: connection lost during {step}; re-run to finish"
+
+
+class ConnectionLost(Exception):
+    """The host's connection dropped while the gate talked to it."""
 
 
 def gate_url(settings: Settings) -> str:
@@ -67,16 +166,28 @@ def gate_url(settings: Settings) -> str:
     return f"http://{host}:{settings.listen_port}"
 
 
-def gate_command(settings: Settings, key_file: Optional[str], script_path: str = GATE_SCRIPT_PATH) -> str:
+def gate_command(
+    settings: Settings, key_file: str | None, script_path: str = GATE_SCRIPT_PATH, expect_version: str | None = None
+) -> str:
     """The shell command that runs the gate script on the target (no key in it, only its file)."""
-    argv = ["python3", script_path, "--url", gate_url(settings),
-            "--timeout", str(settings.health_timeout_s), "--model", settings.served_model_name]
+    argv = [
+        "python3",
+        script_path,
+        "--url",
+        gate_url(settings),
+        "--timeout",
+        str(settings.health_timeout_s),
+        "--model",
+        settings.served_model_name,
+    ]
     if key_file:
         argv += ["--key-file", key_file]
+    if expect_version:
+        argv += ["--expect-version", expect_version]
     return " ".join(shlex.quote(a) for a in argv)
 
 
-def parse_gate_output(lines: list[str]) -> Optional[dict[str, Any]]:
+def parse_gate_output(lines: list[str]) -> dict[str, Any] | None:
     """The final JSON line of the script's stdout, or None when it never printed one."""
     for line in reversed(lines):
         line = line.strip()
@@ -90,68 +201,169 @@ def parse_gate_output(lines: list[str]) -> Optional[dict[str, Any]]:
     return None
 
 
-def _gate_once(host, settings: Settings, key_file: Optional[str], script_path: str,
-               elevation: Mapping[str, Any]) -> dict[str, Any]:
+def _run(host, command: str, elevation: Mapping[str, Any], **arguments: Any):
+    """``host.run_shell_command``, raising ``ConnectionLost`` when the connection is gone."""
+    try:
+        status, output = host.run_shell_command(command, **elevation, **arguments)
+    except Exception as exc:  # paramiko's SSHException, socket errors, EOFError: all mean the same
+        if connection_lost(host) or type(exc).__name__ in ("SSHException", "EOFError") or isinstance(exc, OSError):
+            raise ConnectionLost(str(exc) or type(exc).__name__) from None
+        raise
+    if not status and connection_lost(host):
+        raise ConnectionLost("the SSH session ended")
+    return status, output
+
+
+def _gate_once(
+    host,
+    settings: Settings,
+    key_file: str | None,
+    script_path: str,
+    elevation: Mapping[str, Any],
+    expect_version: str | None = None,
+) -> dict[str, Any]:
     """Run the gate script once; its JSON result (a failed one when it printed none)."""
-    command = gate_command(settings, key_file, script_path)
-    click.echo(f"{host.print_prefix}health gate: {gate_url(settings)} "
-               f"(model {settings.served_model_name}, up to {settings.health_timeout_s} s)", err=True)
+    command = gate_command(settings, key_file, script_path, expect_version)
+    click.echo(
+        f"{host.print_prefix}health gate: {gate_url(settings)} "
+        f"(model {settings.served_model_name}, up to {settings.health_timeout_s} s)",
+        err=True,
+    )
     # print_output streams the script's progress lines as they come, prefixed with the host.
-    status, output = host.run_shell_command(
-        command, print_output=True, **elevation,
-        _timeout=settings.health_timeout_s + INFERENCE_MARGIN_S,
+    status, output = _run(
+        host, command, elevation, print_output=True, _timeout=settings.health_timeout_s + INFERENCE_MARGIN_S
     )
     result = parse_gate_output(output.stdout_lines)
     if result is None:
         tail = "\n".join(output.output_lines[-10:])
-        result = {"ok": False, "phase": "health", "load_wait_s": None, "decode_tps": None,
-                  "completion_tokens": None,
-                  "error": f"the gate script printed no result (exit {'0' if status else 'non-zero'}):\n{tail}"}
+        result = {
+            "ok": False,
+            "phase": "health",
+            "load_wait_s": None,
+            "decode_tps": None,
+            "completion_tokens": None,
+            "error": f"the gate script printed no result (exit {'0' if status else 'non-zero'}):\n{tail}",
+        }
     elif not status and result.get("ok"):
         result = {**result, "ok": False, "error": "the gate script exited non-zero"}
     return {**result, "decode_floor_tps": settings.decode_floor_tps}
 
 
 def _journal(host, elevation: Mapping[str, Any]) -> str:
-    _, journal = host.run_shell_command(
-        f"journalctl -u {ENGINE_UNIT} -n {JOURNAL_LINES} --no-pager -o cat", **elevation,
-    )
+    _, journal = _run(host, f"journalctl -u {ENGINE_UNIT} -n {JOURNAL_LINES} --no-pager -o cat", elevation)
     return "\n".join("    " + line for line in journal.output_lines) or "    (no journal lines)"
 
 
-def _keep_result(host, result: Mapping[str, Any], path: Optional[str], elevation: Mapping[str, Any]) -> None:
-    """Leave the result on the host (no secret in it) for later reports; best effort."""
+def _keep_result(host, result: Mapping[str, Any], path: str | None, elevation: Mapping[str, Any]) -> None:
+    """Leave the gate record on the host (no secret in it; root's directory), written beside and
+    renamed into place, so that a cut run leaves the old record or the new one, never half."""
     if path:
         text = shlex.quote(json.dumps(dict(result)))
-        host.run_shell_command(f"umask 022 && printf '%s\\n' {text} > {shlex.quote(path)}", **elevation)
+        target = shlex.quote(path)
+        tmp = shlex.quote(f"{path}.tmp")
+        folder = shlex.quote(path.rsplit("/", 1)[0] or "/")
+        _run(
+            host, f"umask 022 && mkdir -p {folder} && printf '%s\\n' {text} > {tmp} && mv -f {tmp} {target}", elevation
+        )
+
+
+def _manifest_sha256(host, settings: Settings, elevation: Mapping[str, Any]) -> str | None:
+    status, output = _run(host, f"sha256sum {shlex.quote(manifest_path(settings))} 2>/dev/null", elevation)
+    words = (output.stdout_lines or [""])[0].split() if status else []
+    return words[0] if words else None
 
 
 def rollback_command(settings: Settings, version: str) -> str:
     """Point the ``active`` link back at ``version`` (atomically) and restart the engine."""
     target = shlex.quote(f"{settings.engine_base_dir}/{version}")
     link = shlex.quote(settings.engine_active_link)
-    return (f"ln -sfn {target} {link}.rollback && mv -Tf {link}.rollback {link} && "
-            f"systemctl restart {ENGINE_UNIT}")
+    return f"ln -sfn {target} {link}.rollback && mv -Tf {link}.rollback {link} && systemctl restart {ENGINE_UNIT}"
 
 
-def run_gate(state, host, settings: Settings, key_file: Optional[str],
-             script_path: str = GATE_SCRIPT_PATH,
-             elevation: Optional[Mapping[str, Any]] = None,
-             rollback_to: Optional[str] = None,
-             result_path: Optional[str] = None) -> dict[str, Any]:
+def run_gate(
+    state,
+    host,
+    settings: Settings,
+    key_file: str | None,
+    script_path: str = GATE_SCRIPT_PATH,
+    elevation: Mapping[str, Any] | None = None,
+    rollback_to: str | None = None,
+    result_path: str | None = None,
+    subject: Mapping[str, Any] | None = None,
+    previous: Mapping[str, Any] | None = None,
+) -> Any:
     """Execution-time half of the operation: run the script, record, or raise OperationError.
 
     ``elevation``: connector arguments such as ``{"_sudo": True}`` for the gate's commands.
     ``rollback_to``: the engine version that served before this run switched to
     ``settings.engine_version``; when the gate fails, the ``active`` link goes back to it, the
     engine restarts and the gate runs again. The host still fails (the upgrade did), with
-    ``rolled back to <version>: <why>``. ``result_path``: file on the host that keeps the last
-    result (``HostLayout.last_gate_file``).
+    ``rolled back to <version>: <why>``. ``result_path``: the host's gate record
+    (``layout.GATE_RECORD_FILE``); ``subject``: what this run gates (``gate_subject``), kept in
+    the record with the model manifest's hash; ``previous``: the record before this run.
+
+    When the connection to the host drops, the run prints one line (``lost_line``), the result
+    says the gate was cut off, and the operation fails without a traceback (returns False).
     """
     elevation = dict(elevation or {})
-    result = _gate_once(host, settings, key_file, script_path, elevation)
+    try:
+        return _run_gate(host, settings, key_file, script_path, elevation, rollback_to, result_path, subject, previous)
+    except ConnectionLost as exc:
+        step = "the health gate"
+        cut = {
+            "ok": False,
+            "phase": CUT_OFF,
+            "load_wait_s": None,
+            "decode_tps": None,
+            "completion_tokens": None,
+            "cut_off": True,
+            "error": f"connection lost ({exc})",
+            "decode_floor_tps": settings.decode_floor_tps,
+        }
+        GATE_RESULTS[host.name] = cut
+        record(host.name, gate=cut, lost={"step": step})
+        click.echo(lost_line(host.name, step), err=True)
+        return False
+
+
+def _passed(result: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k != "last_passed"}
+
+
+def _run_gate(
+    host,
+    settings: Settings,
+    key_file: str | None,
+    script_path: str,
+    elevation: Mapping[str, Any],
+    rollback_to: str | None,
+    result_path: str | None,
+    subject: Mapping[str, Any] | None,
+    previous: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    previous = previous or {}
+    last_passed = _passed(previous) if previous.get("ok") else previous.get("last_passed")
+    manifest = _manifest_sha256(host, settings, elevation) if subject is not None else None
+
+    def gated(version: str) -> dict[str, Any] | None:
+        if subject is None:
+            return None
+        return {**subject, "engine_version": version, "manifest_sha256": manifest}
+
+    def keep(result: Mapping[str, Any], version: str) -> None:
+        nonlocal last_passed
+        doc = {**result, "gated": gated(version), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if doc.get("ok"):
+            last_passed = _passed(doc)
+        _keep_result(host, {**doc, "last_passed": last_passed}, result_path, elevation)
+
+    new = settings.engine_version
+    # Before the gate runs, the record says it did not finish: a run cut off from here on leaves
+    # no passed gate for what is installed now, so the next run gates again.
+    keep({"ok": False, "phase": "started", "error": "the gate did not finish (the run was cut off)"}, new)
+    result = _gate_once(host, settings, key_file, script_path, elevation, expect_version=new)
     GATE_RESULTS[host.name] = result
-    _keep_result(host, result, result_path, elevation)
+    keep(result, new)
     if result["ok"]:
         record(host.name, gate=result)
         return result
@@ -163,26 +375,48 @@ def run_gate(state, host, settings: Settings, key_file: Optional[str],
         f"  what to do: {_REMEDY.get(phase, _REMEDY['health'])}\n"
         f"  last {JOURNAL_LINES} lines of `journalctl -u {ENGINE_UNIT}`:\n{journal_text}"
     )
-    if not rollback_to or rollback_to == settings.engine_version:
+    if not rollback_to or rollback_to == new:
         record(host.name, gate=result)
         raise OperationError(failure)
 
     # Blue-green: the previous version's environment is still there; switch back to it.
-    new = settings.engine_version
     reason = f"{new} failed the health gate in the {phase} phase: {_first_line(result.get('error'))}"
     click.echo(f"{host.print_prefix}{reason}; rolling back to {rollback_to}", err=True)
-    switched, output = host.run_shell_command(rollback_command(settings, rollback_to), **elevation)
+    switched, output = _run(host, rollback_command(settings, rollback_to), elevation)
     if not switched:
         error = "switching back failed: " + " / ".join(output.output_lines[-5:])
-        record(host.name, gate=result, rollback={"from": new, "to": rollback_to, "reason": reason,
-                                                 "ok": False, "error": error})
+        record(
+            host.name,
+            gate=result,
+            rollback={"from": new, "to": rollback_to, "reason": reason, "ok": False, "error": error},
+        )
         raise OperationError(f"host {host.name}: rollback to {rollback_to} failed: {error}\n{failure}")
-    again = {**_gate_once(host, settings, key_file, script_path, elevation), "rolled_back_from": new}
+    keep(
+        {
+            "ok": False,
+            "phase": "started",
+            "error": "the gate did not finish (the run was cut off)",
+            "rolled_back_from": new,
+        },
+        rollback_to,
+    )
+    again = {
+        **_gate_once(host, settings, key_file, script_path, elevation, expect_version=rollback_to),
+        "rolled_back_from": new,
+    }
     GATE_RESULTS[host.name] = again
-    _keep_result(host, again, result_path, elevation)
-    record(host.name, gate=again, rollback={
-        "from": new, "to": rollback_to, "reason": reason, "ok": bool(again["ok"]),
-        "error": None if again["ok"] else again.get("error")})
+    keep(again, rollback_to)
+    record(
+        host.name,
+        gate=again,
+        rollback={
+            "from": new,
+            "to": rollback_to,
+            "reason": reason,
+            "ok": bool(again["ok"]),
+            "error": None if again["ok"] else again.get("error"),
+        },
+    )
     if again["ok"]:
         raise OperationError(
             f"host {host.name}: rolled back to {rollback_to}: {reason}\n"
@@ -202,8 +436,20 @@ def _first_line(text: Any) -> str:
     return lines[0] if lines else ""
 
 
-def health_gate(settings: Settings, key_file: Optional[str] = None, script_path: str = GATE_SCRIPT_PATH,
-                rollback_to: Optional[str] = None, **operation_arguments):
+def gate_record(settings: Settings, record_path: str = GATE_RECORD_FILE) -> dict[str, Any] | None:
+    """The host's gate record (``GATE_RECORD_FILE``) as it was before this run, or None."""
+    return _json_or_none(current_host.get_fact(FileText, path=record_path))
+
+
+def health_gate(
+    settings: Settings,
+    key_file: str | None = None,
+    script_path: str = GATE_SCRIPT_PATH,
+    rollback_to: str | None = None,
+    subject: Mapping[str, Any] | None = None,
+    record_path: str = GATE_RECORD_FILE,
+    **operation_arguments,
+):
     """
     Wait until the FreeToken engine serves, then prove it with a chat and a timed stream.
 
@@ -216,13 +462,17 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
     + rollback_to: the engine version that served before this run (blue-green upgrade): on a
       failed gate the ``active`` link goes back to it, the engine restarts and the gate runs
       again; the operation still fails, saying ``rolled back to <version>: <why>``
+    + subject: what this run gates (``gate_subject``); the record keeps it with the model
+      manifest's hash, and a later run skips its gate only when they match (``why_gate``)
+    + record_path: the gate record on the host (root's, ``layout.GATE_RECORD_FILE``)
     + operation_arguments: ``name=`` and pyinfra's global arguments (``_sudo``, ``_if`` ...)
 
     Run it as root (``_sudo=True``, or connected as root) so that the script can read the key
     file and the journal; the privilege arguments apply to the gate's commands too. The script
     (stdlib only, run by the target's ``python3``) polls ``/health`` until ``status: ok`` (printing progress), fails at once on
-    ``status: error``, then sends a short chat and a streamed chat whose decode tokens/s it
-    measures. The result lands in ``GATE_RESULTS[host.name]``. On failure the operation
+    ``status: error``, fails when the engine serving is not ``settings.engine_version``, asks a
+    question with one right answer (and fails on a wrong one), then sends a streamed chat whose
+    decode tokens/s it measures. The result lands in ``GATE_RESULTS[host.name]``. On failure the operation
     raises ``OperationError`` naming the host, the failed phase and the engine's last 30
     journal lines. Never idempotent: it always checks (skip it with ``_if`` when nothing
     changed). When every host of the run is done, the run prints one table
@@ -244,14 +494,30 @@ def health_gate(settings: Settings, key_file: Optional[str] = None, script_path:
     # Here, while the deploy is prepared, not in the operation: a gate skipped with `_if` never
     # runs its operation, and the report must see every host.
     GateReport.watch(current_host.state)
-    LAST_GATES[current_host.name] = _json_or_none(
-        current_host.get_fact(FileText, path=HostLayout.of(settings).last_gate_file))
-    return _health_gate(settings=settings, key_file=key_file, script_path=script_path,
-                        rollback_to=rollback_to, **operation_arguments)
+    previous = gate_record(settings, record_path)
+    LAST_GATES[current_host.name] = previous
+    return _health_gate(
+        settings=settings,
+        key_file=key_file,
+        script_path=script_path,
+        rollback_to=rollback_to,
+        subject=subject,
+        previous=previous,
+        record_path=record_path,
+        **operation_arguments,
+    )
 
 
 @operation(is_idempotent=False)
-def _health_gate(settings: Settings, key_file: Optional[str], script_path: str, rollback_to: Optional[str]):
+def _health_gate(
+    settings: Settings,
+    key_file: str | None,
+    script_path: str,
+    rollback_to: str | None,
+    subject: Mapping[str, Any] | None,
+    previous: Mapping[str, Any] | None,
+    record_path: str,
+):
     """The operation behind ``health_gate`` (see there)."""
     yield from files.put._inner(
         src=str(GATE_SCRIPT_SOURCE),
@@ -261,13 +527,16 @@ def _health_gate(settings: Settings, key_file: Optional[str], script_path: str, 
         mode="755",
         add_deploy_dir=False,
     )
-    global_arguments = current_host.current_op_global_arguments or {}
+    global_arguments: dict[str, Any] = dict(current_host.current_op_global_arguments or {})
     elevation = {k: global_arguments[k] for k in _ELEVATION_ARGS if global_arguments.get(k)}
-    yield FunctionCommand(run_gate, (settings, key_file, script_path, elevation),
-                          {"rollback_to": rollback_to, "result_path": HostLayout.of(settings).last_gate_file})
+    yield FunctionCommand(
+        run_gate,
+        (settings, key_file, script_path, elevation),
+        {"rollback_to": rollback_to, "result_path": record_path, "subject": subject, "previous": previous},
+    )
 
 
-def _json_or_none(text: Optional[str]) -> Optional[dict[str, Any]]:
+def _json_or_none(text: str | None) -> dict[str, Any] | None:
     try:
         doc = json.loads(text) if text else None
     except ValueError:
@@ -282,6 +551,7 @@ class GateReport(BaseStateCallback):
 
     def __init__(self) -> None:
         self.failed_ops: dict[str, list[str]] = {}
+        self.lost: dict[str, str] = {}  # host -> the step during which its connection dropped
         self.done: set[str] = set()
 
     @classmethod
@@ -290,16 +560,24 @@ class GateReport(BaseStateCallback):
         if not any(isinstance(h, cls) for h in state.callback_handlers):
             state.add_callback_handler(cls())
 
-    def operation_host_error(self, state, host, op_hash, retry_count: int = 0, max_retries: int = 0):
+    # pyinfra declares its callbacks as static methods; ours keep state on the instance.
+    def operation_host_error(  # type: ignore[override]
+        self, state, host, op_hash, retry_count: int = 0, max_retries: int = 0
+    ):
         names = sorted(state.get_op_meta(op_hash).names) or ["an operation"]
         self.failed_ops.setdefault(host.name, []).extend(names)
+        # A step other than the gate lost the connection: pyinfra logged the socket error; the
+        # run says what it means, once, and the fleet report gets the reason.
+        if connection_lost(host) and not GATE_RESULTS.get(host.name, {}).get("cut_off") and host.name not in self.lost:
+            self.lost[host.name] = "; ".join(names)
+            record(host.name, lost={"step": self.lost[host.name]})
+            click.echo(lost_line(host.name, self.lost[host.name]), err=True)
 
-    def host_disconnect(self, state, host):
+    def host_disconnect(self, state, host):  # type: ignore[override]
         self.done.add(host.name)
         hosts = sorted(h.name for h in state.activated_hosts)
         if set(hosts) <= self.done:
-            click.echo("\n" + format_gate_report(self.rows(hosts, {h.name for h in state.active_hosts})),
-                       err=True)
+            click.echo("\n" + format_gate_report(self.rows(hosts, {h.name for h in state.active_hosts})), err=True)
 
     def rows(self, hosts: list[str], active: set[str]) -> dict[str, dict[str, Any]]:
         rows: dict[str, dict[str, Any]] = {}
@@ -309,6 +587,8 @@ class GateReport(BaseStateCallback):
             elif name in active and name in LAST_GATES:
                 # Healthy before the run and nothing changed: the gate had nothing to prove.
                 rows[name] = {**(LAST_GATES[name] or {}), "ok": True, "checked": False}
+            elif name in self.lost:
+                rows[name] = {"ok": False, "stopped": f"connection lost during {self.lost[name]}; re-run to finish"}
             elif name in self.failed_ops:
                 rows[name] = {"ok": False, "stopped": "failed at: " + "; ".join(self.failed_ops[name])}
             else:
@@ -320,7 +600,7 @@ def _seconds(value: Any) -> str:
     return f"{value:.1f} s" if isinstance(value, (int, float)) else "-"
 
 
-def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: Optional[float] = None) -> str:
+def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: float | None = None) -> str:
     """Per-host table of gate results (``GATE_RESULTS``), flagging decode speeds below the floor.
 
     Each host's floor is its recorded ``decode_floor_tps``; ``floor_tps`` applies to hosts
@@ -329,7 +609,7 @@ def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: Opti
     """
     header = ("host", "health", "load wait", "decode tok/s", "floor", "note")
     rows = []
-    failed = below = stopped = 0
+    failed = below = stopped = cut = 0
     for name in sorted(results):
         r = results[name]
         floor = r.get("decode_floor_tps")
@@ -341,6 +621,9 @@ def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: Opti
         if r.get("stopped"):
             stopped += 1
             health, note = "-", f"no gate: {r['stopped']}"
+        elif r.get("cut_off"):
+            cut += 1
+            health, note = CUT_OFF, "gate cut off: connection lost; re-run to finish (not an engine failure)"
         elif not r.get("ok"):
             failed += 1
             error = str(r.get("error") or "").splitlines()
@@ -351,18 +634,20 @@ def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: Opti
         if r.get("checked") is False:
             tps_text += "*" if tps_text != "-" else ""
             note = "; ".join(filter(None, ["not re-checked: nothing changed", note]))
-        rows.append((name, health, _seconds(r.get("load_wait_s")), tps_text,
-                     f"{floor:g}" if floor is not None else "-", note))
+        rows.append(
+            (name, health, _seconds(r.get("load_wait_s")), tps_text, f"{floor:g}" if floor is not None else "-", note)
+        )
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
     def fmt(row):
-        return "  ".join(f"{str(c):<{w}}" for c, w in zip(row, widths)).rstrip()
+        return "  ".join(f"{str(c):<{w}}" for c, w in zip(row, widths, strict=False)).rstrip()
 
     lines = ["== health gate ==", fmt(header), "-" * (sum(widths) + 2 * (len(widths) - 1))]
     lines += [fmt(row) for row in rows]
-    serving = len(rows) - failed - stopped
+    serving = len(rows) - failed - stopped - cut
     summary = f"{len(rows)} host(s): {serving} serving, {below} below the decode floor, {failed} failed"
-    lines.append(summary + (f", {stopped} stopped before the gate" if stopped else ""))
+    summary += f", {stopped} stopped before the gate" if stopped else ""
+    lines.append(summary + (f", {cut} cut off" if cut else ""))
     if any(r.get("checked") is False and isinstance(r.get("decode_tps"), (int, float)) for r in results.values()):
         lines.append("* tok/s of the host's last health gate (nothing changed, so the gate did not run again)")
     return "\n".join(lines)

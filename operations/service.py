@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -16,11 +17,12 @@ from pyinfra.operations import files
 
 from facts.files import FileText
 from freetoken_infra.core.launch import LaunchPlan, engine_command
+from freetoken_infra.core.layout import ENGINE_UNIT, UNIT_DIR
 from freetoken_infra.core.settings import Settings
 from operations import preview
 from operations.model import check_argv, unit_command, unit_word
 
-UNIT_PATH = "/etc/systemd/system/freetoken.service"
+UNIT_PATH = f"{UNIT_DIR}/{ENGINE_UNIT}"
 KEY_VAR = "FREETOKEN_API_KEY"
 
 
@@ -109,13 +111,11 @@ def key_from_controller(settings: Settings) -> str:
             with open(ref, encoding="utf-8") as f:
                 key = f.read().strip()
         except OSError as exc:
-            raise OperationError(f"{host.name}: api_key_source {settings.api_key_source}: {exc.strerror}")
+            raise OperationError(f"{host.name}: api_key_source {settings.api_key_source}: {exc.strerror}") from None
     else:
         key = os.environ.get(ref, "").strip()
     if not key or "\n" in key:
-        raise OperationError(
-            f"{host.name}: api_key_source {settings.api_key_source} gives an empty or multi-line key"
-        )
+        raise OperationError(f"{host.name}: api_key_source {settings.api_key_source} gives an empty or multi-line key")
     return key
 
 
@@ -147,7 +147,8 @@ def api_key(settings: Settings):
     if preview.diff_wanted():  # --diff: whether the key changes, never its value
         preview.log_env_diff(path, host.get_fact(FileText, path=path), content)
     yield from preview.put_without_pyinfra_diff(
-        src=io.StringIO(content), dest=path, user="root", group="root", mode="600")
+        src=io.StringIO(content), dest=path, user="root", group="root", mode="600"
+    )
 
 
 @operation()
@@ -166,14 +167,22 @@ def unit(settings: Settings, plan: LaunchPlan):
     # --diff: both files' diffs before the first command (pyinfra's change detection stops at
     # the first), the environment's with secret values masked
     preview.log_env_diff(env_path(settings), current_env, env)
-    preview.log_diff(UNIT_PATH, None if current_unit is None else preview.text_lines(current_unit),
-                     preview.text_lines(text))
+    preview.log_diff(
+        UNIT_PATH, None if current_unit is None else preview.text_lines(current_unit), preview.text_lines(text)
+    )
     if current_env != env:
-        yield from preview.put_without_pyinfra_diff(
-            src=io.StringIO(env), dest=env_path(settings), user="root", group="root", mode="600"
-        )
+        yield from _put_atomically(env, env_path(settings), mode="600")
     else:
         yield from files.file._inner(path=env_path(settings), user="root", group="root", mode="600")
     if current_unit != text:
-        yield from preview.put_without_pyinfra_diff(src=io.StringIO(text), dest=UNIT_PATH, mode="644")
+        yield from _put_atomically(text, UNIT_PATH, mode="644")
         yield "systemctl daemon-reload"
+
+
+def _put_atomically(text: str, path: str, mode: str):
+    """Upload beside ``path`` and rename over it: a run cut mid-upload leaves the old file whole
+    (the next run, seeing it differ, writes it again)."""
+    tmp = f"{path}.new"
+    # pyinfra's own diff would show the temporary file's name: the preview printed ours
+    yield from preview.put_without_pyinfra_diff(src=io.StringIO(text), dest=tmp, user="root", group="root", mode=mode)
+    yield f"mv -f {shlex.quote(tmp)} {shlex.quote(path)}"

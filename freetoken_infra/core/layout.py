@@ -32,12 +32,24 @@ FETCH_SCRIPT = f"{LIB_DIR}/fetch_model.py"
 CACHE_SCRIPT = f"{LIB_DIR}/model_cache.py"
 QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
 MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
+HOST_LOCK_SCRIPT = f"{LIB_DIR}/host_lock.py"
 
 # Root's own state on the target: never inside the service user's state_dir and outside every
 # unit's ReadWritePaths except the root guard's. Owned by root, mode DEPLOY_STATE_MODE (what is
 # in it is no secret: the gate's last result, the guard's state and samples).
 DEPLOY_STATE_DIR = "/var/lib/freetoken-deploy"
 DEPLOY_STATE_MODE = "755"
+# Root's runtime state (tmpfs: gone with a reboot, which ends every run that held anything).
+DEPLOY_RUN_DIR = "/run/freetoken-deploy"
+# One deploy run per host at a time (operations/host_lock.py): who holds the host, and the
+# file its take-over decisions are serialised on. Volatile: the lock is taken before the
+# preflight, so also on a host the preflight then refuses, which must be left as it was.
+HOST_LOCK_FILE = f"{DEPLOY_RUN_DIR}/run.lock"
+HOST_LOCK_MUTEX = f"{DEPLOY_RUN_DIR}/run.lock.mutex"
+# The health gate's record: the last result, what it gated, and the last passed gate.
+GATE_RECORD_FILE = f"{DEPLOY_STATE_DIR}/health-gate.json"
+# Written into an engine venv as the last step of building it: a venv without it is unfinished.
+ENGINE_COMPLETE_MARKER = ".freetoken-infra-complete"
 
 KEY_VAR = "FREETOKEN_API_KEY"
 
@@ -52,6 +64,7 @@ def drive_path(drive_root: str, letter: str = "c") -> str:
     """The WSL path of a Windows drive under the automount root: ``/mnt/c``, ``/c``."""
     root = drive_root if drive_root.endswith("/") else drive_root + "/"
     return f"{root}{letter.lower()}"
+
 
 # What the deploy, the rules and the report say when a Windows-side change needs the WSL VM
 # restarted (pitfall 4A: .wslconfig and wsl.conf are read only when the VM boots).
@@ -72,7 +85,7 @@ class HostLayout:
     cuda_home: str
 
     @classmethod
-    def of(cls, settings: Settings) -> "HostLayout":
+    def of(cls, settings: Settings) -> HostLayout:
         return cls(
             engine_base_dir=settings.engine_base_dir,
             engine_venv=f"{settings.engine_base_dir}/{settings.engine_version}",
@@ -106,9 +119,16 @@ class HostLayout:
 
     @property
     def last_gate_file(self) -> str:
-        """The health gate's last result (decode tok/s for a report on a run with nothing
-        to re-check). Root writes it, so it lives in root's own directory."""
-        return f"{DEPLOY_STATE_DIR}/health-gate.json"
+        """The health gate's record (root's: the skip decision and the rollback target are read
+        from it): last result, what it gated, the last passed gate."""
+        return GATE_RECORD_FILE
+
+    @property
+    def host_lock_file(self) -> str:
+        return HOST_LOCK_FILE
+
+    def engine_complete_marker(self, version: str) -> str:
+        return f"{self.engine_venv_for(version)}/{ENGINE_COMPLETE_MARKER}"
 
     @property
     def guard_state_file(self) -> str:

@@ -95,6 +95,25 @@ def _cli_originals() -> dict[str, Any]:
     return {"connect_all": pyinfra.api.connect.connect_all, "make_inventory": pyinfra_cli.inventory.make_inventory}
 
 
+def connection_lost(host: Any) -> bool:
+    """True when pyinfra's SSH connection to ``host`` is gone (``SSHConnector.client``, a
+    paramiko ``SSHClient``); False for connectors without one (``@local``)."""
+    client = getattr(getattr(host, "connector", None), "client", None)
+    get_transport = getattr(client, "get_transport", None)
+    if get_transport is None:
+        return False
+    transport = get_transport()
+    return transport is None or not transport.is_active()
+
+
+def _check_ssh_client() -> None:
+    from paramiko import SSHClient
+    from pyinfra.connectors.ssh import SSHConnector
+
+    assert "self.client = SSHClient()" in inspect.getsource(SSHConnector)
+    assert hasattr(SSHClient, "get_transport")
+
+
 def _params(func: Callable[..., Any]) -> list[str]:
     return list(inspect.signature(func).parameters)
 
@@ -141,4 +160,5 @@ INTERNALS: dict[str, Callable[[], None]] = {
     "pyinfra_cli.cli.connect_all / make_inventory (imported by name)": _check_cli_wraps,
     "connectors' data_meta and pyinfra.api.arguments.CONNECTOR_ARGUMENT_KEYS": _check_connector_keys,
     "pyinfra.context proxies' _get_module()": _check_context_proxy,
+    "pyinfra.connectors.ssh.SSHConnector.client (a paramiko SSHClient)": _check_ssh_client,
 }

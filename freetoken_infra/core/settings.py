@@ -13,7 +13,7 @@ import difflib
 import fnmatch
 import os
 import re
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     AnyHttpUrl,
@@ -66,12 +66,30 @@ _PATH_COMPONENT_RE = re.compile(r"[A-Za-z0-9._+-]+")
 # Named one by one rather than `nvidia-*`, which would also block tools a WSL user may
 # want (nvidia-container-toolkit); cuda-compat-* is the driver's user-mode part.
 DRIVER_PACKAGE_GLOBS = (
-    "cuda", "cuda-[0-9]*-[0-9]*", "cuda-drivers*", "cuda-compat*", "nvidia-driver*",
-    "nvidia-open*", "nvidia-dkms-*", "nvidia-kernel-*", "nvidia-utils-*",
-    "nvidia-compute-utils-*", "nvidia-headless-*", "nvidia-firmware-*", "nvidia-modprobe",
-    "nvidia-persistenced", "nvidia-settings", "nvidia-fabricmanager*", "nvidia-imex*",
-    "nvidia-fs*", "nvidia-gds*", "libnvidia-*", "xserver-xorg-video-nvidia-*",
-    "linux-modules-nvidia-*", "linux-objects-nvidia-*", "linux-signatures-nvidia-*",
+    "cuda",
+    "cuda-[0-9]*-[0-9]*",
+    "cuda-drivers*",
+    "cuda-compat*",
+    "nvidia-driver*",
+    "nvidia-open*",
+    "nvidia-dkms-*",
+    "nvidia-kernel-*",
+    "nvidia-utils-*",
+    "nvidia-compute-utils-*",
+    "nvidia-headless-*",
+    "nvidia-firmware-*",
+    "nvidia-modprobe",
+    "nvidia-persistenced",
+    "nvidia-settings",
+    "nvidia-fabricmanager*",
+    "nvidia-imex*",
+    "nvidia-fs*",
+    "nvidia-gds*",
+    "libnvidia-*",
+    "xserver-xorg-video-nvidia-*",
+    "linux-modules-nvidia-*",
+    "linux-objects-nvidia-*",
+    "linux-signatures-nvidia-*",
 )
 DRIVER_PACKAGE_RE = re.compile("|".join(fnmatch.translate(g) for g in DRIVER_PACKAGE_GLOBS))
 
@@ -80,11 +98,15 @@ def _abs_path(value: str, what: str = "an absolute path") -> str:
     """The normalised path, or ValueError: absolute, components of letters, digits and
     ``._+-`` only (no spaces, quotes, ``$``, ``;``, ``%``, newlines...), none ``.`` or ``..``."""
     parts = [p for p in value.split("/") if p] if isinstance(value, str) else None
-    if (parts is None or not value.startswith("/")
-            or any(p in (".", "..") or not _PATH_COMPONENT_RE.fullmatch(p) for p in parts)):
+    if (
+        parts is None
+        or not value.startswith("/")
+        or any(p in (".", "..") or not _PATH_COMPONENT_RE.fullmatch(p) for p in parts)
+    ):
         raise ValueError(
             f"must be {what} of letters, digits, '/' and '._+-' only (no spaces, quotes, "
-            "'$;%`' or newlines), no '.' or '..' component")
+            "'$;%`' or newlines), no '.' or '..' component"
+        )
     return "/" + "/".join(parts)
 
 
@@ -92,8 +114,9 @@ class Settings(BaseModel):
     """One host's settings. Defaults are the field report's working values."""
 
     # allow_inf_nan=False: 1e309 reads as inf and nan compares false to every bound (issue 13).
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True,
-                              validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True, validate_default=True
+    )
 
     # Every setting's description is the docstring under it (pydantic's attribute docstrings):
     # one line each, shown by the README's settings table (`python -m freetoken_infra.core.settings`).
@@ -107,7 +130,7 @@ class Settings(BaseModel):
     """pip extras of the engine package (`accel`: the faster kernels)."""
     engine_base_dir: str = "/opt/freetoken"
     """One venv per engine version under this directory, `active` links the one in service."""
-    pip_index_url: Optional[AnyHttpUrl] = None
+    pip_index_url: AnyHttpUrl | None = None
     """pip index (a mirror) for the engine's venv; pip's own index when unset."""
     pip_extra_index_urls: list[AnyHttpUrl] = Field(default_factory=list)
     """Further pip indexes for the engine's venv."""
@@ -127,13 +150,13 @@ class Settings(BaseModel):
     """The model hub or a mirror of it."""
     hub_disable_xet: bool = True
     """Never use the Xet protocol (pitfall 2: it answered 401)."""
-    hub_token_file: Optional[str] = None
+    hub_token_file: str | None = None
     """Root-only file on the target holding the hub token of a gated repository."""
-    model_cache_host: Optional[str] = None
+    model_cache_host: str | None = None
     """Inventory name of the host that serves its verified model to the rest of the fleet."""
     model_cache_port: int = Field(8090, ge=1, le=65535)
     """Port of the LAN model cache on model_cache_host."""
-    model_cache_bind: Optional[IPvAnyAddress] = None
+    model_cache_bind: IPvAnyAddress | None = None
     """Address the LAN model cache listens on; unset: the address the fleet reaches its host by."""
     model_sources: list[AnyHttpUrl] = Field(default_factory=list)
     """Further model caches (e.g. one the controller runs), tried after model_cache_host."""
@@ -143,23 +166,23 @@ class Settings(BaseModel):
     # --- launch plan (None = derived from the hardware profile) ---------------
     hardware_profile: str = "auto"
     """Hardware class of the host (`group_data/<class>.py`); `auto` reads it off the GPU."""
-    launch_moe_strategy: Optional[Literal["auto", "fused", "offload", "cpu", "hybrid"]] = None
+    launch_moe_strategy: Literal["auto", "fused", "offload", "cpu", "hybrid"] | None = None
     """Override of the derived `--moe-strategy`."""
-    launch_moe_cache_size: Optional[Union[Literal["auto"], int]] = None
+    launch_moe_cache_size: Literal["auto"] | int | None = None
     """Override of the derived `--moe-cache-size` (experts kept on the GPU) or `auto`."""
-    launch_num_tokens: Optional[int] = Field(None, gt=0)
+    launch_num_tokens: int | None = Field(None, gt=0)
     """Override of the derived `--num-tokens` (KV capacity)."""
-    launch_kv_reserve_tokens: Optional[int] = Field(None, gt=0)
+    launch_kv_reserve_tokens: int | None = Field(None, gt=0)
     """Override of the derived `--kv-reserve-tokens`."""
-    launch_max_prefill_length: Optional[int] = Field(None, gt=0)
+    launch_max_prefill_length: int | None = Field(None, gt=0)
     """Override of the derived `--max-prefill-length`."""
-    launch_max_running_requests: Optional[int] = Field(None, ge=1, le=64)
+    launch_max_running_requests: int | None = Field(None, ge=1, le=64)
     """Override of the derived `--max-running-requests`."""
-    launch_moe_cpu_layers: Optional[str] = None
+    launch_moe_cpu_layers: str | None = None
     """Override of `--moe-cpu-layers`: `auto`, a count, a fraction or layer ids."""
-    launch_attention_backend: Optional[Literal["auto", "triton", "trtllm", "fi", "fa"]] = None
+    launch_attention_backend: Literal["auto", "triton", "trtllm", "fi", "fa"] | None = None
     """Override of the derived `--attention-backend`."""
-    launch_memory_ratio: Optional[float] = Field(None, gt=0, le=1)
+    launch_memory_ratio: float | None = Field(None, gt=0, le=1)
     """Override of the derived `--memory-ratio` (share of GPU memory the engine takes)."""
     listen_host: IPvAnyAddress = IPvAnyAddress("127.0.0.1")  # type: ignore[operator]
     """Address the API listens on (loopback unless the fleet must reach it)."""
@@ -181,7 +204,7 @@ class Settings(BaseModel):
     """`.wslconfig` `[wsl2] localhostForwarding`."""
     wslconfig_vm_idle_timeout: int = Field(0, ge=-1)
     """`.wslconfig` `[wsl2] vmIdleTimeout` in ms; 0 keeps the VM up (pitfall 4A)."""
-    wslconfig_networking_mode: Optional[Literal["nat", "mirrored"]] = None
+    wslconfig_networking_mode: Literal["nat", "mirrored"] | None = None
     """`.wslconfig` `[wsl2] networkingMode`; `mirrored` lets the LAN reach the distro."""
     wsl_min_version: str = WSL_VERSION_FLOOR
     """Lowest WSL release accepted (pitfall 4A/4B)."""
@@ -213,7 +236,9 @@ class Settings(BaseModel):
     """How long systemd waits for the engine to start."""
     health_timeout_s: int = Field(600, ge=10, le=7200)
     """How long the health gate waits for `/health` ok."""
-    decode_floor_tps: Optional[float] = Field(None, gt=0)
+    host_lock_timeout_s: int = Field(600, ge=0, le=86400)
+    """How long a run waits for another run's lock on the host before it stops that host."""
+    decode_floor_tps: float | None = Field(None, gt=0)
     """Lowest decode tokens/s the gate accepts (set per hardware class)."""
     guard_enabled: bool = True
     """Run the guard timer (samples memory, stops the engine on swap growth or CUDA OOM)."""
@@ -235,7 +260,7 @@ class Settings(BaseModel):
     """Port of the fleet's one OpenAI base URL on the gateway host."""
     gateway_stats_port: int = Field(8404, ge=1, le=65535)
     """Port of the gateway's Prometheus `/metrics` and `/stats` (a gateway key required)."""
-    gateway_keys_source: Optional[str] = None
+    gateway_keys_source: str | None = None
     """Clients' gateway keys on the controller: `file:/path` or `env:VAR` (one key per line, optionally a label)."""
 
     # --- validators ---------------------------------------------------------------
@@ -275,21 +300,19 @@ class Settings(BaseModel):
             raise ValueError("must be a branch, tag or commit sha (letters, digits, '._-/')")
         return v
 
-    @field_validator(
-        "engine_base_dir", "model_dir", "cuda_home", "state_dir", "config_dir", "cache_dir"
-    )
+    @field_validator("engine_base_dir", "model_dir", "cuda_home", "state_dir", "config_dir", "cache_dir")
     @classmethod
     def _paths(cls, v: str) -> str:
         return _abs_path(v)
 
     @field_validator("hub_token_file")
     @classmethod
-    def _token_file(cls, v: Optional[str]) -> Optional[str]:
+    def _token_file(cls, v: str | None) -> str | None:
         return None if v is None else _abs_path(v, "an absolute path on the target")
 
     @field_validator("model_cache_host")
     @classmethod
-    def _cache_host(cls, v: Optional[str]) -> Optional[str]:
+    def _cache_host(cls, v: str | None) -> str | None:
         # An inventory name; it may become the host part of the cache's URL.
         if v is not None and not _HOST_NAME_RE.fullmatch(v):
             raise ValueError("must be the inventory name of a host (letters, digits, '._-@:')")
@@ -305,14 +328,14 @@ class Settings(BaseModel):
 
     @field_validator("launch_moe_cache_size")
     @classmethod
-    def _cache_size(cls, v: Optional[Union[str, int]]) -> Optional[Union[str, int]]:
+    def _cache_size(cls, v: str | int | None) -> str | int | None:
         if isinstance(v, int) and v <= 0:
             raise ValueError("must be a positive number of experts or 'auto'")
         return v
 
     @field_validator("launch_moe_cpu_layers")
     @classmethod
-    def _cpu_layers(cls, v: Optional[str]) -> Optional[str]:
+    def _cpu_layers(cls, v: str | None) -> str | None:
         # FreeToken accepts layer ids, a count, a fraction or 'auto'.
         if v is not None and not re.fullmatch(r"auto|[0-9]+(\.[0-9]+)?|[0-9]+(,[0-9]+)+", v):
             raise ValueError("must be 'auto', a count, a fraction or comma-separated layer ids")
@@ -338,7 +361,7 @@ class Settings(BaseModel):
 
     @field_validator("gateway_keys_source")
     @classmethod
-    def _gateway_keys(cls, v: Optional[str]) -> Optional[str]:
+    def _gateway_keys(cls, v: str | None) -> str | None:
         if v is None or re.match(r"^(file:/[^\0\n]*|env:[A-Za-z_][A-Za-z0-9_]*)$", v):
             return v
         raise ValueError("must be 'file:/path/on/controller' or 'env:VARIABLE' (one key per line)")
@@ -366,9 +389,7 @@ class Settings(BaseModel):
             if not _PACKAGE_RE.fullmatch(name):
                 raise ValueError(f"{name!r} is not a Debian package name")
             if DRIVER_PACKAGE_RE.fullmatch(name):
-                raise ValueError(
-                    f"{name!r} pulls in a Linux NVIDIA driver, which must never be installed inside WSL"
-                )
+                raise ValueError(f"{name!r} pulls in a Linux NVIDIA driver, which must never be installed inside WSL")
         return v
 
     @field_validator("service_user")
@@ -437,10 +458,7 @@ class SettingsError(Exception):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__(
-            f"{len(problems)} invalid setting(s); nothing was changed:\n  "
-            + "\n  ".join(problems)
-        )
+        super().__init__(f"{len(problems)} invalid setting(s); nothing was changed:\n  " + "\n  ".join(problems))
 
 
 def _short(value: Any) -> str:
@@ -481,21 +499,19 @@ def build_settings(host_name: str, data: dict[str, Any]) -> Settings:
             if msg not in msgs:
                 msgs.append(msg)
         for field, (bad, msgs) in by_field.items():
-            problems.append(
-                f"host {host_name}: setting '{field}' = {_short(bad)} is invalid: {' / '.join(msgs)}"
-            )
+            problems.append(f"host {host_name}: setting '{field}' = {_short(bad)} is invalid: {' / '.join(msgs)}")
         raise SettingsError(problems) from None
     if problems:
         raise SettingsError(problems)
     return settings
 
 
-def settings_for(host: "Host") -> Settings:
+def settings_for(host: Host) -> Settings:
     """Settings of a pyinfra host."""
     return build_settings(host.name, host.data.dict())  # type: ignore[no-untyped-call]
 
 
-def controller_key_problem(source: str) -> Optional[str]:
+def controller_key_problem(source: str) -> str | None:
     """What is wrong with the API key ``api_key_source`` names on the controller, or None when
     it gives a usable key (``generate`` and ``none`` need nothing here). The key itself is never
     part of the answer."""
@@ -519,7 +535,7 @@ def controller_key_problem(source: str) -> Optional[str]:
     return None
 
 
-def validate_inventory(inventory: "Inventory") -> dict[str, Settings]:
+def validate_inventory(inventory: Inventory) -> dict[str, Settings]:
     """Validate every host of an inventory; raise one SettingsError listing all problems.
     Also checks what the settings name on the controller (the API key's file or variable)."""
     result: dict[str, Settings] = {}
@@ -534,12 +550,13 @@ def validate_inventory(inventory: "Inventory") -> dict[str, Settings]:
         source = result[host.name].api_key_source
         key_problem = controller_key_problem(source)
         if key_problem:
-            problems.append(f"host {host.name}: setting 'api_key_source' = {_short(source)} is invalid: "
-                            f"{key_problem}")
+            problems.append(f"host {host.name}: setting 'api_key_source' = {_short(source)} is invalid: {key_problem}")
         cache = result[host.name].model_cache_host
         if cache is not None and cache not in names:
-            problems.append(f"host {host.name}: setting 'model_cache_host' = {_short(cache)} is invalid: "
-                            f"not a host of this inventory (hosts: {', '.join(sorted(names))})")
+            problems.append(
+                f"host {host.name}: setting 'model_cache_host' = {_short(cache)} is invalid: "
+                f"not a host of this inventory (hosts: {', '.join(sorted(names))})"
+            )
     if problems:
         raise SettingsError(problems)
     return result

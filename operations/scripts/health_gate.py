@@ -6,15 +6,21 @@ Standard library only (the target's system Python has nothing else), Python >= 3
 Usage:
     health_gate.py --url http://127.0.0.1:8000 --timeout 600 --model NAME
                    [--key-file /etc/freetoken/api.env] [--max-tokens 64] [--json-out F]
+                   [--expect-version 0.2.2]
 
-Three phases, each must pass before the next:
+Phases, each must pass before the next:
 
 1. health - poll ``GET /health`` until its JSON says ``status: ok``. FreeToken answers 200 from
    the moment it binds, with ``status: loading`` (phase + byte progress) while weights load, so
    readiness is read from the JSON, never from the status code. ``status: error`` fails at once
    with the engine's message; no ``ok`` within --timeout (connection refused included) fails.
    A progress line is printed at most every 2 s.
-2. chat - one short non-streamed ``POST /v1/chat/completions`` must return a choice with text.
+   version - with --expect-version, the version /health reports once ok must be that one: the
+   engine serving is the one this run installed (not one another run switched to meanwhile).
+2. chat - one non-streamed ``POST /v1/chat/completions`` at temperature 0 asks a question with
+   one right answer (the sum of two random two-digit numbers) and must return a choice with text.
+   answer - the last number in that text must be the sum: an engine that streams garbage
+   (broken kernels, a bad shard) answers wrongly although it answers.
 3. stream - one streamed chat completion measures decode speed:
    (completion tokens - 1) / (time of last token - time of first token), so that the prompt's
    prefill and the first token's latency are left out. Completion tokens come from the usage
@@ -26,10 +32,11 @@ the service reads), never from the command line (which ``ps`` shows to every use
 never printed.
 
 Output: progress lines, then ONE final JSON line (also written to --json-out):
-    {"ok": bool, "phase": "health"|"chat"|"stream"|"done", "load_wait_s": float|null,
+    {"ok": bool, "phase": "health"|"version"|"chat"|"answer"|"stream"|"done", "load_wait_s": float|null,
      "decode_tps": float|null, "completion_tokens": int|null, "error": str|null,
      "version": str|null}
-``version`` is the engine version ``/health`` reported once ok (null before that).
+``version`` is the engine version ``/health`` reported once ok (null before that); ``question``
+and ``answer`` what was asked and answered (answer: its first 200 characters).
 ``phase`` is where the gate stopped ("done" when everything passed). Exit 0 only when ok.
 """
 
@@ -37,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import socket
 import sys
 import time
@@ -48,8 +57,11 @@ POLL_INTERVAL_S = 0.5
 PROGRESS_EVERY_S = 2.0
 # One inference request may take this long (a cold first request compiles kernels).
 REQUEST_TIMEOUT_S = 180.0
-CHAT_MAX_TOKENS = 16
 PROMPT = "Reply with one short sentence: are you ready?"
+# Room for a model that thinks aloud before it answers (a few tokens for the number itself).
+ANSWER_MAX_TOKENS = 256
+QUESTION = "What is {a} + {b}? Answer with the number only."
+_NUMBER = re.compile(r"-?\d+")
 
 
 # The gate talks to the engine on this host (loopback or the host's own LAN address) only: an
@@ -71,7 +83,7 @@ def read_key(path: str) -> str:
     for line in lines:
         line = line.strip()
         if line.startswith("export "):
-            line = line[len("export "):].lstrip()
+            line = line[len("export ") :].lstrip()
         name, sep, value = line.partition("=")
         if sep and name.strip() == KEY_VARIABLE:
             value = value.strip()
@@ -107,7 +119,7 @@ def describe_loading(doc: dict) -> str:
 def _http_error_text(exc: urllib.error.HTTPError) -> str:
     try:
         body = exc.read().decode("utf-8", "replace").strip()
-    except Exception:  # noqa: BLE001 - the body is only a hint
+    except Exception:
         body = ""
     text = f"HTTP {exc.code} {exc.reason}"
     return f"{text}: {body[:300]}" if body else text
@@ -123,16 +135,24 @@ def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
 
 
+def check_answer(question: str, expected: int, text: str) -> None:
+    """The answer phase: the last number in the reply must be ``expected``."""
+    numbers = _NUMBER.findall(text)
+    if not numbers or int(numbers[-1]) != expected:
+        raise GateFailure(
+            f"wrong answer: asked {question!r}, expected {expected}, the engine answered {text.strip()[:120]!r}"
+        )
+
+
 class Gate:
-    def __init__(self, url: str, model: str, key: str | None, timeout_s: float, max_tokens: int,
-                 out=sys.stdout):
+    def __init__(self, url: str, model: str, key: str | None, timeout_s: float, max_tokens: int, out=sys.stdout):
         self.url = url.rstrip("/")
         self.model = model
         self.key = key
         self.timeout_s = timeout_s
         self.max_tokens = max_tokens
         self.out = out
-        self.version = None  # the engine's version from /health once ok
+        self.version: str | None = None  # the engine's version from /health once ok
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -168,8 +188,10 @@ class Gate:
                     waited = time.monotonic() - start
                     version = doc.get("version")
                     self.version = str(version) if version is not None else None
-                    self.say(f"ready after {waited:.1f} s"
-                             + (f" (freetoken {version}, model {doc.get('model')})" if version else ""))
+                    self.say(
+                        f"ready after {waited:.1f} s"
+                        + (f" (freetoken {version}, model {doc.get('model')})" if version else "")
+                    )
                     return waited
                 if status == "error":
                     raise GateFailure(f"engine reports error: {doc.get('message') or '(no message)'}")
@@ -177,8 +199,11 @@ class Gate:
             if now >= deadline:
                 raise GateFailure(f"not ready after {self.timeout_s:g} s (last seen: {last_seen})")
             if last_print is None or now - last_print >= PROGRESS_EVERY_S:
-                self.say(f"{last_seen} [{now - start:.0f} s]" if doc is not None
-                         else f"waiting: {last_seen} [{now - start:.0f} s]")
+                self.say(
+                    f"{last_seen} [{now - start:.0f} s]"
+                    if doc is not None
+                    else f"waiting: {last_seen} [{now - start:.0f} s]"
+                )
                 last_print = now
             time.sleep(max(0.0, min(POLL_INTERVAL_S, deadline - time.monotonic())))
 
@@ -187,8 +212,9 @@ class Gate:
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         if self.key is not None:
             headers["Authorization"] = "Bearer " + self.key
-        req = urllib.request.Request(self.url + "/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers=headers, method="POST")
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers, method="POST"
+        )
         try:
             return _OPENER.open(req, timeout=REQUEST_TIMEOUT_S)
         except urllib.error.HTTPError as exc:
@@ -200,9 +226,14 @@ class Gate:
         return [{"role": "user", "content": PROMPT}]
 
     # ------------------------------------------------------------------ phase 2
-    def chat(self) -> str:
-        body = {"model": self.model, "messages": self._messages(), "max_tokens": CHAT_MAX_TOKENS,
-                "temperature": 0, "stream": False}
+    def chat(self, question: str) -> str:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": ANSWER_MAX_TOKENS,
+            "temperature": 0,
+            "stream": False,
+        }
         try:
             with self._request(body) as resp:
                 doc = json.loads(resp.read().decode("utf-8", "replace"))
@@ -214,8 +245,8 @@ class Gate:
         if not choices or not isinstance(choices[0], dict):
             raise GateFailure(f"chat completion has no choices: {json.dumps(doc)[:300]}")
         message = choices[0].get("message") or {}
-        # A thinking model may spend 16 tokens inside its reasoning: that is text too.
-        text = message.get("content") or message.get("reasoning_content") or ""
+        # The answer is the content; a thinking model's reasoning is not an answer.
+        text = message.get("content") or ""
         if not isinstance(text, str) or not text.strip():
             raise GateFailure(f"chat completion returned no content: {json.dumps(choices[0])[:300]}")
         self.say(f"chat ok: {text.strip()[:60]!r}")
@@ -224,8 +255,14 @@ class Gate:
     # ------------------------------------------------------------------ phase 3
     def stream(self) -> tuple:
         """(decode tok/s or None, completion tokens)."""
-        body = {"model": self.model, "messages": self._messages(), "max_tokens": self.max_tokens,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "messages": self._messages(),
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         first = last = None
         chunks = 0
         usage_tokens = None
@@ -236,7 +273,7 @@ class Gate:
                     line = raw.decode("utf-8", "replace").strip()
                     if not line.startswith("data:"):
                         continue
-                    data = line[len("data:"):].strip()
+                    data = line[len("data:") :].strip()
                     if data == "[DONE]":
                         done = True
                         break
@@ -267,21 +304,45 @@ class Gate:
         tokens = usage_tokens if usage_tokens else chunks
         span = (last - first) if first is not None and last is not None else 0.0
         tps = (tokens - 1) / span if tokens > 1 and span > 0 else None
-        self.say(f"stream ok: {tokens} tokens, decode "
-                 + (f"{tps:.1f} tok/s" if tps is not None else "not measurable (fewer than 2 tokens)"))
+        self.say(
+            f"stream ok: {tokens} tokens, decode "
+            + (f"{tps:.1f} tok/s" if tps is not None else "not measurable (fewer than 2 tokens)")
+        )
         return tps, tokens
 
 
-def run(args, out=sys.stdout) -> dict:
-    result = {"ok": False, "phase": "health", "load_wait_s": None, "decode_tps": None,
-              "completion_tokens": None, "error": None, "version": None}
+def run(args, out=sys.stdout, rng: random.Random | None = None) -> dict:
+    result = {
+        "ok": False,
+        "phase": "health",
+        "load_wait_s": None,
+        "decode_tps": None,
+        "completion_tokens": None,
+        "error": None,
+        "version": None,
+        "question": None,
+        "answer": None,
+    }
+    rng = rng or random.Random()
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
     try:
         key = read_key(args.key_file) if args.key_file else None
         gate = Gate(args.url, args.model, key, args.timeout, args.max_tokens, out=out)
         result["load_wait_s"] = round(gate.wait_healthy(), 2)
         result["version"] = gate.version
+        result["phase"] = "version"
+        expect = getattr(args, "expect_version", None)
+        if expect and gate.version != expect:
+            raise GateFailure(
+                f"the engine serving reports version {gate.version}, not {expect} that this "
+                "run installed (another run or a person changed the host meanwhile)"
+            )
         result["phase"] = "chat"
-        gate.chat()
+        question = result["question"] = QUESTION.format(a=a, b=b)
+        text = gate.chat(question)
+        result["answer"] = text.strip()[:200]
+        result["phase"] = "answer"
+        check_answer(question, a + b, text)
         result["phase"] = "stream"
         tps, tokens = gate.stream()
         result["decode_tps"] = round(tps, 2) if tps is not None else None
@@ -303,6 +364,7 @@ def main(argv=None) -> int:
     parser.add_argument("--key-file", help=f"env-style file with {KEY_VARIABLE}=... (no key: no auth)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens of the measured stream")
     parser.add_argument("--json-out", help="also write the final JSON result to this file")
+    parser.add_argument("--expect-version", help="fail unless /health reports this engine version")
     args = parser.parse_args(argv)
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2 to measure decode speed")

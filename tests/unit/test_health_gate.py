@@ -37,15 +37,27 @@ class StandinEngine:
         self.port = free_port(with_next=True)
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = workdir / "standin.json"
-        cfg.write_text(json.dumps({"tokens_per_s": PACE, "load_seconds": 3, "error_exit_delay_s": 10,
-                                   "broken": False, **config}))
-        env = dict(os.environ, PYTHONPATH=str(ENGINE_SRC), FREETOKEN_STANDIN_CONFIG=str(cfg),
-                   FREETOKEN_API_KEY=KEY)
+        cfg.write_text(
+            json.dumps({"tokens_per_s": PACE, "load_seconds": 3, "error_exit_delay_s": 10, "broken": False, **config})
+        )
+        env = dict(os.environ, PYTHONPATH=str(ENGINE_SRC), FREETOKEN_STANDIN_CONFIG=str(cfg), FREETOKEN_API_KEY=KEY)
         self.log = workdir / "engine.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "freetoken", "--model-path", str(model), "--host", "127.0.0.1",
-             "--port", str(self.port)],
-            env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "freetoken",
+                "--model-path",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_bound(self) -> None:
         wait_listening(self.port, self.proc, "engine stand-in", self.log)
@@ -105,7 +117,9 @@ def run_script(url: str, *extra: str, timeout: float = 30) -> Run:
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--url", url, "--timeout", str(timeout), "--model", MODEL_NAME, *extra],
-        capture_output=True, text=True, timeout=timeout + 120,
+        capture_output=True,
+        text=True,
+        timeout=timeout + 120,
         env={k: v for k, v in os.environ.items() if k != "FREETOKEN_API_KEY"},
     )
     return Run(proc, time.monotonic() - t0)
@@ -253,8 +267,10 @@ def test_gate_url_and_command():
     assert gate_url(settings_for(8000, listen_host="0.0.0.0")) == "http://127.0.0.1:8000"
     assert gate_url(settings_for(8000, listen_host="::")) == "http://[::1]:8000"
     cmd = gate_command(settings_for(8000, health_timeout_s=900), "/etc/freetoken/api.env")
-    assert cmd == (f"python3 {health.GATE_SCRIPT_PATH} --url http://127.0.0.1:8000 --timeout 900 "
-                   f"--model {MODEL_NAME} --key-file /etc/freetoken/api.env")
+    assert cmd == (
+        f"python3 {health.GATE_SCRIPT_PATH} --url http://127.0.0.1:8000 --timeout 900 "
+        f"--model {MODEL_NAME} --key-file /etc/freetoken/api.env"
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the operation uploads the script owned by root")
@@ -267,17 +283,20 @@ def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
         f"s = Settings(listen_port={ready_engine.port}, model_dir='/srv/models/{MODEL_NAME}',\n"
         f"             health_timeout_s=30, decode_floor_tps=1000, state_dir={str(tmp_path)!r})\n"
         f"health_gate(name='gate', settings=s, key_file={str(key_file)!r},\n"
-        f"            script_path={str(tmp_path / 'lib' / 'health_gate.py')!r})\n"
+        f"            script_path={str(tmp_path / 'lib' / 'health_gate.py')!r},\n"
+        f"            record_path={str(tmp_path / 'state' / 'health-gate.json')!r})\n"
     )
     pyinfra = Path(sys.executable).with_name("pyinfra")
-    proc = subprocess.run([str(pyinfra), "-y", "@local", str(deploy)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [str(pyinfra), "-y", "@local", str(deploy)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert (tmp_path / "lib" / "health_gate.py").read_text() == SCRIPT.read_text()
+    assert json.loads((tmp_path / "state" / "health-gate.json").read_text())["ok"] is True
     assert "[@local] stream ok" in out
     # The table comes by itself once the run is over, after pyinfra's results.
-    table = out[out.index("== health gate =="):]
+    table = out[out.index("== health gate ==") :]
     assert out.index("--> Results:") < out.index("== health gate ==")
     row = next(line for line in table.splitlines() if line.startswith("@local "))
     host_, health_, _, tps, floor, note = re.split(r"\s{2,}", row)
@@ -288,15 +307,42 @@ def test_operation_in_a_local_deploy(ready_engine, key_file, tmp_path):
 # ---------------------------------------------------------------------------- the report
 def test_report_flags_below_floor_and_failures():
     results = {
-        "ws-fast": {"ok": True, "phase": "done", "load_wait_s": 34.2, "decode_tps": 23.7,
-                    "completion_tokens": 64, "error": None, "decode_floor_tps": 20.0},
-        "ws-slow": {"ok": True, "phase": "done", "load_wait_s": 41.0, "decode_tps": 12.5,
-                    "completion_tokens": 64, "error": None, "decode_floor_tps": 20.0},
-        "ws-dead": {"ok": False, "phase": "health", "load_wait_s": None, "decode_tps": None,
-                    "completion_tokens": None, "error": "engine reports error: worker died\nmore",
-                    "decode_floor_tps": None},
-        "ws-nofloor": {"ok": True, "phase": "done", "load_wait_s": 30.0, "decode_tps": 3.0,
-                       "completion_tokens": 64, "error": None, "decode_floor_tps": None},
+        "ws-fast": {
+            "ok": True,
+            "phase": "done",
+            "load_wait_s": 34.2,
+            "decode_tps": 23.7,
+            "completion_tokens": 64,
+            "error": None,
+            "decode_floor_tps": 20.0,
+        },
+        "ws-slow": {
+            "ok": True,
+            "phase": "done",
+            "load_wait_s": 41.0,
+            "decode_tps": 12.5,
+            "completion_tokens": 64,
+            "error": None,
+            "decode_floor_tps": 20.0,
+        },
+        "ws-dead": {
+            "ok": False,
+            "phase": "health",
+            "load_wait_s": None,
+            "decode_tps": None,
+            "completion_tokens": None,
+            "error": "engine reports error: worker died\nmore",
+            "decode_floor_tps": None,
+        },
+        "ws-nofloor": {
+            "ok": True,
+            "phase": "done",
+            "load_wait_s": 30.0,
+            "decode_tps": 3.0,
+            "completion_tokens": 64,
+            "error": None,
+            "decode_floor_tps": None,
+        },
     }
     report = format_gate_report(results)
     rows = {line.split()[0]: line for line in report.splitlines()[3:-1]}
@@ -341,8 +387,13 @@ def test_gate_report_prints_once_every_host_is_done(capsys):
     health.GateReport.watch(state)
     assert len(state.callback_handlers) == 1
     report = state.callback_handlers[0]
-    GATE_RESULTS["ws1"] = {"ok": True, "phase": "done", "load_wait_s": 3.0, "decode_tps": 29.6,
-                           "decode_floor_tps": None}
+    GATE_RESULTS["ws1"] = {
+        "ok": True,
+        "phase": "done",
+        "load_wait_s": 3.0,
+        "decode_tps": 29.6,
+        "decode_floor_tps": None,
+    }
     health.LAST_GATES["ws2"] = {"ok": True, "decode_tps": 24.4, "load_wait_s": 2.0}
     report.operation_host_error(state, state.host("ws4"), "CUDA: toolkit packages")
     for name in ("ws1", "ws2", "ws3"):
@@ -356,3 +407,211 @@ def test_gate_report_prints_once_every_host_is_done(capsys):
     assert "no gate: refused at preflight" in rows["ws3"] and rows["ws3"].split()[1] == "-"
     assert "no gate: failed at: CUDA: toolkit packages" in rows["ws4"]
     assert "4 host(s): 2 serving, 0 below the decode floor, 0 failed, 2 stopped before the gate" in table
+
+
+# ---------------------------------------------------------------------------- the answer, the version
+def test_the_gate_asks_a_question_with_one_right_answer(ready_engine, key_file):
+    run = run_script(ready_engine.url, "--key-file", str(key_file))
+    assert run.rc == 0, run.stdout + run.stderr
+    r = run.result
+    a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", r["question"]).groups())
+    assert r["answer"] == str(a + b), r
+
+
+def test_a_wrong_answer_fails_the_gate_in_the_answer_phase(engine_factory, key_file):
+    engine = engine_factory(load_seconds=0.5, wrong_answers=True)
+    run = run_script(engine.url, "--key-file", str(key_file))
+    assert run.rc == 1, run.stdout
+    r = run.result
+    assert r["ok"] is False and r["phase"] == "answer", r
+    assert r["error"].startswith("wrong answer: asked 'What is "), r
+    a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", r["question"]).groups())
+    assert r["answer"] == str(a + b + 1) and f"expected {a + b}," in r["error"], r
+    assert r["decode_tps"] is None  # nothing after a wrong answer counts
+
+
+def test_wrong_answers_can_apply_to_one_engine_version_only(engine_factory, key_file):
+    engine = engine_factory(load_seconds=0.5, wrong_answers=["0.2.2"])  # the stand-in is 0.2.1
+    assert run_script(engine.url, "--key-file", str(key_file)).result["ok"] is True
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("42", True),
+        ("17 + 25 = 42", True),
+        ("The answer is **42**.", True),
+        (" 42\n", True),
+        ("43", False),
+        ("42 or 43", False),
+        ("forty-two", False),
+        ("", False),
+        ("4 2", False),
+    ],
+)
+def test_check_answer_takes_the_last_number(text, ok):
+    gate = _gate_module()
+    if ok:
+        gate.check_answer("What is 17 + 25?", 42, text)
+    else:
+        with pytest.raises(gate.GateFailure, match="wrong answer"):
+            gate.check_answer("What is 17 + 25?", 42, text)
+
+
+def _gate_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("health_gate_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_engine_other_than_the_one_installed_fails_in_the_version_phase(ready_engine, key_file):
+    run = run_script(ready_engine.url, "--key-file", str(key_file), "--expect-version", "0.2.2")
+    assert run.rc == 1
+    r = run.result
+    assert r["phase"] == "version" and r["version"] == "0.2.1", r
+    assert "reports version 0.2.1, not 0.2.2 that this run installed" in r["error"], r
+    same = run_script(ready_engine.url, "--key-file", str(key_file), "--expect-version", "0.2.1")
+    assert same.result["ok"] is True, same.result
+
+
+# ---------------------------------------------------------------------------- what a gate gated
+SUBJECT = {
+    "engine_version": "0.2.1",
+    "unit_sha256": "u1",
+    "environment_sha256": "e1",
+    "model": "nvidia/Qwen3.6-35B-A3B-NVFP4@main",
+    "launch": ["python", "-m", "freetoken"],
+}
+
+
+def test_the_record_says_what_was_gated_and_a_later_run_skips_only_on_a_match(ready_engine, key_file, tmp_path):
+    GATE_RESULTS.clear()
+    record_file = tmp_path / "deploy-state" / "health-gate.json"
+    settings = settings_for(ready_engine.port, health_timeout_s=30)
+    previous = {"ok": True, "phase": "done", "version": "0.2.0", "gated": {**SUBJECT, "engine_version": "0.2.0"}}
+    result = run_gate(
+        None,
+        LocalHost("ws1", journal=[]),
+        settings,
+        str(key_file),
+        str(SCRIPT),
+        result_path=str(record_file),
+        subject=SUBJECT,
+        previous=previous,
+    )
+    assert result["ok"] is True
+    doc = json.loads(record_file.read_text())
+    assert doc["ok"] is True and doc["version"] == "0.2.1" and doc["question"]
+    assert doc["gated"] == {**SUBJECT, "manifest_sha256": None}  # no manifest in this test
+    assert doc["last_passed"]["version"] == "0.2.1" and "last_passed" not in doc["last_passed"]
+
+    assert health.why_gate(doc, SUBJECT, None, "0.2.1") is None
+    assert "another unit_sha256" in health.why_gate(doc, {**SUBJECT, "unit_sha256": "u2"}, None, "0.2.1")
+    assert "another manifest_sha256" in health.why_gate(doc, SUBJECT, "f00d", "0.2.1")
+    why = health.why_gate
+    assert "another engine_version" in why(doc, {**SUBJECT, "engine_version": "0.2.2"}, None, "0.2.2")
+    assert "serving reports version 0.2.2" in why(doc, SUBJECT, None, "0.2.2")
+    assert why(None, SUBJECT, None, "0.2.1") == "no gate record on the host"
+    assert "did not pass (started)" in why({**doc, "ok": False, "phase": "started"}, SUBJECT, None, "0.2.1")
+    assert "does not say what it gated" in why({"ok": True, "decode_tps": 23.5}, SUBJECT, None, "0.2.1")
+
+
+def test_a_failed_gate_keeps_the_last_passed_one_for_the_rollback_target(engine_factory, key_file, tmp_path):
+    GATE_RESULTS.clear()
+    engine = engine_factory(load_seconds=0.5, wrong_answers=True)
+    record_file = tmp_path / "health-gate.json"
+    passed = {"ok": True, "phase": "done", "version": "0.2.1", "gated": {**SUBJECT, "manifest_sha256": None}}
+    settings = settings_for(engine.port, health_timeout_s=30, engine_version="0.2.1")
+    with pytest.raises(OperationError, match="failed in the answer phase: wrong answer"):
+        run_gate(
+            None,
+            LocalHost("ws1", journal=[]),
+            settings,
+            str(key_file),
+            str(SCRIPT),
+            result_path=str(record_file),
+            subject=SUBJECT,
+            previous=passed,
+        )
+    doc = json.loads(record_file.read_text())
+    assert doc["ok"] is False and doc["phase"] == "answer" and doc["last_passed"] == passed
+
+    class Installed:
+        def __init__(self, active, versions):
+            self.active, self.versions = active, {v: v for v in versions}
+
+    upgrade = Settings(engine_version="0.2.2")
+    # the run that switched: active is still the old version
+    assert health.rollback_target(Installed("0.2.1", ["0.2.1", "0.2.2"]), upgrade, None) == "0.2.1"
+    # a run cut after the switch left active on 0.2.2: the last passed gate names 0.2.1
+    cut = {"ok": False, "phase": "started", "last_passed": {**passed}}
+    assert health.rollback_target(Installed("0.2.2", ["0.2.1", "0.2.2"]), upgrade, cut) == "0.2.1"
+    assert health.rollback_target(Installed("0.2.2", ["0.2.2"]), upgrade, cut) is None  # not installed
+    assert health.rollback_target(Installed("0.2.2", ["0.2.1", "0.2.2"]), upgrade, None) is None
+
+
+class LostHost(LocalHost):
+    """The SSH session ends while the gate script runs."""
+
+    def run_shell_command(self, command, print_output=False, **arguments):
+        if "health_gate" in str(command):
+            from paramiko import SSHException
+
+            raise SSHException("SSH session not active")
+        return super().run_shell_command(command, print_output=print_output, **arguments)
+
+
+def test_a_lost_connection_is_one_line_and_the_table_says_cut_off(key_file, tmp_path, capsys):
+    GATE_RESULTS.clear()
+    settings = settings_for(free_port(with_next=True), health_timeout_s=10)
+    status = run_gate(
+        None, LostHost("ws1", journal=[]), settings, str(key_file), str(SCRIPT), subject=SUBJECT, previous=None
+    )
+    assert status is False  # the operation fails without a traceback
+    err = capsys.readouterr().err
+    assert "ws1: connection lost during the health gate; re-run to finish" in err.splitlines()
+    assert "Traceback" not in err
+    assert GATE_RESULTS["ws1"]["cut_off"] is True
+    table = format_gate_report(GATE_RESULTS)
+    row = next(line for line in table.splitlines() if line.startswith("ws1 "))
+    assert row.split()[1:3] == ["cut", "off"] and "gate cut off: connection lost; re-run to finish" in row
+    assert "FAILED" not in table
+    assert table.splitlines()[-1] == "1 host(s): 0 serving, 0 below the decode floor, 0 failed, 1 cut off"
+
+
+def test_the_fleet_report_says_a_host_lost_its_connection():
+    from freetoken_infra.report import host_row
+
+    observed = {
+        "engine_active": "0.2.1",
+        "engine_version": "0.2.2",
+        "blockers": [],
+        "restart_only": False,
+        "health": {"status": "ok", "version": "0.2.1"},
+        "last_gate": {"ok": True, "decode_tps": 23.5},
+    }
+    cut = {"ok": False, "phase": health.CUT_OFF, "cut_off": True, "error": "connection lost (x)"}
+    row = host_row(
+        "ws1",
+        [
+            {"host": "ws1", "observed": observed},
+            {"host": "ws1", "gate": cut, "lost": {"step": "the health gate"}},
+            {"host": "ws1", "op_error": "Health gate"},
+            {"host": "ws1", "finished": {"failed": True, "changes": 5}},
+        ],
+    )
+    assert row["result"] == "failed"
+    assert row["reason"] == "connection lost during the health gate; re-run to finish"
+    assert row["health"] == "cut off" and row["tokens_per_s"] is None  # not the last gate's 23.5
+    other = host_row(
+        "ws1",
+        [
+            {"host": "ws1", "observed": observed},
+            {"host": "ws1", "lost": {"step": "Service: restart"}},
+            {"host": "ws1", "finished": {"failed": True, "changes": 3}},
+        ],
+    )
+    assert other["reason"] == "connection lost during Service: restart; re-run to finish"

@@ -28,6 +28,7 @@ import pytest
 
 from facts import batch
 from freetoken_infra.core.launch import derive_plan
+from freetoken_infra.core.layout import ENGINE_COMPLETE_MARKER
 from freetoken_infra.core.settings import Settings
 from tests.unit.test_health_gate import KEY, MODEL_NAME, SCRIPT, StandinEngine
 
@@ -200,7 +201,7 @@ def test_a_missing_key_file_stops_the_engines_start():
 
 class FileHost:
     """Answers the facts of operations.engine.environment from a dict of files
-    (path -> (text, mode)); a venv for the version is there with the engine and ninja."""
+    (path -> (text, mode)); a built venv for the version is there with the engine and ninja."""
 
     def __init__(self, settings: Settings, files: dict[str, tuple[str, str]]):
         self.settings = settings
@@ -216,7 +217,11 @@ class FileHost:
         host.get_fact = self.get_fact
         with ctx_state.use(state), ctx_host.use(host):
             return [
-                f"upload {c.dest}" if isinstance(c, FileUploadCommand) else str(c.get_raw_value())
+                f"upload {c.dest}"
+                if isinstance(c, FileUploadCommand)
+                else c
+                if isinstance(c, str)
+                else str(c.get_raw_value())
                 for c in op._inner(settings)
             ]
 
@@ -229,7 +234,7 @@ class FileHost:
             v = self.settings.engine_version
             return EngineInstallInfo(self.settings.engine_base_dir, {v: v}, v, venv)
         if name == "File":
-            if path in (f"{venv}/pyvenv.cfg", f"{venv}/bin/ninja"):
+            if path in (f"{venv}/pyvenv.cfg", f"{venv}/bin/ninja", f"{venv}/{ENGINE_COMPLETE_MARKER}"):
                 return {"user": "root", "group": "root", "mode": 644, "size": 1}
             if path not in self.files:
                 return None

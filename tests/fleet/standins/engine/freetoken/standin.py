@@ -34,7 +34,13 @@ named by env FREETOKEN_STANDIN_CONFIG: ``{"tokens_per_s": 24.0, "load_seconds": 
 "error_exit_delay_s": 10, "broken": false, "fatal_exit": "sigterm", "default_max_tokens": 32}``.
 ``broken: true`` (or a wheel built broken, version.BROKEN) fails after loading.
 
-Fault switches: ``POST /_standin/fault`` ``{"kind": "crash"|"exit"|"oom"|"swap"}`` (loopback
+Answers: a question "What is A + B?" (the health gate's) is answered with the sum, as a real
+model does at temperature 0, ending at the answer (finish_reason "stop"); anything else gets the
+paced stand-in words. ``wrong_answers`` in the config (``true``, or a list of engine versions it
+applies to, e.g. ``["0.2.2"]``) makes it answer the sum plus one instead: an engine that streams
+garbage (broken kernels, a bad shard) while /health says ok.
+
+Fault switches: ``POST /_standin/fault`` ``{"kind": "crash"|"exit"|"oom"|"swap"|"wrong"}`` (loopback
 clients only; API key required when one is set): crash = the process dies at once with a worker
 traceback and exit code 1 (no health error); exit = backend death: health error, then exit
 after the delay; oom = a scheduler worker dies of CUDA OOM while serving: its traceback (the field
@@ -45,7 +51,8 @@ pace up to SwapTotal for as long as this process lives and falls back when it en
 process's swapped-out memory does: it holds a connection to the simulated fleet's VM memory
 stand-in (config ``swap_url``, tests/fleet/standins/vm_memory.py), which rewrites the host's
 /proc/meminfo source; 400 when no ``swap_url`` is configured, 502 when it cannot be reached.
-The answer (200) comes once the growth has begun.
+The answer (200) comes once the growth has begun. wrong = from now on this process answers
+questions wrongly (see ``wrong_answers``; the config survives a restart, the switch does not).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -76,8 +84,10 @@ DEFAULT_CONFIG = {
     "gpu_free_mib": 11878,
     "swap_url": None,
     "swap_mib_per_s": 256,
+    "wrong_answers": False,
 }
 SYSTEM_CONFIG = "/etc/freetoken-standin.json"
+QUESTION = re.compile(r"What is (-?\d+) \+ (-?\d+)\?")
 WORDS = "Hello from the FreeToken stand-in , a tiny model that speaks in paced tokens .".split()
 # The field report's line (an RTX 5060 Ti: 16311 MiB total, 11.6 GiB "free" under the WDDM lock);
 # total and free come from the host's GPU (stand-in config gpu_total_mib / gpu_free_mib).
@@ -98,12 +108,20 @@ def load_config() -> dict:
         with open(path) as f:
             cfg.update(json.load(f))
     cfg["broken"] = bool(cfg.get("broken")) or BROKEN
+    wrong = cfg.get("wrong_answers")
+    cfg["wrong_answers"] = wrong is True or (isinstance(wrong, list) and __version__ in wrong)
     return cfg
 
 
 # ------------------------------------------------------------------ logging like utils/logger.py
 class _Fmt(logging.Formatter):
-    COLORS = {"DEBUG": "\033[36m", "INFO": "\033[32m", "WARNING": "\033[33m", "ERROR": "\033[31m", "CRITICAL": "\033[35m"}
+    COLORS = {
+        "DEBUG": "\033[36m",
+        "INFO": "\033[32m",
+        "WARNING": "\033[33m",
+        "ERROR": "\033[31m",
+        "CRITICAL": "\033[35m",
+    }
 
     def __init__(self, tag: str = "") -> None:
         super().__init__()
@@ -118,7 +136,8 @@ class _Fmt(logging.Formatter):
 def _logger(name: str = "freetoken", tag: str = "") -> logging.Logger:
     log = logging.getLogger(name)
     level = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}.get(
-        os.getenv("LOG_LEVEL", "").upper(), 20)
+        os.getenv("LOG_LEVEL", "").upper(), 20
+    )
     log.setLevel(level)
     log.handlers.clear()
     h = logging.StreamHandler(sys.stdout)
@@ -170,8 +189,14 @@ def quantization_config_of(cfg: dict, model_path: str) -> dict | None:
 
 
 def _modelopt_kind(algo: str) -> str:
-    kinds = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8_tensor", "FP8_PER_CHANNEL_PER_TOKEN": "fp8_tensor",
-             "FP8_PB_WO": "fp8_block", "MXFP8": "mxfp8"}
+    kinds = {
+        "NVFP4": "nvfp4",
+        "W4A16_NVFP4": "nvfp4",
+        "FP8": "fp8_tensor",
+        "FP8_PER_CHANNEL_PER_TOKEN": "fp8_tensor",
+        "FP8_PB_WO": "fp8_block",
+        "MXFP8": "mxfp8",
+    }
     if algo not in kinds:
         raise NotImplementedError(f"ModelOpt quant_algo {algo!r} is not supported")
     return kinds[algo]
@@ -184,7 +209,9 @@ def _ct_kind(spec: dict) -> str:
     if bits == 4 and wtype == "float":
         if strategy == "tensor_group" and group == 16:
             return "nvfp4"
-        raise NotImplementedError(f"compressed-tensors 4-bit float scheme (strategy={strategy!r}, group_size={group}) is not supported; only NVFP4 is")
+        raise NotImplementedError(
+            f"compressed-tensors 4-bit float scheme (strategy={strategy!r}, group_size={group}) is not supported; only NVFP4 is"
+        )
     if bits == 8 and wtype == "float":
         if strategy in ("tensor", "channel"):
             return "fp8_tensor"
@@ -209,8 +236,11 @@ def expert_quant_kinds(q: dict | None) -> set[str]:
         if not layers:
             raise NotImplementedError("ModelOpt MIXED_PRECISION without quantized_layers in quantization_config")
         kinds = {_modelopt_kind(str((v or {}).get("quant_algo") or "").upper()) for v in layers.values()}
-        return {_modelopt_kind(str((v or {}).get("quant_algo") or "").upper())
-                for k, v in layers.items() if ".experts." in k} or ({"none"} if kinds else {"none"})
+        return {
+            _modelopt_kind(str((v or {}).get("quant_algo") or "").upper())
+            for k, v in layers.items()
+            if ".experts." in k
+        } or ({"none"} if kinds else {"none"})
     if method == "compressed-tensors":
         kinds = set()
         for spec in (q.get("config_groups") or {}).values():
@@ -267,14 +297,30 @@ class Engine:
             return {"status": "error", "message": self.fatal, "instance_id": self.instance_id}
         if self.state == "loading":
             d = self.phase_desc.lower()
-            phase = "expert_banks" if "expert" in d else "weights" if "weight" in d else \
-                "warmup" if ("graph" in d or "warm" in d) else "other"
-            return {"status": "loading", "phase": phase,
-                    "progress": {"done_bytes": self.done_bytes, "total_bytes": self.total_bytes},
-                    "model": self.model, "instance_id": self.instance_id}
-        return {"status": "ok", "model": self.model, "instance_id": self.instance_id,
-                "uptime_s": max(0, int(time.monotonic() - (self.ready_at or time.monotonic()))),
-                "maintenance": self.state, "version": __version__}
+            phase = (
+                "expert_banks"
+                if "expert" in d
+                else "weights"
+                if "weight" in d
+                else "warmup"
+                if ("graph" in d or "warm" in d)
+                else "other"
+            )
+            return {
+                "status": "loading",
+                "phase": phase,
+                "progress": {"done_bytes": self.done_bytes, "total_bytes": self.total_bytes},
+                "model": self.model,
+                "instance_id": self.instance_id,
+            }
+        return {
+            "status": "ok",
+            "model": self.model,
+            "instance_id": self.instance_id,
+            "uptime_s": max(0, int(time.monotonic() - (self.ready_at or time.monotonic()))),
+            "maintenance": self.state,
+            "version": __version__,
+        }
 
     # -------------------------------------------------------------- failure paths
     def worker_traceback(self, exc: BaseException) -> None:
@@ -320,7 +366,8 @@ class Engine:
             s.close()
             raise RuntimeError(
                 f"The server socket has failed to listen on any local network address. port: {port}, "
-                "useIPv6: 0, code: -98, name: EADDRINUSE, message: address already in use") from None
+                "useIPv6: 0, code: -98, name: EADDRINUSE, message: address already in use"
+            ) from None
         s.listen(16)
         self.gloo = s
 
@@ -377,8 +424,9 @@ class Engine:
             "Traceback (most recent call last):\n"
             '  File "freetoken/moe/offload.py", line 412, in _alloc_slot\n'
             "    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)\n"
-            + OOM_LINE.format(total_gib=self.cfg["gpu_total_mib"] / 1024,
-                              free_gib=self.cfg["gpu_free_mib"] / 1024) + "\n")
+            + OOM_LINE.format(total_gib=self.cfg["gpu_total_mib"] / 1024, free_gib=self.cfg["gpu_free_mib"] / 1024)
+            + "\n"
+        )
         sys.stderr.flush()
         self.backend_died("backend worker freetoken-TP0-scheduler exited")
 
@@ -387,8 +435,11 @@ class Engine:
         memory stand-in, ``swap_url``) grows for as long as this process lives."""
         import urllib.request
 
-        req = urllib.request.Request(self.cfg["swap_url"], data=json.dumps({"mib_per_s": mib_per_s}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.cfg["swap_url"],
+            data=json.dumps({"mib_per_s": mib_per_s}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         held = urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10)
 
         def hold():
@@ -429,7 +480,9 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):
         if self.path == "/health" and logger.level > 10:
             return  # the real access-log filter hides health polling
-        _uvicorn(f'{self.client_address[0]}:{self.client_address[1]} - "{self.requestline}" {args[1] if len(args) > 1 else ""}')
+        _uvicorn(
+            f'{self.client_address[0]}:{self.client_address[1]} - "{self.requestline}" {args[1] if len(args) > 1 else ""}'
+        )
 
     def _json(self, status: int, obj) -> None:
         body = json.dumps(obj).encode()
@@ -462,7 +515,9 @@ class Handler(BaseHTTPRequestHandler):
         st = self.engine.state
         if st == "serving":
             return True
-        msg = "model is still loading" if st == "loading" else "server unavailable: maintenance failed (restart required)"
+        msg = (
+            "model is still loading" if st == "loading" else "server unavailable: maintenance failed (restart required)"
+        )
         self._json(503, {"error": msg})
         return False
 
@@ -473,15 +528,36 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorised():
             return self._json(401, {"error": "Unauthorized"})
         if path == "/v1/models":
-            return self._json(200, {"object": "list", "data": [
-                {"id": self.engine.model, "object": "model", "created": int(time.time()), "owned_by": "freetoken"}]})
+            return self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": self.engine.model,
+                            "object": "model",
+                            "created": int(time.time()),
+                            "owned_by": "freetoken",
+                        }
+                    ],
+                },
+            )
         if path == "/v1/stats":
             e = self.engine
             h = e.health()
-            return self._json(200, {"status": h["status"], "version": __version__, "instance_id": e.instance_id,
-                                    "uptime_s": h.get("uptime_s", 0), "model": {"id": e.model},
-                                    "requests_total": e.requests_total, "tokens_generated": e.tokens_generated,
-                                    "decode_tokens_per_s": float(e.cfg["tokens_per_s"])})
+            return self._json(
+                200,
+                {
+                    "status": h["status"],
+                    "version": __version__,
+                    "instance_id": e.instance_id,
+                    "uptime_s": h.get("uptime_s", 0),
+                    "model": {"id": e.model},
+                    "requests_total": e.requests_total,
+                    "tokens_generated": e.tokens_generated,
+                    "decode_tokens_per_s": float(e.cfg["tokens_per_s"]),
+                },
+            )
         self._json(404, {"detail": "Not Found"})
 
     def do_POST(self):
@@ -501,8 +577,8 @@ class Handler(BaseHTTPRequestHandler):
         if not (self.client_address[0].startswith("127.") or self.client_address[0] == "::1"):
             return self._json(403, {"error": "fault switches are loopback-only"})
         kind = body.get("kind")
-        if kind not in ("crash", "exit", "oom", "swap"):
-            return self._json(400, {"error": "kind must be crash, exit, oom or swap"})
+        if kind not in ("crash", "exit", "oom", "swap", "wrong"):
+            return self._json(400, {"error": "kind must be crash, exit, oom, swap or wrong"})
         if kind == "swap":
             if not self.engine.cfg.get("swap_url"):
                 return self._json(400, {"error": "no swap source: swap_url is not in the stand-in config"})
@@ -513,10 +589,13 @@ class Handler(BaseHTTPRequestHandler):
                 return self._json(502, {"error": f"swap source {self.engine.cfg['swap_url']}: {exc}"})
         # the state changes before the answer, so a client that got 200 already sees the fault
         if kind == "exit":
-            self.engine.backend_died("backend worker freetoken-TP0-scheduler (pid %d) exited unexpectedly with code -9"
-                                     % (os.getpid() + 1))
+            self.engine.backend_died(
+                f"backend worker freetoken-TP0-scheduler (pid {os.getpid() + 1}) exited unexpectedly with code -9"
+            )
         elif kind == "oom":
             self.engine.oom()
+        elif kind == "wrong":
+            self.engine.cfg["wrong_answers"] = True
         self._json(200, {"ok": True, "kind": kind})
         self.wfile.flush()
         if kind == "crash":
@@ -535,6 +614,11 @@ class Handler(BaseHTTPRequestHandler):
         limit = body.get("max_tokens", body.get("max_completion_tokens"))
         n = int(limit) if isinstance(limit, int) and limit > 0 else int(e.cfg["default_max_tokens"])
         finish = "length" if isinstance(limit, int) and limit > 0 else "stop"
+        words = WORDS
+        asked = QUESTION.search(text_in)
+        if asked:  # one right answer: the sum, and the reply ends there
+            total = int(asked.group(1)) + int(asked.group(2)) + (1 if e.cfg.get("wrong_answers") else 0)
+            words, n, finish = [str(total)], 1, "stop"
         prompt_tokens = _prompt_tokens(text_in)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         with e.lock:
@@ -551,24 +635,49 @@ class Handler(BaseHTTPRequestHandler):
                     time.sleep(delay)
                 with e.lock:
                     e.tokens_generated += 1
-                yield (" " if i else "") + WORDS[i % len(WORDS)]
+                yield (" " if i else "") + words[i % len(words)]
 
         if not body.get("stream"):
             text = "".join(tokens())
             if path == "/v1/messages":
-                return self._json(200, {"id": f"msg_{rid}", "type": "message", "role": "assistant", "model": e.model,
-                                        "content": [{"type": "text", "text": text}],
-                                        "stop_reason": "max_tokens" if finish == "length" else "end_turn",
-                                        "stop_sequence": None,
-                                        "usage": {"input_tokens": prompt_tokens, "output_tokens": n}})
+                return self._json(
+                    200,
+                    {
+                        "id": f"msg_{rid}",
+                        "type": "message",
+                        "role": "assistant",
+                        "model": e.model,
+                        "content": [{"type": "text", "text": text}],
+                        "stop_reason": "max_tokens" if finish == "length" else "end_turn",
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": prompt_tokens, "output_tokens": n},
+                    },
+                )
             if path == "/v1/completions":
-                return self._json(200, {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                                        "model": e.model, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                                       "finish_reason": finish}], "usage": usage})
-            return self._json(200, {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
-                                    "model": e.model, "choices": [{"index": 0, "message": {
-                                        "role": "assistant", "content": text}, "finish_reason": finish}],
-                                    "usage": usage})
+                return self._json(
+                    200,
+                    {
+                        "id": f"cmpl-{rid}",
+                        "object": "text_completion",
+                        "created": created,
+                        "model": e.model,
+                        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                        "usage": usage,
+                    },
+                )
+            return self._json(
+                200,
+                {
+                    "id": f"chatcmpl-{rid}",
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": e.model,
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                    ],
+                    "usage": usage,
+                },
+            )
         self.send_response(200)
         self.send_header("content-type", "text/event-stream; charset=utf-8")
         self.send_header("cache-control", "no-cache")
@@ -583,26 +692,67 @@ class Handler(BaseHTTPRequestHandler):
 
         try:
             if path == "/v1/messages":
-                send(json.dumps({"type": "message_start", "message": {"id": f"msg_{rid}", "type": "message",
-                                 "role": "assistant", "model": e.model, "content": [],
-                                 "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}), "message_start")
-                send(json.dumps({"type": "content_block_start", "index": 0,
-                                 "content_block": {"type": "text", "text": ""}}), "content_block_start")
+                send(
+                    json.dumps(
+                        {
+                            "type": "message_start",
+                            "message": {
+                                "id": f"msg_{rid}",
+                                "type": "message",
+                                "role": "assistant",
+                                "model": e.model,
+                                "content": [],
+                                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+                            },
+                        }
+                    ),
+                    "message_start",
+                )
+                send(
+                    json.dumps(
+                        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+                    ),
+                    "content_block_start",
+                )
                 for tok in tokens():
-                    send(json.dumps({"type": "content_block_delta", "index": 0,
-                                     "delta": {"type": "text_delta", "text": tok}}), "content_block_delta")
+                    send(
+                        json.dumps(
+                            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": tok}}
+                        ),
+                        "content_block_delta",
+                    )
                 send(json.dumps({"type": "content_block_stop", "index": 0}), "content_block_stop")
-                send(json.dumps({"type": "message_delta", "delta": {"stop_reason": "max_tokens" if finish == "length"
-                                 else "end_turn"}, "usage": {"output_tokens": n}}), "message_delta")
+                send(
+                    json.dumps(
+                        {
+                            "type": "message_delta",
+                            "delta": {"stop_reason": "max_tokens" if finish == "length" else "end_turn"},
+                            "usage": {"output_tokens": n},
+                        }
+                    ),
+                    "message_delta",
+                )
                 send(json.dumps({"type": "message_stop"}), "message_stop")
             else:
                 chat = path == "/v1/chat/completions"
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                base = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": obj, "created": created,
-                        "model": e.model}
+                base = {
+                    "id": ("chatcmpl-" if chat else "cmpl-") + rid,
+                    "object": obj,
+                    "created": created,
+                    "model": e.model,
+                }
                 if chat:
-                    send(json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                          "finish_reason": None}]}))
+                    send(
+                        json.dumps(
+                            {
+                                **base,
+                                "choices": [
+                                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                                ],
+                            }
+                        )
+                    )
                 for tok in tokens():
                     choice = {"index": 0, "delta": {"content": tok}} if chat else {"index": 0, "text": tok}
                     send(json.dumps({**base, "choices": [{**choice, "finish_reason": None}]}))
@@ -634,9 +784,13 @@ def serve(args) -> None:
         except ValueError:
             gen = {}
     del hf
-    logger.info("Default sampling config (source=%s): temperature=%s, top_k=%s, top_p=%s",
-                "model" if gen else "framework", gen.get("temperature", 0.0), gen.get("top_k", -1),
-                gen.get("top_p", 1.0))
+    logger.info(
+        "Default sampling config (source=%s): temperature=%s, top_k=%s, top_p=%s",
+        "model" if gen else "framework",
+        gen.get("temperature", 0.0),
+        gen.get("top_k", -1),
+        gen.get("top_p", 1.0),
+    )
     if args.api_key is not None:
         api_logger.info("API key required on every route except /health")
     handler = type("BoundHandler", (Handler,), {"engine": e})
@@ -646,9 +800,11 @@ def serve(args) -> None:
     try:
         httpd = ThreadingHTTPServer((args.server_host, args.server_port), handler)
     except OSError as exc:
-        _uvicorn(f"[Errno {exc.errno}] error while attempting to bind on address "
-                 f"('{args.server_host}', {args.server_port}): {exc.strerror.lower() if exc.strerror else exc}",
-                 "ERROR")
+        _uvicorn(
+            f"[Errno {exc.errno}] error while attempting to bind on address "
+            f"('{args.server_host}', {args.server_port}): {exc.strerror.lower() if exc.strerror else exc}",
+            "ERROR",
+        )
         _uvicorn("Waiting for application shutdown.")
         _uvicorn("Application shutdown complete.")
         sys.exit(1)

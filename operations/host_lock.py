@@ -1,0 +1,207 @@
+"""One deploy run per host at a time: the host lock (``layout.HOST_LOCK_FILE``, root's).
+
+Two runs on one host (two people, or a rollout and a hand run) would otherwise interleave: the
+later run's plan is made from facts the earlier run is about to change, and each reports a
+state that is not the one serving. So a run takes the host's lock *before it reads the facts
+it acts on* (while pyinfra prepares the host, the deploy's first step), renews the lease while
+it works, and releases it when pyinfra disconnects from the host (at the end of the run, failed
+or not). A second run waits, saying who holds the lock, up to ``host_lock_timeout_s``, then
+stops that host with one line. A lock left by a cut run is taken over once its holder is
+provably gone (the SSH session that took it ended: a killed controller) or its lease ran out
+(a connection that died silently stops renewing it).
+
+The decisions are made on the target under an flock (``scripts/host_lock.py``, sent on stdin,
+so nothing has to be installed first); this module is the controller's side.
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import json
+import os
+import re
+import secrets
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+import gevent
+from pyinfra.api.state import BaseStateCallback
+
+from freetoken_infra.core.layout import HOST_LOCK_FILE, HOST_LOCK_MUTEX
+from freetoken_infra.core.pyinfra_internals import connection_lost
+
+SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
+# A run renews its lease every LEASE_S / 4 seconds; a holder that stopped renewing (its
+# connection died silently) blocks the host for at most LEASE_S.
+LEASE_S = 120.0
+POLL_S = 2.0
+HELD_EXIT = 3
+# Values of --data keys that look like secrets are not written into the lock file.
+_SECRET_KEY = re.compile(r"(key|token|secret|passw)", re.I)
+_RUN_STARTED = time.time()
+
+
+def redacted_command(argv: list[str]) -> str:
+    """The controller's command line for the lock's holder, secret-looking --data values hidden."""
+    out = []
+    for word in [Path(argv[0]).name, *argv[1:]] if argv else []:
+        name, sep, _ = word.partition("=")
+        out.append(f"{name}=***" if sep and _SECRET_KEY.search(name) else word)
+    return " ".join(shlex.quote(w) for w in out)
+
+
+def holder_info(token: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """Who this run is: controller host, user, process, start time, command, token."""
+    return {
+        "controller": socket.gethostname(),
+        "user": getpass.getuser(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(_RUN_STARTED)),
+        "command": redacted_command(sys.argv if argv is None else argv),
+        "token": token,
+    }
+
+
+def describe(holder: Mapping[str, Any] | None) -> str:
+    """``alice@laptop (pid 4242) since 2026-12-03 07:45:01 UTC: pyinfra -y ...``"""
+    if not holder:
+        return "nobody"
+    return (
+        f"{holder.get('user', '?')}@{holder.get('controller', '?')} (pid {holder.get('pid', '?')}) "
+        f"since {holder.get('started', '?')}: {holder.get('command', '?')}"
+    )
+
+
+def lock_command(
+    action: str, *, holder: Mapping[str, Any] | None = None, token: str | None = None, lease_s: float = LEASE_S
+) -> str:
+    """The target-side command; the script itself comes on stdin (``python3 -``)."""
+    argv = ["python3", "-", action, "--lock-file", HOST_LOCK_FILE, "--mutex", HOST_LOCK_MUTEX]
+    if action in ("take", "renew"):
+        argv += ["--lease", f"{lease_s:g}"]
+    if holder is not None:
+        argv += ["--holder", base64.b64encode(json.dumps(dict(holder)).encode()).decode()]
+    if token is not None:
+        argv += ["--token", token]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _last_json(lines: list[str]) -> dict[str, Any] | None:
+    for line in reversed(lines):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            return doc
+    return None
+
+
+class HostLockKeeper(BaseStateCallback):
+    """Renews the leases of the locks this run holds and releases them at disconnect."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, str] = {}
+        self.renewers: dict[str, Any] = {}
+        self.elevation: dict[str, dict[str, Any]] = {}
+
+    @classmethod
+    def of(cls, state) -> HostLockKeeper:
+        for handler in state.callback_handlers:
+            if isinstance(handler, cls):
+                return handler
+        keeper = cls()
+        state.add_callback_handler(keeper)
+        return keeper
+
+    def hold(self, host, token: str, elevation: Mapping[str, Any], lease_s: float) -> None:
+        self.tokens[host.name] = token
+        self.elevation[host.name] = dict(elevation)
+        self.renewers[host.name] = gevent.spawn(self._renew, host, token, lease_s)
+
+    def _renew(self, host, token: str, lease_s: float) -> None:
+        script = SCRIPT_SOURCE.read_text()
+        while True:
+            gevent.sleep(lease_s / 4)
+            try:
+                ok, output = host.run_shell_command(
+                    lock_command("renew", token=token, lease_s=lease_s), _stdin=script, **self.elevation[host.name]
+                )
+            except Exception:  # the connection is gone: the lease runs out by itself
+                return
+            if not ok and (_last_json(output.stdout_lines) or {}).get("renewed") is False:
+                click.echo(
+                    f"    [{host.name}] the host lock was taken over by another run "
+                    f"({describe((_last_json(output.stdout_lines) or {}).get('holder'))})",
+                    err=True,
+                )
+                return
+
+    def host_disconnect(self, state, host) -> None:  # type: ignore[override]  # pyinfra's is static
+        renewer = self.renewers.pop(host.name, None)
+        if renewer is not None:
+            renewer.kill()
+        token = self.tokens.pop(host.name, None)
+        if token is None or connection_lost(host):
+            return
+        try:
+            host.run_shell_command(
+                lock_command("release", token=token),
+                _stdin=SCRIPT_SOURCE.read_text(),
+                **self.elevation.get(host.name, {}),
+            )
+        except Exception:  # best effort: the holder's session ends with the run, which frees it
+            pass
+
+
+def take(
+    state,
+    host,
+    timeout_s: float,
+    elevation: Mapping[str, Any] | None = None,
+    lease_s: float = LEASE_S,
+    argv: list[str] | None = None,
+) -> str | None:
+    """Take ``host``'s lock for this run, waiting up to ``timeout_s`` for another run's.
+
+    Returns None once held (renewed in the background, released at disconnect), else the one
+    line that says why not (the caller stops the host with it). Prints who holds the lock while
+    it waits, and whose lock it took over.
+    """
+    elevation = dict(elevation or {})
+    keeper = HostLockKeeper.of(state)
+    token = secrets.token_hex(16)
+    holder = holder_info(token, argv)
+    script = SCRIPT_SOURCE.read_text()
+    deadline = time.monotonic() + timeout_s
+    announced = None
+    while True:
+        ok, output = host.run_shell_command(
+            lock_command("take", holder=holder, lease_s=lease_s), _stdin=script, **elevation
+        )
+        doc = _last_json(output.stdout_lines) or {}
+        if ok and doc.get("taken"):
+            if doc.get("took_over"):
+                click.echo(
+                    f"    [{host.name}] took over the host lock ({doc.get('why')}) from {describe(doc['took_over'])}",
+                    err=True,
+                )
+            keeper.hold(host, token, elevation, lease_s)
+            return None
+        if doc.get("taken") is not False:
+            tail = " / ".join(line.line for line in output.output_lines[-3:]) or "no output"
+            return f"cannot take the host lock: {tail}"
+        who = describe(doc.get("holder"))
+        if time.monotonic() >= deadline:
+            return f"the host lock is held by {who}; gave up after {timeout_s:g} s (host_lock_timeout_s)"
+        if who != announced:
+            click.echo(f"    [{host.name}] waiting for the host lock, held by {who} (up to {timeout_s:g} s)", err=True)
+            announced = who
+        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,252 @@
+"""The host lock: the target-side script (run here, on temporary files, as on a target), the
+fact the doctor reads, and the controller's side with a host double whose shell is this
+machine's."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pyinfra.connectors.util import CommandOutput, OutputLine
+
+from facts.host_lock import HostLock, parse_host_lock_output
+from operations import host_lock
+
+SCRIPT = Path(host_lock.__file__).resolve().parent / "scripts" / "host_lock.py"
+
+
+def holder(token: str, pid: int | None = None, **extra) -> dict:
+    return {
+        "controller": "ctl",
+        "user": "alice",
+        "pid": pid or os.getpid(),
+        "started": "2026-12-03 07:00:00 UTC",
+        "command": "pyinfra -y inventories/sim.py deploys/freetoken.py",
+        "token": token,
+        **extra,
+    }
+
+
+def lock(tmp_path: Path, *args: str) -> tuple[int, dict]:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            *args,
+            "--lock-file",
+            str(tmp_path / "run.lock"),
+            "--mutex",
+            str(tmp_path / "run.lock.mutex"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    return proc.returncode, json.loads(proc.stdout.splitlines()[-1])
+
+
+def b64(doc: dict) -> str:
+    return base64.b64encode(json.dumps(doc).encode()).decode()
+
+
+def test_take_hold_release(tmp_path):
+    rc, doc = lock(tmp_path, "take", "--holder", b64(holder("A")), "--lease", "60")
+    assert (rc, doc["taken"], doc["took_over"]) == (0, True, None)
+    written = json.loads((tmp_path / "run.lock").read_text())
+    assert written["token"] == "A" and written["expires"] > time.time() + 50
+    # the session is a live process (here: no sshd above the script, so this test process or none)
+    rc, doc = lock(tmp_path, "take", "--holder", b64(holder("B")), "--lease", "60")
+    assert rc == host_lock.HELD_EXIT and doc["taken"] is False and doc["holder"]["token"] == "A"
+    assert lock(tmp_path, "take", "--holder", b64(holder("A")), "--lease", "60")[0] == 0  # ours again
+    assert lock(tmp_path, "release", "--token", "B") == (0, {"released": False})
+    assert (tmp_path / "run.lock").exists()
+    assert lock(tmp_path, "release", "--token", "A") == (0, {"released": True})
+    assert not (tmp_path / "run.lock").exists()
+
+
+def _write_lock(tmp_path: Path, doc: dict) -> None:
+    (tmp_path / "run.lock").write_text(json.dumps(doc))
+
+
+def _start_ticks(pid: int) -> int:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return int(text[text.rindex(")") + 2 :].split()[19])
+
+
+def test_a_lock_whose_holder_is_gone_is_taken_over(tmp_path):
+    gone = subprocess.Popen(["sleep", "0"])
+    gone.wait()
+    _write_lock(tmp_path, {**holder("OLD"), "session": {"pid": gone.pid, "start": 1}, "expires": time.time() + 3600})
+    rc, doc = lock(tmp_path, "take", "--holder", b64(holder("NEW")), "--lease", "60")
+    assert rc == 0 and doc["why"] == "holder gone" and doc["took_over"]["token"] == "OLD"
+
+
+def test_a_live_holder_past_its_lease_is_taken_over_and_a_reused_pid_is_not_the_holder(tmp_path):
+    me = {"pid": os.getpid(), "start": _start_ticks(os.getpid())}
+    _write_lock(tmp_path, {**holder("OLD"), "session": me, "expires": time.time() - 1})
+    rc, doc = lock(tmp_path, "take", "--holder", b64(holder("NEW")), "--lease", "60")
+    assert rc == 0 and doc["why"] == "lease expired"
+    # Same pid, another start time: another process, so the holder is gone.
+    _write_lock(tmp_path, {**holder("OLD"), "session": {**me, "start": me["start"] + 1}, "expires": time.time() + 3600})
+    assert lock(tmp_path, "take", "--holder", b64(holder("NEW")), "--lease", "60")[1]["why"] == "holder gone"
+    # A live session within its lease holds.
+    _write_lock(tmp_path, {**holder("OLD"), "session": me, "expires": time.time() + 3600})
+    assert lock(tmp_path, "take", "--holder", b64(holder("NEW")), "--lease", "60")[0] == host_lock.HELD_EXIT
+
+
+def test_renew_extends_only_our_own_lease(tmp_path):
+    lock(tmp_path, "take", "--holder", b64(holder("A")), "--lease", "5")
+    before = json.loads((tmp_path / "run.lock").read_text())["expires"]
+    assert lock(tmp_path, "renew", "--token", "A", "--lease", "600")[0] == 0
+    assert json.loads((tmp_path / "run.lock").read_text())["expires"] > before + 500
+    rc, doc = lock(tmp_path, "renew", "--token", "B", "--lease", "600")
+    assert rc == host_lock.HELD_EXIT and doc["renewed"] is False
+
+
+def test_session_is_the_sshd_ancestor_or_the_local_controller():
+    spec = __import__("importlib.util").util.spec_from_file_location("host_lock_script", SCRIPT)
+    module = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    here = os.uname().nodename
+    session = module.session_of({"controller": here, "pid": os.getpid()}, pid=os.getpid())
+    assert session["pid"] == os.getpid() and session["what"] == "controller process"
+    assert module.session_alive(session) is True
+    assert module.session_alive({"pid": os.getpid(), "start": session["start"] + 1}) is False
+    assert module.session_alive(None) is None
+
+
+def test_the_fact_reads_a_held_a_gone_and_no_lock(tmp_path):
+    me = {"pid": os.getpid(), "start": _start_ticks(os.getpid())}
+
+    def fact(doc: dict | None):
+        path = tmp_path / "run.lock"
+        if doc is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(json.dumps(doc))
+        out = subprocess.run(HostLock().command(str(path)), shell=True, capture_output=True, text=True)
+        return parse_host_lock_output(out.stdout.splitlines())
+
+    held = fact({**holder("A", command="pyinfra\n@@ft:lock forged"), "session": me, "expires": time.time() + 100})
+    assert held.held and held.holder_alive is True and 90 < held.lease_left_s <= 100
+    assert held.holder["command"] == "pyinfra\n@@ft:lock forged"  # crossed encoded
+    gone = fact({**holder("A"), "session": {**me, "start": me["start"] + 1}, "expires": time.time() + 100})
+    assert gone.holder_alive is False and not gone.held
+    expired = fact({**holder("A"), "session": me, "expires": time.time() - 5})
+    assert not expired.held and expired.lease_left_s < 0
+    free = fact(None)
+    assert free.holder is None and not free.held and free.error is None
+    assert not tmp_path.joinpath("run.lock").exists()  # the fact created nothing
+
+
+def test_redacted_command_hides_secret_looking_data_values():
+    argv = [
+        "/home/a/.venv/bin/pyinfra",
+        "-y",
+        "inventories/sim.py",
+        "deploys/freetoken.py",
+        "--data",
+        "engine_version=0.2.2",
+        "--data",
+        "hub_token=hf_abc",
+        "--data",
+        "api_key=xyz",
+    ]
+    text = host_lock.redacted_command(argv)
+    assert text == (
+        "pyinfra -y inventories/sim.py deploys/freetoken.py --data engine_version=0.2.2 "
+        "--data 'hub_token=***' --data 'api_key=***'"
+    )
+
+
+class LocalHost:
+    """Just enough of a pyinfra Host for the controller's side: commands run in this shell,
+    with the lock's paths moved under a temporary folder."""
+
+    def __init__(self, name: str, tmp_path: Path):
+        self.name = name
+        self.tmp_path = tmp_path
+        self.commands: list[str] = []
+
+    def run_shell_command(self, command, _stdin=None, **arguments):
+        command = (
+            str(command)
+            .replace(host_lock.HOST_LOCK_FILE, str(self.tmp_path / "run.lock"))
+            .replace(host_lock.HOST_LOCK_MUTEX, str(self.tmp_path / "run.lock.mutex"))
+        )
+        self.commands.append(command)
+        proc = subprocess.run(
+            command.replace("python3", sys.executable, 1), shell=True, input=_stdin, capture_output=True, text=True
+        )
+        lines = [OutputLine("stdout", line) for line in proc.stdout.splitlines()]
+        return proc.returncode == 0, CommandOutput(lines)
+
+
+class _State:
+    def __init__(self):
+        self.callback_handlers: list = []
+
+    def add_callback_handler(self, handler):
+        self.callback_handlers.append(handler)
+
+
+def test_a_second_run_waits_says_who_holds_it_and_stops_after_the_timeout(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(host_lock, "POLL_S", 0.2)
+    first, second = _State(), _State()
+    host = LocalHost("ws1", tmp_path)
+    argv = ["pyinfra", "-y", "inv.py", "deploys/freetoken.py"]
+    assert host_lock.take(first, host, timeout_s=1, argv=argv) is None
+    keeper = first.callback_handlers[0]
+    try:
+        why = host_lock.take(second, host, timeout_s=1, argv=["pyinfra", "other"])
+        err = capsys.readouterr().err
+        assert why.startswith("the host lock is held by ")
+        assert "gave up after 1 s (host_lock_timeout_s)" in why
+        assert "pyinfra -y inv.py deploys/freetoken.py" in why
+        waiting = [line for line in err.splitlines() if "waiting for the host lock" in line]
+        assert len(waiting) == 1 and "[ws1] waiting for the host lock, held by " in waiting[0], err
+    finally:
+        keeper.host_disconnect(first, host)  # releases (no SSH client: the connection is not lost)
+    assert not (tmp_path / "run.lock").exists()
+    assert host_lock.take(second, host, timeout_s=1) is None
+    second.callback_handlers[0].host_disconnect(second, host)
+
+
+def test_the_lease_is_renewed_while_the_run_works(tmp_path, monkeypatch):
+    import gevent
+
+    state, host = _State(), LocalHost("ws1", tmp_path)
+    assert host_lock.take(state, host, timeout_s=1, lease_s=0.8) is None
+    first = json.loads((tmp_path / "run.lock").read_text())["expires"]
+    gevent.sleep(1.0)  # four renewals' worth
+    assert json.loads((tmp_path / "run.lock").read_text())["expires"] > first
+    assert any(" renew " in c for c in host.commands)
+    state.callback_handlers[0].host_disconnect(state, host)
+    assert not (tmp_path / "run.lock").exists()
+
+
+@pytest.mark.parametrize("active, expected", [(True, False), (False, True)])
+def test_connection_lost_reads_the_ssh_transport(active, expected):
+    from freetoken_infra.core.pyinfra_internals import connection_lost
+
+    class Transport:
+        def is_active(self):
+            return active
+
+    class Client:
+        def get_transport(self):
+            return Transport()
+
+    class Connector:
+        client = Client()
+
+    class Host:
+        connector = Connector()
+
+    assert connection_lost(Host()) is expected
+    assert connection_lost(object()) is False  # @local: no SSH client
