@@ -276,7 +276,7 @@ def _manifest_sha256(host, settings: Settings, elevation: Mapping[str, Any]) -> 
 def rollback_command(settings: Settings, version: str) -> str:
     """Point the ``active`` link back at ``version`` (atomically) and restart the engine."""
     target = shlex.quote(f"{settings.engine_base_dir}/{version}")
-    link = shlex.quote(settings.engine_active_link)
+    link = shlex.quote(HostLayout.of(settings).engine_active_link)
     return f"ln -sfn {target} {link}.rollback && mv -Tf {link}.rollback {link} && systemctl restart {ENGINE_UNIT}"
 
 

@@ -17,7 +17,7 @@ from pyinfra.operations import files
 
 from facts.files import FileText
 from freetoken_infra.core.launch import LaunchPlan, engine_command
-from freetoken_infra.core.layout import ENGINE_UNIT, UNIT_DIR
+from freetoken_infra.core.layout import ENGINE_UNIT, UNIT_DIR, HostLayout
 from freetoken_infra.core.settings import Settings
 from operations import preview
 from operations.model import check_argv, unit_command, unit_word
@@ -39,7 +39,7 @@ def engine_environment(settings: Settings) -> str:
     cache = settings.cache_dir
     values = {
         "CUDA_HOME": settings.cuda_home,
-        "PATH": f"{settings.engine_active_link}/bin:{settings.cuda_home}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PATH": f"{HostLayout.of(settings).engine_active_link}/bin:{settings.cuda_home}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         # Persistent kernel caches turn a 2-3 minute cold start into ~34 s.
         "TVM_FFI_CACHE_DIR": f"{cache}/tvm-ffi",
         "TRITON_CACHE_DIR": f"{cache}/triton",

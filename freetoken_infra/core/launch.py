@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from freetoken_infra.core.hardware import nominal_vram_gb
+from freetoken_infra.core.layout import HostLayout
 from freetoken_infra.core.settings import Settings
 
 # VRAM model fitted to the field report (peak 5.9 GB at cache 256 / 4096 tokens on
@@ -93,7 +94,7 @@ def engine_command(settings: Settings, plan: LaunchPlan) -> list[str]:
     FREETOKEN_API_KEY in the service's environment file.
     """
     args = [
-        f"{settings.engine_active_link}/bin/python",
+        f"{HostLayout.of(settings).engine_active_link}/bin/python",
         "-m",
         "freetoken",
         "--model-path",

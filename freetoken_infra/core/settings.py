@@ -420,14 +420,6 @@ class Settings(BaseModel):
         return f"{self.engine_package}{extras}=={self.engine_version}"
 
     @property
-    def engine_venv(self) -> str:
-        return f"{self.engine_base_dir}/{self.engine_version}"
-
-    @property
-    def engine_active_link(self) -> str:
-        return f"{self.engine_base_dir}/active"
-
-    @property
     def wsl_floor_tuple(self) -> tuple[int, ...]:
         return tuple(int(p) for p in self.wsl_min_version.split("."))
 

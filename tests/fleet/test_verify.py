@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from freetoken_infra.core.layout import GUARD_TIMER
+from freetoken_infra.core.layout import GUARD_TIMER, HostLayout
 from freetoken_infra.core.settings import Settings
 from operations.cuda import PIN_FILE
 from operations.service import UNIT_PATH, key_path
@@ -207,7 +207,7 @@ class Break:
 def _breaks() -> list[Break]:
     wslconfig = f"/mnt/c/Users/{PROFILES[HOST].windows_user}/.wslconfig"
     nvcc = f"{DEFAULTS.cuda_home}/bin/nvcc"
-    active = DEFAULTS.engine_active_link
+    active = HostLayout.of(DEFAULTS).engine_active_link
     dropin = "/etc/systemd/system/freetoken.service.d"
     key = key_path(DEFAULTS)
     repo = f"http://{BRIDGE_ADDRESS}:{harness.PORTS['cuda_repo']}/{harness.CUDA_REPO_PATH}"

@@ -21,7 +21,7 @@ from facts.model_manifest import ModelManifest
 from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslVersion
 from freetoken_infra.core.launch import derive_plan
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, GUARD_TIMER, WSLCONFIG_NAME
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, GUARD_TIMER, WSLCONFIG_NAME, HostLayout
 from freetoken_infra.core.settings import DRIVER_PACKAGE_RE
 from freetoken_infra.core.wsl_ini import drive_root
 from operations.cuda import PIN_FILE
@@ -152,15 +152,16 @@ def test_engine_environment_holds_the_configured_version(host, facts, settings):
     install = facts.get(EngineInstall, base_dir=settings.engine_base_dir)
     version = settings.engine_version
     assert install.versions.get(version) == version, (
-        f"{settings.engine_venv} holds {settings.engine_package} {install.versions.get(version)} "
+        f"{HostLayout.of(settings).engine_venv} holds {settings.engine_package} {install.versions.get(version)} "
         f"(want {version}; environments: {install.versions})"
     )
     assert install.active == version, (
-        f"{settings.engine_active_link} points to {install.active_target!r}, not {settings.engine_venv}"
+        f"{HostLayout.of(settings).engine_active_link} points to {install.active_target!r}, "
+        f"not {HostLayout.of(settings).engine_venv}"
     )
     probe = host.run(
         "%s -c %s %s",
-        f"{settings.engine_active_link}/bin/python",
+        f"{HostLayout.of(settings).engine_active_link}/bin/python",
         "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))",
         settings.engine_package,
     )
