@@ -128,11 +128,12 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
     if fact_batch is not None:
         orig_run_batch = fact_batch.run_batch
 
-        def run_batch(state, host, requests):
+        def run_batch(state, host, requests, first=None):
             names = sorted({r.cls.__name__ for r in requests})
-            stack[host.name].append(("fact", f"batch of {len(requests)} facts", ", ".join(names)))
+            label = f"batch of {len(requests)} facts" + (" after the host lock" if first else "")
+            stack[host.name].append(("fact", label, ", ".join(names)))
             try:
-                return orig_run_batch(state, host, requests)
+                return orig_run_batch(state, host, requests, first)
             finally:
                 stack[host.name].pop()
 
@@ -140,8 +141,8 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
 
         orig_batch_command = fact_batch.batch_command
 
-        def batch_command(commands):
-            text = orig_batch_command(commands)
+        def batch_command(commands, first=None):
+            text = orig_batch_command(commands, first)
             made[text] = list(commands)
             return text
 

@@ -17,6 +17,7 @@
 A second run on a converged host changes nothing.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import click
@@ -24,7 +25,6 @@ from pyinfra import host
 from pyinfra.api.exceptions import OperationError
 from pyinfra.context import state
 from pyinfra.facts.files import Sha256File
-from pyinfra.facts.server import Command
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import python, systemd
 from pyinfra.operations.util import any_changed
@@ -44,19 +44,27 @@ from operations import cuda, engine, guard, health, host_lock, model, service, w
 # (another working directory, `--config`, the Python API).
 fleet_settings(state)
 
-# Operations need root; a workstation user runs the deploy through sudo.
-if host.get_fact(Command, command="id -u").strip() != "0":
-    host.data._sudo = True
-ELEVATION = {"_sudo": True} if host.data.get("_sudo") else {}
+
+def lock_then_facts(command: str, script: str, elevation: Mapping[str, Any]) -> tuple[bool, list[str]] | None:
+    """One round trip: the host lock, then (only once it is held) every fact this host's last
+    run read (facts/batch.py). Operations need root: a workstation user's run goes through sudo,
+    which the lock's first try finds out (operations/host_lock.take)."""
+    if elevation.get("_sudo"):
+        host.data._sudo = True
+    return batch.prefetch(state, host, first=(command, script))
+
 
 # One run per host at a time (operations/host_lock.py): taken before the facts this run acts on
 # are read, so that a run that waited plans from the state the other run left.
-lock_refused = host_lock.take(state, host, fleet_settings(state)[host.name].host_lock_timeout_s, ELEVATION)
+lock_refused = host_lock.take(
+    state,
+    host,
+    fleet_settings(state)[host.name].host_lock_timeout_s,
+    {"_sudo": True} if host.data.get("_sudo") else {},
+    run=lock_then_facts,
+)
 if lock_refused:
     fail_host(state, host, lock_refused)
-else:
-    # One round trip for every fact this host's last run read (facts/batch.py).
-    batch.prefetch(state, host, [(Command, {"command": "id -u"})])
 
 
 def windows_side(settings, obs) -> list[str]:

@@ -45,6 +45,7 @@ from typing import Any
 
 from pyinfra.api.command import StringCommand
 from pyinfra.api.facts import FactBase, ShortFactBase
+from pyinfra.facts.server import Command
 
 from freetoken_infra.core import pyinfra_internals
 
@@ -60,7 +61,7 @@ _MISSING = "__pyinfra_missing_command__"
 # --------------------------------------------------------------------------- pure parts
 
 
-def batch_command(commands: list[str]) -> str:
+def batch_command(commands: list[str], first: str | None = None) -> str:
     """One shell command running each of ``commands`` in its own subshell.
 
     Output: for each command ``i``, a line ``@@ftbatch:i``, then base64 lines of what the
@@ -70,6 +71,11 @@ def batch_command(commands: list[str]) -> str:
     of it can end its own section or forge another fact's (base64 has no ``@`` and no newline
     of its own making). The status line comes after the command ended, so it is always the
     last line of the decoded text.
+
+    With ``first``, that command runs before the others (its stdout and stderr in section
+    ``len(commands)``, printed first) and the others run only when it exits 0: the host lock
+    is taken in the same round trip as the facts it guards. ``first`` may read the batch's
+    stdin; the facts never do.
     """
     parts = []
     for index, command in enumerate(commands):
@@ -78,7 +84,17 @@ def batch_command(commands: list[str]) -> str:
             f"( ( {command}\n) </dev/null; printf '\\n{BATCH_MARKER}rc %s\\n' \"$?\" ) | base64; "
             f"echo '{BATCH_MARKER}end {index}'"
         )
-    return "; ".join(parts) + "; true"
+    body = "; ".join(parts) + "; true" if parts else "true"
+    if first is None:
+        return body
+    n = len(commands)
+    # $(...) drops the final newline, printf puts it back; the status line is ours and last, so
+    # nothing ``first`` prints can make the facts run.
+    return (
+        f"ft_first=$( ( {first}\n) 2>&1; printf '\\n{BATCH_MARKER}rc %s\\n' \"$?\" ); "
+        f"echo '{BATCH_MARKER}{n}'; printf '%s\\n' \"$ft_first\" | base64; echo '{BATCH_MARKER}end {n}'; "
+        f"case \"$ft_first\" in *'{BATCH_MARKER}rc 0') {body} ;; esac; true"
+    )
 
 
 def _decoded_section(encoded: list[str]) -> tuple[int | None, list[str]] | None:
@@ -246,10 +262,17 @@ def _sub_command(fact: FactBase, request: FactRequest, state, host) -> str | Non
     return text
 
 
-def run_batch(state, host, requests: list[FactRequest]) -> dict[str, Any]:
+FirstResult = tuple[bool, list[str]]  # (exited 0, its output lines)
+
+
+def run_batch(
+    state, host, requests: list[FactRequest], first: tuple[str, str | None] | None = None
+) -> tuple[dict[str, Any], FirstResult | None]:
     """Run the facts of ``requests`` (all with the same connector arguments) in one command.
 
-    Returns ``request.key -> value`` for each fact whose command succeeded.
+    Returns ``request.key -> value`` for each fact whose command succeeded, and, with ``first``
+    (``(command, its stdin)``, see ``batch_command``), that command's result; the facts ran only
+    when it succeeded.
     """
     facts: list[tuple[FactRequest, FactBase, str]] = []
     for request in requests:
@@ -260,20 +283,26 @@ def run_batch(state, host, requests: list[FactRequest]) -> dict[str, Any]:
             text = None
         if text is not None:
             facts.append((request, fact, text))
-    if not facts:
-        return {}
+    if not facts and first is None:
+        return {}, None
     if not host.connected:
         host.connect(reason="to load facts (batched)", raise_exceptions=True)
-    executor = dict(requests[0].executor)
+    executor = dict(requests[0].executor if requests else _plain_executor(state, host))
+    if first is not None and first[1] is not None:
+        executor["_stdin"] = first[1]
     status, output = host.run_shell_command(
-        StringCommand(batch_command([text for _, _, text in facts])),
+        StringCommand(batch_command([text for _, _, text in facts], first[0] if first else None)),
         print_output=False,
         print_input=False,
         **executor,
     )
-    if not status:
-        return {}
-    results = split_batch_output(output.stdout_lines)
+    results = split_batch_output(output.stdout_lines) if status else {}
+    first_result: FirstResult | None = None
+    if first is not None:
+        rc, lines = results.get(len(facts), (None, None))
+        first_result = (rc == 0, lines) if lines is not None else (False, list(output.output_lines))
+        if rc != 0:
+            return {}, first_result
     values: dict[str, Any] = {}
     for index, (request, fact, _) in enumerate(facts):
         rc, lines = results.get(index, (None, None))
@@ -286,7 +315,12 @@ def run_batch(state, host, requests: list[FactRequest]) -> dict[str, Any]:
             values[request.key] = fact.process(lines) if lines else fact.default()
         except Exception:  # the normal path reports a processing error properly
             continue
-    return values
+    return values, first_result
+
+
+def _plain_executor(state, host) -> tuple:
+    """The connector arguments a fact read without arguments of its own runs with now."""
+    return make_request(state, host, Command, (), {"command": "true"}).executor
 
 
 # --------------------------------------------------------------------------- memo
@@ -359,22 +393,38 @@ def _memo_for(state, host) -> _Memo:
     return memo
 
 
-def prefetch(state, host, wanted: Iterable[tuple[type, dict]] = ()) -> None:
+def prefetch(
+    state, host, wanted: Iterable[tuple[type, dict]] = (), first: tuple[str, str | None] | None = None
+) -> FirstResult | None:
     """Read ``wanted`` facts (``(FactClass, kwargs)``) and everything this host's last run
     asked for, in as few commands as there are distinct connector-argument sets (usually one).
     Later ``host.get_fact`` calls for them are answered from the memo until the host runs a
-    command that is not a fact read. The first call for a host turns the memo on for it."""
-    if not enabled():
-        return
-    install()
+    command that is not a fact read. The first call for a host turns the memo on for it.
+
+    ``first``: ``(command, stdin)`` run before any fact, in the same round trip as the facts
+    that run with the host's plain connector arguments; no fact is read unless it exits 0.
+    Returns its result (``(exited 0, output lines)``), None without ``first``.
+    """
     host = pyinfra_internals.unwrap_context(host)
     state = host.state
+    if not enabled():
+        if first is None:
+            return None
+        executor = dict(_plain_executor(state, host))
+        if first[1] is not None:
+            executor["_stdin"] = first[1]
+        status, output = host.run_shell_command(
+            StringCommand(first[0]), print_output=False, print_input=False, **executor
+        )
+        return status, list(output.output_lines)
+    install()
     memo = _memo_for(state, host)
     requests: dict[str, FactRequest] = {}
     for cls, kwargs in wanted:
         if batchable(cls):
             request = make_request(state, host, cls, (), kwargs)
             requests[request.key] = request
+    was_primed = memo.primed
     if not memo.primed:
         memo.primed = True
         for doc in memo.learned:
@@ -382,14 +432,24 @@ def prefetch(state, host, wanted: Iterable[tuple[type, dict]] = ()) -> None:
             if learned is not None:
                 requests.setdefault(learned.key, learned)
     groups: dict[str, list[FactRequest]] = {}
+    plain_key = json.dumps(list(_plain_executor(state, host)), sort_keys=True, default=repr)
+    if first is not None:
+        groups[plain_key] = []  # runs first
     for key, request in requests.items():
         if key not in memo.values:
             group_key = json.dumps(list(request.executor), sort_keys=True, default=repr)
             groups.setdefault(group_key, []).append(request)
-    for group in groups.values():
+    first_result = None
+    for group_key, group in groups.items():
         with _reading(memo):
-            values = run_batch(state, host, group)
+            values, result = run_batch(state, host, group, first if group_key == plain_key else None)
         memo.values.update(values)
+        if result is not None:
+            first_result = result
+            if not result[0]:  # nothing was read: the next call asks everything again
+                memo.primed = was_primed
+                break
+    return first_result
 
 
 def _get_fact(self: Any, name_or_cls: Any, *args: Any, **kwargs: Any) -> Any:

@@ -26,7 +26,7 @@ import shlex
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,9 @@ class HostLockKeeper(BaseStateCallback):
             pass
 
 
+Run = Callable[[str, str, Mapping[str, Any]], "tuple[bool, list[str]] | None"]
+
+
 def take(
     state,
     host,
@@ -168,12 +171,19 @@ def take(
     elevation: Mapping[str, Any] | None = None,
     lease_s: float = LEASE_S,
     argv: list[str] | None = None,
+    run: Run | None = None,
 ) -> str | None:
     """Take ``host``'s lock for this run, waiting up to ``timeout_s`` for another run's.
 
     Returns None once held (renewed in the background, released at disconnect), else the one
     line that says why not (the caller stops the host with it). Prints who holds the lock while
     it waits, and whose lock it took over.
+
+    ``run(command, script, elevation)`` makes the round trip (the deploy reads its facts in the
+    same one, after the lock is held: ``facts/batch.prefetch``) and returns ``(exited 0, output
+    lines)``; by default the command runs alone. Without ``elevation`` the first try runs as the
+    SSH user; when that is not root, the lock is asked for again through sudo, and that
+    elevation is the one ``run`` is given from then on.
     """
     elevation = dict(elevation or {})
     keeper = HostLockKeeper.of(state)
@@ -183,10 +193,10 @@ def take(
     deadline = time.monotonic() + timeout_s
     announced = None
     while True:
-        ok, output = host.run_shell_command(
-            lock_command("take", holder=holder, lease_s=lease_s), _stdin=script, **elevation
-        )
-        doc = _last_json(output.stdout_lines) or {}
+        command = lock_command("take", holder=holder, lease_s=lease_s)
+        result = (run or _run_alone(host))(command, script, elevation)
+        ok, lines = result if result is not None else (False, [])
+        doc = _last_json(lines) or {}
         if ok and doc.get("taken"):
             if doc.get("took_over"):
                 click.echo(
@@ -195,8 +205,11 @@ def take(
                 )
             keeper.hold(host, token, elevation, lease_s)
             return None
+        if doc.get("need_root") and not elevation:
+            elevation = {"_sudo": True}
+            continue
         if doc.get("taken") is not False:
-            tail = " / ".join(line.line for line in output.output_lines[-3:]) or "no output"
+            tail = " / ".join(lines[-3:]) or "no output"
             return f"cannot take the host lock: {tail}"
         who = describe(doc.get("holder"))
         if time.monotonic() >= deadline:
@@ -205,3 +218,11 @@ def take(
             click.echo(f"    [{host.name}] waiting for the host lock, held by {who} (up to {timeout_s:g} s)", err=True)
             announced = who
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _run_alone(host) -> Run:
+    def run(command: str, script: str, elevation: Mapping[str, Any]) -> tuple[bool, list[str]]:
+        ok, output = host.run_shell_command(command, _stdin=script, **elevation)
+        return ok, list(output.output_lines)
+
+    return run

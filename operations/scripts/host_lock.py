@@ -18,6 +18,7 @@ Commands (the lock file is --lock-file; every decision is taken under an flock o
                                         {"taken": false, "holder": CURRENT}
     renew --token T --lease S           exit 0 when still ours (lease extended), else 3
     release --token T                   exit 0 (removed when ours; left alone when not)
+    (any, without root)                 exit 4 and print {"need_root": true, "error": ...}
     show                                print {"holder": CURRENT|null, "alive": bool|null,
                                         "expired": bool|null, "now": EPOCH}
 
@@ -37,6 +38,7 @@ import sys
 import time
 
 HELD = 3
+NEED_ROOT = 4
 
 
 def _stat(pid: int) -> tuple | None:
@@ -123,8 +125,12 @@ def main(argv: list | None = None) -> int:
     args = parser.parse_args(argv)
 
     folder = os.path.dirname(args.lock_file) or "."
-    os.makedirs(folder, mode=0o755, exist_ok=True)
-    mutex = os.open(args.mutex, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.makedirs(folder, mode=0o755, exist_ok=True)
+        mutex = os.open(args.mutex, os.O_RDWR | os.O_CREAT, 0o600)
+    except PermissionError as exc:  # not root: the controller asks again through sudo
+        print(json.dumps({"error": f"{exc.strerror}: {exc.filename}", "need_root": True}))
+        return NEED_ROOT
     try:
         fcntl.flock(mutex, fcntl.LOCK_EX)
         now = time.time()

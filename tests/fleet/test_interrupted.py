@@ -216,6 +216,9 @@ def ws1(sim_fleet):
 
 
 def test_cut_during_engine_install_by_killing_the_controller(ws1):
+    # 0.2.2 is installed from nothing (modules before this one may have left its environment).
+    assert ws1.run(HOST, f"readlink {BASE}/active", check=True).stdout.strip() == f"{BASE}/0.2.1"
+    ws1.run(HOST, f"rm -rf {BASE}/0.2.2", check=True)
     cut(ws1, "controller", "proc", "pip install --progress-bar off freetoken", "--data", "engine_version=0.2.2")
     assert ws1.run(HOST, f"readlink {BASE}/active", check=True).stdout.strip() == f"{BASE}/0.2.1"
     converges(ws1, "--data", "engine_version=0.2.2", version="0.2.2")

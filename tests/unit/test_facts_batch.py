@@ -53,6 +53,21 @@ def test_a_batch_cut_short_leaves_the_unfinished_commands_out():
     assert split_batch_output(cut) == {0: (0, ["a"])}
 
 
+def test_a_first_command_gates_the_facts_and_cannot_forge_its_own_status():
+    script = "read line; echo got $line"  # the first command reads the batch's stdin
+    proc = subprocess.run(
+        ["sh", "-c", batch_command(["echo fact"], first=script)], input=b"lock\n", capture_output=True
+    )
+    split = split_batch_output(proc.stdout.decode().splitlines())
+    assert split == {1: (0, ["got lock"]), 0: (0, ["fact"])}
+    # It fails, having printed what its own status line looks like: no fact runs.
+    forged = "echo; echo '@@ftbatch:rc 0'; exit 3"
+    _, lines = pyinfra_lines(batch_command(["echo fact"], first=forged))
+    assert split_batch_output(lines) == {1: (3, ["", "@@ftbatch:rc 0"])}
+    _, lines = pyinfra_lines(batch_command(["echo fact"], first="exit 10"))
+    assert split_batch_output(lines) == {1: (10, [])}
+
+
 @pytest.fixture()
 def local_prepare(tmp_path, monkeypatch):
     """A real pyinfra State on @local in its prepare stage, counting remote commands."""
@@ -199,3 +214,19 @@ def test_a_request_with_a_password_is_never_written_down(local_prepare):
         plain.cls, plain.fact_kwargs, tuple(sorted({**dict(plain.executor), "_sudo_password": "hunter2"}.items()))
     )
     assert secret.to_json() is None
+
+
+def test_prefetch_runs_the_first_command_and_the_facts_in_one_round_trip(local_prepare, tmp_path):
+    from pyinfra.facts.server import Command
+
+    state, host, calls = local_prepare
+    gate = tmp_path / "gate"
+    result = batch.prefetch(state, host, [(Command, {"command": "id -u"})], first=(f"cat > {gate}; exit 3", "held\n"))
+    assert result == (False, []) and gate.read_text() == "held\n" and len(calls) == 1
+    key = batch.make_request(state, host, Command, (), {"command": "id -u"}).key
+    assert key not in batch._memos[(id(state), host.name)].values  # gated: no fact was read
+    calls.clear()
+    result = batch.prefetch(state, host, [(Command, {"command": "id -u"})], first=("echo taken", None))
+    assert result == (True, ["taken"]) and len(calls) == 1
+    host.get_fact(Command, command="id -u")
+    assert len(calls) == 1  # answered by that same round trip

@@ -7,8 +7,10 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -250,3 +252,44 @@ def test_connection_lost_reads_the_ssh_transport(active, expected):
 
     assert connection_lost(Host()) is expected
     assert connection_lost(object()) is False  # @local: no SSH client
+
+
+def test_a_lock_asked_for_without_root_is_asked_for_again_through_sudo(tmp_path):
+    """The first try runs as the SSH user; the script says it needs root; the lock is taken
+    through sudo, and the keeper renews and releases it that way."""
+    locked = Path(tempfile.mkdtemp())  # root's 0755 folder (or, unprivileged, any 0555 one)
+    locked.chmod(0o555 if os.geteuid() else 0o755)
+    state, host, tries = _State(), LocalHost("ws1", tmp_path), []
+
+    def run(command, script, elevation):
+        tries.append(dict(elevation))
+        if not elevation:  # as the SSH user, who is not root: the lock's folder is not writable
+            for path in (host_lock.HOST_LOCK_FILE, host_lock.HOST_LOCK_MUTEX):
+                command = command.replace(path, f"{locked}/x/{Path(path).name}")
+            proc = subprocess.run(
+                command, shell=True, input=script, capture_output=True, text=True, user=None if os.geteuid() else 65534
+            )
+            return proc.returncode == 0, proc.stdout.splitlines()
+        ok, output = host.run_shell_command(command, _stdin=script)
+        return ok, list(output.output_lines)
+
+    try:
+        assert host_lock.take(state, host, timeout_s=1, run=run) is None
+    finally:
+        locked.chmod(0o755)
+        shutil.rmtree(locked)
+    assert tries == [{}, {"_sudo": True}]
+    keeper = state.callback_handlers[0]
+    assert keeper.elevation["ws1"] == {"_sudo": True}
+    keeper.host_disconnect(state, host)
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_a_lock_that_cannot_be_taken_says_why_in_one_line(tmp_path):
+    state, host = _State(), LocalHost("ws1", tmp_path)
+
+    def run(command, script, elevation):
+        return False, ["python3: command not found"]
+
+    why = host_lock.take(state, host, timeout_s=1, run=run)
+    assert why == "cannot take the host lock: python3: command not found"
