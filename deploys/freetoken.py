@@ -36,6 +36,7 @@ from freetoken_infra import report, rules
 from freetoken_infra.core import records
 from freetoken_infra.core.launch import engine_command
 from freetoken_infra.core.layout import ENGINE_UNIT, RESTART_MESSAGE
+from freetoken_infra.core.pyinfra_internals import connection_lost
 from freetoken_infra.preflight import fail_host, fleet_settings, run_preflight
 from operations import cuda, engine, guard, health, host_lock, model, service, windows
 
@@ -54,6 +55,7 @@ def lock_then_facts(command: str, script: str, elevation: Mapping[str, Any]) -> 
     return batch.prefetch(state, host, first=(command, script))
 
 
+FACTS_STEP = "the host lock and the fact reads (before any change)"
 # One run per host at a time (operations/host_lock.py): taken before the facts this run acts on
 # are read, so that a run that waited plans from the state the other run left.
 lock_refused = host_lock.take(
@@ -63,7 +65,10 @@ lock_refused = host_lock.take(
     {"_sudo": True} if host.data.get("_sudo") else {},
     run=lock_then_facts,
 )
-if lock_refused:
+if lock_refused and connection_lost(host):  # one line, as for a connection lost in a step
+    records.record(host.name, lost={"step": FACTS_STEP})
+    fail_host(state, host, "connection lost", line=health.lost_line(host.name, FACTS_STEP), advice="re-run to finish")
+elif lock_refused:
     fail_host(state, host, lock_refused)
 
 

@@ -151,29 +151,31 @@ def _maybe_print_summary(state) -> None:
     click.echo("\n" + fleet_summary(summary), err=True)
 
 
-def fail_host(state, host, reason: str) -> None:
-    """Stop this host (pyinfra marks it failed); the others go on.
+def fail_host(state, host, reason: str, line: str | None = None, advice: str | None = None) -> None:
+    """Stop this host (pyinfra marks it failed), printing ``line`` (by default
+    ``[host] stopped: reason``); the others go on.
 
     When it was the run's last host, the run ends here with one plain line and exit status 1:
     nothing has run on any host yet (this is the preparing stage), so there is nothing to
-    report but why. Not a PyinfraError: pyinfra would print that as ``pyinfra error in
-    .../preflight.py line N``, which reads like a crash of ours. SystemExit still lets the CLI
-    disconnect (so a rollout's record gets every host's end).
+    report but why (and ``advice``: by default, the findings above). Not a PyinfraError:
+    pyinfra would print that as ``pyinfra error in .../preflight.py line N``, which reads like
+    a crash of ours. SystemExit still lets the CLI disconnect (so a rollout's record gets every
+    host's end).
     """
-    click.echo(f"    [{host.name}] stopped: {reason}", err=True)
+    click.echo(line or f"    [{host.name}] stopped: {reason}", err=True)
     try:
         state.fail_hosts({host})
     except PyinfraError:
         # pyinfra raises "No hosts remaining!" when this was the last one.
-        click.echo(f"\n--> {run_ended_line(host.name, reason)}", err=True)
+        click.echo(f"\n--> {run_ended_line(host.name, reason, advice)}", err=True)
         raise SystemExit(1) from None
 
 
-def run_ended_line(host_name: str, reason: str) -> str:
+def run_ended_line(host_name: str, reason: str, advice: str | None = None) -> str:
     """The last line of a run whose every host was stopped before any change."""
     return (
         f"no host left to go on: the last one, {host_name}, stopped at preflight ({reason}); "
-        "nothing was changed on any host; the findings above say what to do"
+        f"nothing was changed on any host; {advice or 'the findings above say what to do'}"
     )
 
 

@@ -259,6 +259,30 @@ def test_cut_during_the_rollback_by_killing_the_controller(ws1):
     converges(ws1, "--data", "engine_version=0.2.3", version="0.2.1", ok=False)
 
 
+def test_cut_while_reading_facts_by_killing_the_ssh_session(ws1):
+    """Cut before any step, while the host lock and the facts travel in one command."""
+    out = cut(ws1, "sshd", "proc", "@@ftbatch", "--data", "engine_version=0.2.2")
+    lost = f"{HOST}: connection lost during the host lock and the fact reads (before any change); re-run to finish"
+    assert lost in out.splitlines() and "stopped:" not in out, out[-3000:]
+    converges(ws1, "--data", "engine_version=0.2.2", version="0.2.2")
+
+
+def test_cut_during_the_model_wait_by_killing_the_controller(ws1):
+    """An upgrade that also has to fetch the model again (its folder is gone): the controller
+    dies while it waits for the download unit, which goes on by itself. The next run waits for
+    it (or finds it done), switches to the new version and gates it."""
+    from freetoken_infra.core.layout import HostLayout
+    from freetoken_infra.core.settings import Settings
+
+    settings = Settings()
+    ws1.run(HOST, f"rm -rf {shlex.quote(settings.model_dir)}", check=True)
+    status = HostLayout.of(settings).fetch_status_file
+    out = cut(ws1, "controller", "changed", status, "--data", "engine_version=0.2.1")
+    assert "model: fetching" in out, out[-3000:]
+    converges(ws1, "--data", "engine_version=0.2.1", version="0.2.1")
+    assert ws1.run(HOST, f"test -f {shlex.quote(settings.model_dir)}/config.json").returncode == 0
+
+
 def test_two_runs_at_once_the_later_one_waits_and_wins(ws1):
     first, first_log = start_deploy("--data", "engine_version=0.2.2")
     # The second starts once the first holds ws1 (a second or so): which run is the later one
