@@ -35,8 +35,9 @@ from facts.windows_tasks import WslDistroName
 from freetoken_infra import report, rules
 from freetoken_infra.core import records
 from freetoken_infra.core.launch import engine_command
-from freetoken_infra.core.layout import ENGINE_UNIT, RESTART_MESSAGE
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, RESTART_MESSAGE
 from freetoken_infra.core.pyinfra_internals import connection_lost
+from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.preflight import fail_host, fleet_settings, run_preflight
 from operations import cuda, engine, guard, health, host_lock, model, service, windows
 
@@ -120,6 +121,7 @@ if ok:
             name="Windows: start the distro at logon",
             task_name="FreeToken-WSL",
             distro=host.get_fact(WslDistroName),
+            drive_root=drive_root(obs.wslconf.ini) if obs.wslconf.ini is not None else DEFAULT_DRIVE_ROOT,
         )
 
     gpu = rules.primary_gpu(obs)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pyinfra.api import FactBase
 
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, drive_path
+
 from ._output import MARKER, quote
-from .windows import windows_exe
+from .windows import system32, windows_exe
 
 
 class ScheduledTaskExists(FactBase[bool]):
@@ -14,9 +16,10 @@ class ScheduledTaskExists(FactBase[bool]):
     schtasks.exe to ask).
     """
 
-    def command(self, task_name: str) -> str:
+    def command(self, task_name: str, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
+        """+ drive_root: wsl.conf's ``[automount] root`` (where C: and System32 are)."""
         return (
-            f"cd /mnt/c 2>/dev/null; {windows_exe('S', 'schtasks.exe')}; "
+            f"cd {quote(drive_path(drive_root))} 2>/dev/null; {windows_exe('S', 'schtasks.exe', system32(drive_root))}; "
             f'if [ -n "$S" ] && "$S" /Query /TN {quote(task_name)} >/dev/null 2>&1; '
             f"then echo '{MARKER}yes'; else echo '{MARKER}no'; fi"
         )

@@ -8,6 +8,7 @@ reports "restart required" whenever `ini_values` changes one of them.
 from __future__ import annotations
 
 import io
+import re
 import shlex
 from collections.abc import Mapping
 
@@ -87,8 +88,13 @@ def ini_values(path: str, section: str, values: Mapping[str, str]):
     yield from preview.put_without_pyinfra_diff(src=io.BytesIO(plan.data), dest=path)
 
 
+# What WSL accepts as a distribution name (`wsl --import`); the name is read from the host, so
+# nothing else reaches the command line that creates the task.
+DISTRO_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
 @operation()
-def windows_autostart(task_name: str, distro: str):
+def windows_autostart(task_name: str, distro: str, drive_root: str = DEFAULT_DRIVE_ROOT):
     """
     Create a Windows scheduled task (through `schtasks.exe`) that starts the WSL
     distro at logon, so that systemd, and with it the engine, come back after a
@@ -96,8 +102,10 @@ def windows_autostart(task_name: str, distro: str):
 
     + task_name: the task's name in the Windows Task Scheduler
     + distro: the WSL distro to start (``$WSL_DISTRO_NAME``)
+    + drive_root: wsl.conf's ``[automount] root`` (``/mnt/`` unless the drives were moved)
     """
-    if host.get_fact(ScheduledTaskExists, task_name=task_name):
+    moved = {} if drive_root == DEFAULT_DRIVE_ROOT else {"drive_root": drive_root}
+    if host.get_fact(ScheduledTaskExists, task_name=task_name, **moved):
         host.noop(f"scheduled task {task_name} exists")
         return
     if not distro:
@@ -105,11 +113,20 @@ def windows_autostart(task_name: str, distro: str):
             f"{host.name}: windows_autostart: the distro's name is unknown ($WSL_DISTRO_NAME is "
             "empty and `wslpath -w /` gave none); run the deploy inside the WSL distro"
         )
-    yield from server.shell._inner(commands=[autostart_command(host.name, task_name, distro)])
+    yield from server.shell._inner(commands=[autostart_command(host.name, task_name, distro, drive_root)])
 
 
 def autostart_command(host_name: str, task_name: str, distro: str, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
-    """``schtasks.exe /Create`` for the logon task, found on PATH or in System32."""
+    """``schtasks.exe /Create`` for the logon task, found on PATH or in System32.
+
+    The distro's name is read from the host: anything but a WSL distribution name is refused
+    (it would otherwise be part of a command root runs)."""
+    for what, value in (("task_name", task_name), ("the distro's name read from the host", distro)):
+        if not DISTRO_NAME.fullmatch(value):
+            raise OperationError(
+                f"{host_name}: windows_autostart: {what}, {value!r}, is not a WSL distribution name "
+                f"({DISTRO_NAME.pattern}); no task was created"
+            )
     drive_c = drive_path(drive_root)
     return (
         f"cd {shlex.quote(drive_c)} && {windows_exe('S', 'schtasks.exe', system32(drive_root))}; "

@@ -4,6 +4,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from facts.windows import (
     IniFileInfo,
     WindowsUserProfile,
@@ -280,3 +282,26 @@ def test_preflight_asks_for_windows_programs_under_wsl_confs_automount_root():
         # The default root keeps the batched (prefetched) form of the fact.
         default = parse_ini("/etc/wsl.conf", b"[boot]\nsystemd=true\n")
         assert on_windows_drive(Host(), fact, default) == (fact, {})
+
+
+def test_the_scheduled_task_is_looked_for_under_a_moved_automount_root():
+    from facts.windows_tasks import ScheduledTaskExists
+    from operations.windows import autostart_command
+
+    for command in (
+        ScheduledTaskExists().command("FreeToken-WSL", drive_root="/"),
+        autostart_command("ws1", "FreeToken-WSL", "Ubuntu-24.04", drive_root="/"),
+    ):
+        assert "cd /c " in command and "/c/Windows/System32/schtasks.exe" in command and "/mnt/" not in command
+
+
+@pytest.mark.parametrize(
+    "distro", ["Ubuntu'; touch /tmp/pwned; '", "Ubuntu $(id)", "Ubuntu\nx", "a" * 65, "Ubuntu 24.04"]
+)
+def test_a_distro_name_shaped_by_the_host_never_reaches_the_command(distro):
+    from pyinfra.api.exceptions import OperationError
+
+    from operations.windows import autostart_command
+
+    with pytest.raises(OperationError, match="ws1: windows_autostart: the distro's name read from the host"):
+        autostart_command("ws1", "FreeToken-WSL", distro)
