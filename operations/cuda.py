@@ -20,16 +20,12 @@ from pyinfra.operations import apt, files
 from facts.apt_sources import AptSourceFiles
 from facts.cuda import CudaToolchain
 from facts.files import FileText
+from freetoken_infra.core.layout import CUDA_KEYRING, CUDA_PIN_FILE, CUDA_PROFILE_FILE, CUDA_SOURCES_FILE
 from freetoken_infra.core.settings import DRIVER_PACKAGE_GLOBS, Settings
-
-KEYRING = "/usr/share/keyrings/cuda-archive-keyring.gpg"
-SOURCES_FILE = "/etc/apt/sources.list.d/freetoken-cuda.list"
-PIN_FILE = "/etc/apt/preferences.d/freetoken-no-nvidia-driver"
-PROFILE_FILE = "/etc/profile.d/freetoken-cuda.sh"
 
 
 def sources_line(settings: Settings) -> str:
-    return f"deb [signed-by={KEYRING}] {settings.cuda_repo_url} /\n"
+    return f"deb [signed-by={CUDA_KEYRING}] {settings.cuda_repo_url} /\n"
 
 
 def pin_text() -> str:
@@ -89,18 +85,18 @@ def repository(settings: Settings):
         changed = True
     sources = host.get_fact(AptSourceFiles) or {}
     for path, content in sources.items():
-        if path != SOURCES_FILE and ("cuda-archive-keyring" in content or "/compute/cuda/repos/" in content):
+        if path != CUDA_SOURCES_FILE and ("cuda-archive-keyring" in content or "/compute/cuda/repos/" in content):
             yield from files.file._inner(path=path, present=False)
             changed = True
     # A keyring installed in this run ships its own entry, unknown at prepare time.
     if "cuda-keyring" not in installed:
         yield "rm -f $(dpkg -L cuda-keyring | grep '^/etc/apt/sources.list.d/') 2>/dev/null; true"
-    if sources.get(SOURCES_FILE) != sources_line(settings):
-        yield from files.put._inner(src=_text(sources_line(settings)), dest=SOURCES_FILE, mode="644")
+    if sources.get(CUDA_SOURCES_FILE) != sources_line(settings):
+        yield from files.put._inner(src=_text(sources_line(settings)), dest=CUDA_SOURCES_FILE, mode="644")
         changed = True
-    pin = host.get_fact(FileText, path=PIN_FILE)
+    pin = host.get_fact(FileText, path=CUDA_PIN_FILE)
     if pin != pin_text():
-        yield from files.put._inner(src=_text(pin_text()), dest=PIN_FILE, mode="644")
+        yield from files.put._inner(src=_text(pin_text()), dest=CUDA_PIN_FILE, mode="644")
         changed = True
     if not changed:
         host.noop("NVIDIA repository, keyring and driver pin in place")
@@ -120,8 +116,8 @@ def toolkit(settings: Settings, gpu_arch: str | None):
     if missing:
         yield from apt.update._inner()
         yield from apt.packages._inner(packages=missing, no_recommends=True)
-    if host.get_fact(FileText, path=PROFILE_FILE) != profile_text(settings):
-        yield from files.put._inner(src=_text(profile_text(settings)), dest=PROFILE_FILE, mode="644")
+    if host.get_fact(FileText, path=CUDA_PROFILE_FILE) != profile_text(settings):
+        yield from files.put._inner(src=_text(profile_text(settings)), dest=CUDA_PROFILE_FILE, mode="644")
     if gpu_arch:
         toolchain = host.get_fact(CudaToolchain, cuda_home=settings.cuda_home)
         ok = any(n.path.startswith(settings.cuda_home + "/") and gpu_arch in n.archs for n in toolchain.nvcc)

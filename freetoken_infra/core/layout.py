@@ -53,6 +53,14 @@ ENGINE_COMPLETE_MARKER = ".freetoken-infra-complete"
 
 KEY_VAR = "FREETOKEN_API_KEY"
 
+# NVIDIA's CUDA apt repository on the target (operations/cuda.py): its keyring, our sources
+# line for it, the pin that keeps apt from installing a Linux driver (WSL's comes from Windows),
+# and the login profile that puts nvcc on PATH.
+CUDA_KEYRING = "/usr/share/keyrings/cuda-archive-keyring.gpg"
+CUDA_SOURCES_FILE = "/etc/apt/sources.list.d/freetoken-cuda.list"
+CUDA_PIN_FILE = "/etc/apt/preferences.d/freetoken-no-nvidia-driver"
+CUDA_PROFILE_FILE = "/etc/profile.d/freetoken-cuda.sh"
+
 # The Windows side, seen from the distro. wsl.conf's `[automount] root` moves the drives
 # (`root = /` puts C: at /c); the default is /mnt/ (WslDistributionConfig.cpp in microsoft/WSL).
 WSL_CONF = "/etc/wsl.conf"

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from freetoken_infra.core.layout import GUARD_TIMER, HostLayout
+from freetoken_infra.core.layout import CUDA_PIN_FILE, GUARD_TIMER, HostLayout
 from freetoken_infra.core.settings import Settings
-from operations.cuda import PIN_FILE
 from operations.service import UNIT_PATH, key_path
 from tests.fleet import harness
 from tests.fleet.client import ROOT, SERVING, deploy, grand_total, wait_healthy
@@ -261,8 +260,8 @@ def _breaks() -> list[Break]:
         Break(
             "the driver pin removed",
             frozenset({"test_driver_packages_pinned_out"}),
-            f"mv {PIN_FILE} {SAVE}/pin",
-            f"mv {SAVE}/pin {PIN_FILE}",
+            f"mv {CUDA_PIN_FILE} {SAVE}/pin",
+            f"mv {SAVE}/pin {CUDA_PIN_FILE}",
         ),
         Break(
             "nvcc gone", frozenset({"test_nvcc_lists_the_gpu_arch"}), f"mv {nvcc} {SAVE}/nvcc", f"mv {SAVE}/nvcc {nvcc}"

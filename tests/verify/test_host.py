@@ -21,10 +21,16 @@ from facts.model_manifest import ModelManifest
 from facts.windows import WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslVersion
 from freetoken_infra.core.launch import derive_plan
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, GUARD_TIMER, WSLCONFIG_NAME, HostLayout
+from freetoken_infra.core.layout import (
+    CUDA_PIN_FILE,
+    DEFAULT_DRIVE_ROOT,
+    ENGINE_UNIT,
+    GUARD_TIMER,
+    WSLCONFIG_NAME,
+    HostLayout,
+)
 from freetoken_infra.core.settings import DRIVER_PACKAGE_RE
 from freetoken_infra.core.wsl_ini import drive_root
-from operations.cuda import PIN_FILE
 from operations.health import gate_url
 from operations.service import engine_unit, env_path, key_path
 from tests.verify.probes import (
@@ -130,7 +136,7 @@ def test_driver_packages_pinned_out(host):
         for version, prio, installed, origins in rows
         if prio >= 0 and not installed and any(not o.endswith("/var/lib/dpkg/status") for o in origins)
     )
-    assert not installable, f"apt could install a driver package ({PIN_FILE} missing or wrong): " + "; ".join(
+    assert not installable, f"apt could install a driver package ({CUDA_PIN_FILE} missing or wrong): " + "; ".join(
         installable[:5]
     )
 
