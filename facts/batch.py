@@ -23,7 +23,8 @@ here cut that to a handful, without changing what any fact or operation sees:
    values); the next run's ``prefetch`` fetches all of them in one batch. Values are always
    read from the host in the current run; only the list of questions is reused. A stale list
    costs a few extra lines of output, a missing entry one normal round trip (and is learned
-   for next time).
+   for next time); at the end of a host's run that did not fail, the list becomes what that
+   run asked, so a question no longer asked leaves it.
 
 ``FREETOKEN_FACT_BATCH=0`` turns both off (every fact is its own command, as in plain pyinfra).
 """
@@ -45,6 +46,7 @@ from typing import Any
 
 from pyinfra.api.command import StringCommand
 from pyinfra.api.facts import FactBase, ShortFactBase
+from pyinfra.api.state import BaseStateCallback
 from pyinfra.facts.server import Command
 
 from freetoken_infra.core import pyinfra_internals
@@ -330,6 +332,7 @@ def _plain_executor(state, host) -> tuple:
 class _Memo:
     values: dict[str, Any] = field(default_factory=dict)
     learned: list[dict] = field(default_factory=list)
+    asked: list[dict] = field(default_factory=list)  # this run's requests, in order
     primed: bool = False
     path: Path | None = None
     reading: int = 0  # > 0 while a fact is being read
@@ -419,6 +422,7 @@ def prefetch(
         return status, list(output.output_lines)
     install()
     memo = _memo_for(state, host)
+    _Forget.of(state)
     requests: dict[str, FactRequest] = {}
     for cls, kwargs in wanted:
         if batchable(cls):
@@ -463,6 +467,8 @@ def _get_fact(self: Any, name_or_cls: Any, *args: Any, **kwargs: Any) -> Any:
             return _original_get_fact(self, name_or_cls, *args, **kwargs)
     request = make_request(state, self, name_or_cls, args, kwargs)
     doc = request.to_json(one_off_values(self))
+    if doc is not None and doc not in memo.asked:
+        memo.asked.append(doc)
     if doc is not None and doc not in memo.learned:
         memo.learned.append(doc)
         _save_learned(memo)
@@ -472,6 +478,25 @@ def _get_fact(self: Any, name_or_cls: Any, *args: Any, **kwargs: Any) -> Any:
         value = _original_get_fact(self, name_or_cls, *args, **kwargs)
     memo.values[request.key] = value
     return copy.deepcopy(value)
+
+
+class _Forget(BaseStateCallback):
+    """At the end of a host's run that did not fail, the list kept for its next run becomes
+    what this run asked: a question no longer asked (code that changed) leaves it. A failed or
+    cut run only adds to it (it may have stopped before asking the rest)."""
+
+    @classmethod
+    def of(cls, state) -> None:
+        if not any(isinstance(handler, cls) for handler in state.callback_handlers):
+            state.add_callback_handler(cls())
+
+    def host_disconnect(self, state, host) -> None:  # type: ignore[override]  # pyinfra's is static
+        memo = _memos.get((id(state), host.name))
+        if memo is None or not memo.asked or host in state.failed_hosts:
+            return
+        if memo.learned != memo.asked:
+            memo.learned = list(memo.asked)
+            _save_learned(memo)
 
 
 class _reading:

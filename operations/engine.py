@@ -21,6 +21,7 @@ from pyinfra.api import operation
 from pyinfra.facts.files import File
 from pyinfra.operations import files, server
 
+from facts.account import Account
 from facts.engine import EngineInstall
 from facts.files import FileText
 from freetoken_infra.core.layout import DEPLOY_STATE_DIR, DEPLOY_STATE_MODE, HostLayout
@@ -56,6 +57,9 @@ def previous_version(installed, settings: Settings) -> str | None:
     return None
 
 
+SERVICE_SHELL = "/usr/sbin/nologin"
+
+
 @operation()
 def service_user(settings: Settings):
     """
@@ -66,13 +70,17 @@ def service_user(settings: Settings):
 
     + settings: the host's Settings (service_user, state_dir, cache_dir, config_dir)
     """
-    yield from server.user._inner(
-        user=settings.service_user,
-        system=True,
-        home=settings.state_dir,
-        shell="/usr/sbin/nologin",
-        ensure_home=False,
-    )
+    # pyinfra's server.user reads every account (its Users fact runs lastlog for each): asked
+    # only when this one is missing or differs in what it manages here.
+    account = host.get_fact(Account, account=settings.service_user)
+    if account is None or (account["home"], account["shell"]) != (settings.state_dir, SERVICE_SHELL):
+        yield from server.user._inner(
+            user=settings.service_user,
+            system=True,
+            home=settings.state_dir,
+            shell=SERVICE_SHELL,
+            ensure_home=False,
+        )
     for path in (settings.state_dir, settings.cache_dir, settings.model_dir.rsplit("/", 1)[0]):
         yield from files.directory._inner(
             path=path, user=settings.service_user, group=settings.service_user, mode="755"

@@ -230,3 +230,28 @@ def test_prefetch_runs_the_first_command_and_the_facts_in_one_round_trip(local_p
     assert result == (True, ["taken"]) and len(calls) == 1
     host.get_fact(Command, command="id -u")
     assert len(calls) == 1  # answered by that same round trip
+
+
+def test_a_question_no_longer_asked_leaves_the_list_after_a_run_that_did_not_fail(local_prepare, tmp_path):
+    from pyinfra.facts.files import File
+
+    state, host, calls = local_prepare
+
+    def a_run(paths, failed=False):
+        batch._memos.pop((id(state), host.name), None)
+        batch.prefetch(state, host, [])
+        for path in paths:
+            host.get_fact(File, path=path)
+        if failed:
+            state.failed_hosts.add(host)
+        for handler in state.callback_handlers:
+            handler.host_disconnect(state, host)
+        state.failed_hosts.discard(host)
+        return [d["kwargs"]["path"] for d in batch._load_learned(batch.learned_path(host))]
+
+    assert a_run(["/etc/hostname", "/etc/passwd"]) == ["/etc/hostname", "/etc/passwd"]
+    assert a_run(["/etc/hostname"], failed=True) == ["/etc/hostname", "/etc/passwd"]  # it may have stopped early
+    assert a_run(["/etc/hostname"]) == ["/etc/hostname"]
+    calls.clear()
+    a_run(["/etc/hostname"])
+    assert len(calls) == 1  # the pruned list still answers the run in one command
