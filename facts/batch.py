@@ -492,7 +492,9 @@ class _Forget(BaseStateCallback):
 
     def host_disconnect(self, state, host) -> None:  # type: ignore[override]  # pyinfra's is static
         memo = _memos.get((id(state), host.name))
-        if memo is None or not memo.asked or host in state.failed_hosts:
+        # Not `host in state.failed_hosts`: pyinfra keeps the deploy's context proxies there,
+        # which cannot be compared outside the deploy's context; a failed host left active_hosts.
+        if memo is None or not memo.asked or host not in state.active_hosts:
             return
         if memo.learned != memo.asked:
             memo.learned = list(memo.asked)
