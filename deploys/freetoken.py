@@ -10,7 +10,7 @@
    up yet, everything after this step waits for that restart.
 3. CUDA 13 toolchain from NVIDIA's repository, with driver packages pinned out.
 4. The engine in its own environment, the model (downloaded and verified by a
-   systemd unit), the service, the guard timer.
+   systemd unit), the service, the guard timer, node_exporter reading the guard's samples.
 5. Health gate: /health ok on the version this run installed, a question with one right answer,
    decode tokens/s. Skipped only when the host's last passed gate was for exactly what is
    installed and serving now.
@@ -39,7 +39,7 @@ from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, RESTART
 from freetoken_infra.core.pyinfra_internals import connection_lost
 from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.preflight import fail_host, fleet_settings, run_preflight
-from operations import cuda, engine, guard, health, host_lock, model, service, windows
+from operations import cuda, engine, guard, health, host_lock, model, node_exporter, service, windows
 
 # Every host's settings, validated before this deploy reads anything from any host. The repo's
 # config.py already did this before pyinfra connected; this covers runs that skip config.py
@@ -194,6 +194,12 @@ if ok:
             **gate_args,
         )
     guard.guard(name="Guard: timer", settings=settings)
+    # The guard's samples for the fleet's scrape (README, "One endpoint for the fleet": Metrics).
+    node_exporter.node_exporter(
+        name="Metrics: node_exporter (Debian) reading the guard's samples",
+        settings=settings,
+        bind=node_exporter.bind_address(settings, host.name, host.data.get("ssh_hostname")),
+    )
 
     health.health_gate(
         name="Health gate: /health ok, the right answer, decode tok/s",

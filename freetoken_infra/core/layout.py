@@ -25,6 +25,11 @@ GUARD_SERVICE = "freetoken-guard.service"
 GUARD_TIMER = "freetoken-guard.timer"
 FETCH_UNIT = "freetoken-model-fetch.service"
 CACHE_UNIT = "freetoken-model-cache.service"
+# Debian's node_exporter (operations/node_exporter.py): our settings in a drop-in of its unit.
+NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
+NODE_EXPORTER_UNIT = "prometheus-node-exporter.service"
+NODE_EXPORTER_BINARY = "/usr/bin/prometheus-node-exporter"
+NODE_EXPORTER_DROPIN = f"{UNIT_DIR}/{NODE_EXPORTER_UNIT}.d/freetoken.conf"
 
 GATE_SCRIPT = f"{LIB_DIR}/health_gate.py"
 GUARD_SCRIPT = f"{LIB_DIR}/guard.py"
@@ -148,6 +153,11 @@ class HostLayout:
         """Samples for node_exporter's textfile collector (``--collector.textfile.directory``),
         written by the guard (root)."""
         return f"{DEPLOY_STATE_DIR}/metrics/freetoken.prom"
+
+    @property
+    def guard_textfile_dir(self) -> str:
+        """node_exporter's ``--collector.textfile.directory``: the folder of ``guard_textfile``."""
+        return self.guard_textfile.rsplit("/", 1)[0]
 
     # --- under state_dir (owned by the service user): root touches these only as that user --
 

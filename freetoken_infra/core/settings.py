@@ -246,6 +246,12 @@ class Settings(BaseModel):
     """Seconds between guard samples."""
     guard_swap_limit_gb: float = Field(2.0, gt=0)
     """The guard stops the engine when swap use exceeds this (operations advice)."""
+    node_exporter_enabled: bool = True
+    """Install Debian's prometheus-node-exporter, its textfile collector reading the guard's samples."""
+    node_exporter_port: int = Field(9100, ge=1, le=65535)
+    """Port of node_exporter's `/metrics` (the fleet's scrape config points at it)."""
+    node_exporter_bind: IPvAnyAddress | None = None
+    """Address node_exporter listens on; unset: listen_host, or if that is 0.0.0.0 the address the fleet reaches the host by."""
     ram_margin_gb: float = Field(3.0, ge=0)
     """RAM to keep free beside the experts."""
     disk_margin_gb: float = Field(5.0, ge=0)

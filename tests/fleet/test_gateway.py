@@ -118,6 +118,48 @@ def test_the_gateway_converges_validated_and_a_second_run_changes_nothing(gatewa
     assert harness.snapshot_diff(before, fleet.snapshot(GATEWAY_NAME)) == []
 
 
+# From the gateway host, with its own python3 (the base image has no curl): the body of a GET.
+FETCH = "python3 -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=10).read().decode())' "
+
+
+def test_the_generated_scrape_config_targets_serve_the_guards_metrics_and_a_rerun_changes_nothing(gateway, keys):
+    """Item 8: every node_exporter target of the scrape config the gateway deploy wrote answers,
+    from the gateway host, with the guard's samples; it listens there only (not on every
+    interface); a second converge of the workstations changes nothing."""
+    import yaml
+
+    from freetoken_infra.core.layout import GATEWAY_SCRAPE_CONFIG, NODE_EXPORTER_DROPIN, NODE_EXPORTER_UNIT
+
+    fleet = gateway["fleet"]
+    scrape = yaml.safe_load(fleet.run(GATEWAY_NAME, f"cat {GATEWAY_SCRAPE_CONFIG}", check=True).stdout)
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    targets = {c["labels"]["host"]: c["targets"] for c in jobs["freetoken-guard"]["static_configs"]}
+    # Every backend, ws3 too (parked: refused at preflight, its target down until it serves).
+    assert set(targets) == {"ws1", "ws2", "ws3"}, targets
+    for host in ("ws1", "ws2"):
+        (target,) = targets[host]
+        metrics: list[str] = []
+
+        def guard_lines(target=target, metrics=metrics) -> bool:
+            r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(f"http://{target}/metrics"))
+            metrics[:] = [line for line in r.stdout.splitlines() if line.startswith("freetoken_guard_")]
+            return r.returncode == 0 and bool(metrics)
+
+        # The guard's timer writes its first samples within its interval (30 s).
+        assert eventually(guard_lines, timeout=90), f"{host}: no guard metrics at {target}"
+        assert any(line.startswith("freetoken_guard_tripped") for line in metrics), metrics
+        assert not any(ENGINE_KEY in line or CLIENT_KEY in line for line in metrics)
+        listening = fleet.run(host, "ss -Hltn 'sport = :9100'", check=True).stdout.split()
+        assert target in listening and "*:9100" not in listening and "0.0.0.0:9100" not in listening, listening
+
+    # Not restarted by a run that changes nothing: same process, same drop-in.
+    probe = f"systemctl show -p MainPID --value {NODE_EXPORTER_UNIT}; stat -c %Y {NODE_EXPORTER_DROPIN}"
+    before = {h: fleet.run(h, probe, check=True).stdout for h in ("ws1", "ws2")}
+    again = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1", "--limit", "ws2")
+    assert again.returncode == 0 and client.grand_total(again)[1] in ("-", "0")
+    assert {h: fleet.run(h, probe, check=True).stdout for h in ("ws1", "ws2")} == before
+
+
 def test_requests_through_the_gateway_reach_the_serving_hosts_and_ws3_is_parked(gateway):
     wait_in_service(gateway["fleet"], ["ws1", "ws2"])
     hosts = {stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY).host for _ in range(8)}

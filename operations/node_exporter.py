@@ -1,0 +1,132 @@
+"""
+Debian's ``prometheus-node-exporter`` on a serving host, its textfile collector reading the
+guard's samples (``HostLayout.guard_textfile_dir``), listening where the fleet's scrape config
+(operations/gateway.py ``scrape_config``) points: ``node_exporter_bind``, else the engine's
+``listen_host``, else (an engine on every address) the address the fleet reaches the host by.
+Never every interface unless a setting says so. Our flags live in a drop-in of the package's
+unit, written before the package is installed, so its first start already listens there; the
+exporter restarts only when that drop-in changes. ``node_exporter_enabled`` False stops and
+disables it (the package stays).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from io import StringIO
+
+from pyinfra import host
+from pyinfra.api import operation
+from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.deb import DebPackages
+from pyinfra.operations import apt, files, systemd
+
+from freetoken_infra.core.layout import (
+    NODE_EXPORTER_BINARY,
+    NODE_EXPORTER_DROPIN,
+    NODE_EXPORTER_PACKAGE,
+    NODE_EXPORTER_UNIT,
+    HostLayout,
+)
+from freetoken_infra.core.settings import Settings
+from operations.model import unit_command
+
+
+def bind_address(settings: Settings, host_name: str, ssh_hostname: str | None) -> str:
+    """Where node_exporter listens: ``node_exporter_bind``, else ``listen_host`` (where the
+    gateway reaches the engine), else, when the engine listens on every address, the address
+    the fleet reaches the host by (its ``ssh_hostname``, else its name), resolved here."""
+    if settings.node_exporter_bind is not None:
+        return str(settings.node_exporter_bind)
+    listen = ipaddress.ip_address(str(settings.listen_host))
+    if not listen.is_unspecified:
+        return str(listen)
+    address = str(ssh_hostname or host_name).strip("[]")
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(address, settings.node_exporter_port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise OperationError(
+            f"{host_name}: cannot resolve {address} for node_exporter's bind address ({exc}); set node_exporter_bind"
+        ) from None
+    return str(found[0][4][0])
+
+
+def scrape_address(settings: Settings, reached_at: str) -> str:
+    """Where the fleet's scrape config finds a host's node_exporter, `reached_at` being where
+    the gateway reaches its engine: ``node_exporter_bind`` when it names one address."""
+    bind = settings.node_exporter_bind
+    if bind is not None and not bind.is_unspecified:
+        return str(bind)
+    return reached_at
+
+
+def listen_address(bind: str, port: int) -> str:
+    """``--web.listen-address``: ``ADDR:PORT``, an IPv6 address in brackets."""
+    return f"[{bind}]:{port}" if ":" in bind else f"{bind}:{port}"
+
+
+def dropin(settings: Settings, bind: str) -> str:
+    """The drop-in of Debian's unit: our listen address and textfile folder, nothing else."""
+    argv = [
+        NODE_EXPORTER_BINARY,
+        f"--web.listen-address={listen_address(bind, settings.node_exporter_port)}",
+        f"--collector.textfile.directory={HostLayout.of(settings).guard_textfile_dir}",
+    ]
+    return "\n".join(
+        [
+            "# Managed by freetoken-infra (operations/node_exporter.py); changes here are overwritten.",
+            "[Service]",
+            "ExecStart=",
+            "ExecStart=" + unit_command(argv),
+            "",
+        ]
+    )
+
+
+@operation()
+def node_exporter(settings: Settings, bind: str):
+    """
+    Install and run Debian's node_exporter on ``bind``, reading the guard's textfile folder.
+
+    + settings: the host's ``Settings`` (``node_exporter_enabled``, ``node_exporter_port``)
+    + bind: the address to listen on (``bind_address``)
+
+    **Example:**
+
+    .. code:: python
+
+        node_exporter(name="Metrics: node_exporter", settings=settings, bind="192.168.1.20", _sudo=True)
+    """
+
+    installed = NODE_EXPORTER_PACKAGE in (host.get_fact(DebPackages) or {})
+    if not settings.node_exporter_enabled:
+        if installed:
+            yield from systemd.service._inner(service=NODE_EXPORTER_UNIT, running=False, enabled=False)
+        return
+
+    # The folder the collector reads exists before the guard's first run (the guard's operation
+    # makes it too, with the same owner and mode).
+    yield from files.directory._inner(
+        path=HostLayout.of(settings).guard_textfile_dir, user="root", group="root", mode="755"
+    )
+    put = list(
+        files.put._inner(
+            src=StringIO(dropin(settings, bind)),
+            dest=NODE_EXPORTER_DROPIN,
+            user="root",
+            group="root",
+            mode="644",
+        )
+    )
+    yield from put
+    if put:
+        yield from systemd.daemon_reload._inner()
+    if not installed:
+        # Started by the package with the drop-in already in place: never on every interface.
+        yield from apt.update._inner()
+        yield from apt.packages._inner(packages=[NODE_EXPORTER_PACKAGE], no_recommends=True)
+    yield from systemd.service._inner(service=NODE_EXPORTER_UNIT, running=True, enabled=True, restarted=bool(put))

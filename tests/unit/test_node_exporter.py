@@ -1,0 +1,157 @@
+"""node_exporter on the serving hosts (operations/node_exporter.py) and the fleet's scrape config
+pointing where it listens (operations/gateway.py): the bind address, the drop-in, the operation's
+commands with the host's facts stubbed. The fleet tests run it for real over SSH."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import yaml
+
+from freetoken_infra.core.layout import NODE_EXPORTER_DROPIN, NODE_EXPORTER_UNIT
+from freetoken_infra.core.settings import Settings, SettingsError, build_settings
+from operations import gateway as gw
+from operations import node_exporter as ne
+
+TEXTFILE_DIR = "/var/lib/freetoken-deploy/metrics"
+
+
+def test_bind_follows_the_engine_never_every_interface_by_default():
+    # Default engine on loopback: node_exporter on loopback too.
+    assert ne.bind_address(Settings(), "ws1", "192.0.2.11") == "127.0.0.1"
+    # An engine on one LAN address: the same address (the gateway reaches the host there).
+    assert ne.bind_address(Settings(listen_host="192.0.2.21"), "ws1", "192.0.2.11") == "192.0.2.21"
+    # An engine on every address: the address the fleet reaches the host by.
+    assert ne.bind_address(Settings(listen_host="0.0.0.0"), "ws1", "192.0.2.11") == "192.0.2.11"
+    assert ne.bind_address(Settings(listen_host="0.0.0.0"), "localhost", None) in ("127.0.0.1", "::1")
+    # The setting wins.
+    assert ne.bind_address(Settings(listen_host="0.0.0.0", node_exporter_bind="10.0.0.7"), "ws1", "x") == "10.0.0.7"
+
+
+def test_settings_validate_port_and_bind():
+    assert build_settings("ws1", {"node_exporter_port": 9200}).node_exporter_port == 9200
+    with pytest.raises(SettingsError, match="node_exporter_port"):
+        build_settings("ws1", {"node_exporter_port": 0})
+    with pytest.raises(SettingsError, match="node_exporter_bind"):
+        build_settings("ws1", {"node_exporter_bind": "not-an-address"})
+
+
+def test_dropin_sets_listen_address_and_the_guards_textfile_folder_only():
+    text = ne.dropin(Settings(node_exporter_port=9200), "192.0.2.11")
+    assert text.splitlines()[1:] == [
+        "[Service]",
+        "ExecStart=",
+        "ExecStart=/usr/bin/prometheus-node-exporter --web.listen-address=192.0.2.11:9200 "
+        f"--collector.textfile.directory={TEXTFILE_DIR}",
+    ]
+    assert "--web.listen-address=[fd00::5]:9100" in ne.dropin(Settings(), "fd00::5")
+
+
+def scrape_targets(workstations):
+    text = gw.scrape_config("192.0.2.5", Settings(), workstations)
+    jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
+    return [t for c in jobs["freetoken-guard"]["static_configs"] for t in c["targets"]]
+
+
+def test_scrape_config_names_where_each_host_listens():
+    on_all = Settings(listen_host="0.0.0.0")
+    hosts = {"ws1": ("192.0.2.11", on_all), "ws2": ("192.0.2.12", Settings(listen_host="192.0.2.12"))}
+    targets = scrape_targets(hosts)
+    assert targets == ["192.0.2.11:9100", "192.0.2.12:9100"]
+    # ... the same address and port each host's node_exporter binds to.
+    binds = [ne.listen_address(ne.bind_address(s, n, a), s.node_exporter_port) for n, (a, s) in sorted(hosts.items())]
+    assert targets == binds
+    pinned = Settings(listen_host="0.0.0.0", node_exporter_bind="10.0.0.7", node_exporter_port=9200)
+    assert scrape_targets({"ws1": ("192.0.2.11", pinned)}) == ["10.0.0.7:9200"]
+    assert scrape_targets({"ws1": ("192.0.2.11", Settings(node_exporter_enabled=False))}) == []
+
+
+class StubHost:
+    """Answers the operation's pyinfra facts: files (path -> (text, mode)), packages, units."""
+
+    def __init__(self, files=None, packages=(), running=(), enabled=()):
+        self.files = dict(files or {})
+        self.packages, self.running, self.enabled = set(packages), set(running), set(enabled)
+
+    def commands(self, settings, bind="127.0.0.1"):
+        from pyinfra.api import Config, FileUploadCommand, Inventory, State
+        from pyinfra.context import ctx_host, ctx_state
+
+        inventory = Inventory((["@local"], {}))
+        state = State(inventory, Config())
+        host = inventory.get_host("@local")
+        host.get_fact = self.get_fact
+        with ctx_state.use(state), ctx_host.use(host):
+            return [
+                f"upload {c.dest}"
+                if isinstance(c, FileUploadCommand)
+                else c
+                if isinstance(c, str)
+                else c.get_raw_value()
+                for c in ne.node_exporter._inner(settings, bind)
+            ]
+
+    def get_fact(self, cls, *args, **kwargs):
+        name, path = cls.__name__, kwargs.get("path")
+        if name == "DebPackages":
+            return {p: ["1.5.0-1+b6"] for p in self.packages}
+        if name == "File":
+            return (
+                {"user": "root", "group": "root", "mode": self.files[path][1], "size": 1}
+                if path in self.files
+                else None
+            )
+        if name == "Directory":
+            dirs = {TEXTFILE_DIR, "/etc/systemd/system/prometheus-node-exporter.service.d"}
+            return {"user": "root", "group": "root", "mode": 755} if path in dirs else None
+        if name == "Link":
+            return None
+        if name == "Sha1File":
+            return hashlib.sha1(self.files[path][0].encode()).hexdigest() if path in self.files else None
+        if name == "SystemdStatus":
+            return {s: s in self.running for s in kwargs["services"]}
+        if name == "SystemdEnabled":
+            return {s: s in self.enabled for s in kwargs["services"]}
+        if name == "TmpDir":
+            return "/tmp"
+        raise AssertionError(f"unexpected fact {name}")
+
+
+def converged(settings, bind="127.0.0.1"):
+    return StubHost(
+        {NODE_EXPORTER_DROPIN: (ne.dropin(settings, bind), 644)},
+        {"prometheus-node-exporter"},
+        {NODE_EXPORTER_UNIT},
+        {NODE_EXPORTER_UNIT},
+    )
+
+
+def test_bare_host_gets_the_dropin_before_the_package():
+    cmds = StubHost().commands(Settings())
+    assert f"upload {NODE_EXPORTER_DROPIN}" in cmds
+    install = next(
+        i for i, c in enumerate(cmds) if "apt-get" in c and "install" in c and "prometheus-node-exporter" in c
+    )
+    assert cmds.index(f"upload {NODE_EXPORTER_DROPIN}") < cmds.index("systemctl daemon-reload") < install
+    assert "--no-install-recommends" in cmds[install]
+
+
+def test_converged_host_runs_nothing():
+    assert converged(Settings()).commands(Settings()) == []
+
+
+def test_a_changed_bind_rewrites_the_dropin_and_restarts_only_then():
+    cmds = converged(Settings()).commands(Settings(), bind="192.0.2.11")
+    assert cmds[0] == f"upload {NODE_EXPORTER_DROPIN}"
+    assert "systemctl daemon-reload" in cmds and cmds[-1] == f"systemctl restart {NODE_EXPORTER_UNIT}"
+    assert not any("apt-get" in c for c in cmds)
+
+
+def test_disabled_stops_an_installed_exporter_and_installs_nothing():
+    off = Settings(node_exporter_enabled=False)
+    assert converged(Settings()).commands(off) == [
+        f"systemctl stop {NODE_EXPORTER_UNIT}",
+        f"systemctl disable {NODE_EXPORTER_UNIT}",
+    ]
+    assert StubHost().commands(off) == []
