@@ -30,8 +30,8 @@ from pyinfra.api.exceptions import PyinfraError
 from pyinfra_cli.exceptions import CliError, UnexpectedExternalError
 
 from freetoken_infra.core import pyinfra_internals
+from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import SettingsError, validate_inventory
-from freetoken_infra.report import record_connect_errors
 
 
 def _validate_then_connect(connect_all):
@@ -41,7 +41,7 @@ def _validate_then_connect(connect_all):
         except SettingsError as exc:
             # CliError: the CLI prints the message as is (no traceback, no source line), exits 1.
             raise CliError(f"{exc}\nno host was contacted") from None
-        record_connect_errors(state)  # for a rollout's report: who is unreachable (parked)
+        RunRecords.of(state)  # the run's records, before connecting: who is unreachable (parked)
         try:
             return connect_all(state)
         except PyinfraError:

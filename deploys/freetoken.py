@@ -30,9 +30,8 @@ from pyinfra.operations import python, systemd
 from pyinfra.operations.util import any_changed
 
 from facts import batch
-from facts.engine import EngineHealth
 from facts.windows_tasks import WslDistroName
-from freetoken_infra import report, rules
+from freetoken_infra import rules
 from freetoken_infra.core import records
 from freetoken_infra.core.launch import engine_command
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, RESTART_MESSAGE
@@ -100,13 +99,9 @@ def stop_for_restart(obs) -> None:
 
 ok = False
 if not lock_refused:
-    settings, obs, findings, ok = run_preflight(
-        state,
-        host,
-        on_fixable=stop_for_restart,
-        # for a rollout's fleet report (only under FREETOKEN_RUN_RECORD), before a refused host stops
-        on_findings=lambda s, o, f: report.record_host(state, host, s, o, f),
-    )
+    # The host's preflight record: the settings and everything this deploy knows of the host.
+    pre, ok = run_preflight(state, host, on_fixable=stop_for_restart)
+    settings, obs = pre.settings, pre.observations
 
 if ok:
     changing = windows_side(settings, obs)
@@ -138,8 +133,7 @@ if ok:
     # Blue-green: the version that serves now stays installed; if the new one fails the
     # health gate, the gate switches back to it (README, "Upgrades and rollback"). A run cut off
     # after the switch left `active` on the new version: then it is the last passed gate's.
-    gate_record = health.gate_record(settings)
-    rollback_to = health.rollback_target(obs.engine, settings, gate_record)
+    rollback_to = health.rollback_target(obs.engine, settings, obs.gate_record)
     env_op = engine.environment(name=f"Engine: {settings.engine_requirement} environment", settings=settings)
 
     # The fleet's LAN model cache host fetches first and then serves its verified copy; the
@@ -178,11 +172,11 @@ if ok:
         service.engine_environment(settings),
         engine_command(settings, plan),
     )
-    serving = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port)
+    serving = obs.health
     why_gate: str | None = "the engine was not serving before this run"
-    if serving.status == "ok" and was_running:
+    if serving is not None and serving.status == "ok" and was_running:
         manifest = host.get_fact(Sha256File, path=health.manifest_path(settings))
-        why_gate = health.why_gate(gate_record, subject, manifest, serving.version)
+        why_gate = health.why_gate(obs.gate_record, subject, manifest, serving.version)
     gate_args: dict[str, Any] = {"_if": changed} if why_gate is None else {}
 
     systemd.service(name="Service: enabled and running", service=ENGINE_UNIT, running=True, enabled=True)

@@ -6,6 +6,7 @@ Used by deploys/doctor.py (read-only) and deploys/freetoken.py (first step).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import click
@@ -14,25 +15,22 @@ from pyinfra.api.exceptions import PyinfraError
 from facts import batch
 from facts.cuda import CudaToolchain
 from facts.engine import EngineHealth, EngineInstall
+from facts.files import FileText
 from facts.gpu import NvidiaGpus
 from facts.gpu_memory import GpuMemoryProbe
 from facts.guard import GuardState
 from facts.init import InitSystem
 from facts.model import ModelDirectory
 from facts.resources import HostResources
+from facts.restart import RestartPending
 from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import rules
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSLCONFIG_NAME, HostLayout
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, WSLCONFIG_NAME, HostLayout
+from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
 from freetoken_infra.core.wsl_ini import drive_root
-from freetoken_infra.report import findings_table, fleet_summary
-
-# Findings of every host of this run, for the fleet summary (keyed by the run's State: the CLI
-# may run more than once in one process).
-_results: dict[int, dict[str, list[rules.Finding]]] = {}
-_summary_printed: set[int] = set()
-_settings_checked: dict[int, dict[str, Settings]] = {}
+from freetoken_infra.report import findings_table, fleet_summary, record_host
 
 
 def fleet_settings(state) -> dict[str, Settings]:
@@ -41,13 +39,13 @@ def fleet_settings(state) -> dict[str, Settings]:
     Runs while pyinfra is still preparing (nothing has been executed on any host),
     so a bad value anywhere means no host is touched.
     """
-    key = id(state)
-    if key not in _settings_checked:
+    run = RunRecords.of(state)
+    if run.settings is None:
         try:
-            _settings_checked[key] = validate_inventory(state.inventory)
+            run.settings = validate_inventory(state.inventory)
         except SettingsError as exc:
             raise PyinfraError(str(exc)) from None
-    return _settings_checked[key]
+    return run.settings
 
 
 def on_windows_drive(host, fact, wslconf):
@@ -72,6 +70,7 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
     which proves the allocations pitfall 4B is about work, and a probe beside it would only
     measure the engine's own use. A stopped, loading or failed engine is probed as before.
     """
+    layout = HostLayout.of(settings)
     engine_health = (EngineHealth, {"host": str(settings.listen_host), "port": settings.listen_port})
     batch.prefetch(
         host.state,
@@ -87,7 +86,8 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
             (WslConfFile, {}),
             (EngineInstall, {"base_dir": settings.engine_base_dir}),
             (ModelDirectory, {"path": settings.model_dir}),
-            (GuardState, {"state_file": HostLayout.of(settings).guard_state_file}),
+            (GuardState, {"state_file": layout.guard_state_file}),
+            (FileText, {"path": layout.last_gate_file}),
             engine_health,
         ],
     )
@@ -104,6 +104,10 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         else None
     )
     gpu_memory = host.get_fact(GpuMemoryProbe) if probe_gpu_memory and gpus.gpus else None
+    # Files whose change waits for a WSL restart (a rollout's fleet report says so).
+    restart_files = [WSL_CONF]
+    if profile is not None and profile.path:
+        restart_files.insert(0, f"{profile.path}/{WSLCONFIG_NAME}")
     return rules.Observations(
         kernel=kernel,
         wsl=on_windows_drive(host, WslVersion, wslconf),
@@ -117,9 +121,19 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         gpu_memory=gpu_memory,
         engine=host.get_fact(EngineInstall, base_dir=settings.engine_base_dir),
         model=host.get_fact(ModelDirectory, path=settings.model_dir),
-        guard_state=host.get_fact(GuardState, state_file=HostLayout.of(settings).guard_state_file),
+        guard_state=host.get_fact(GuardState, state_file=layout.guard_state_file),
         health=health,
+        gate_record=_json_object(host.get_fact(FileText, path=layout.last_gate_file)),
+        restart_pending=host.get_fact(RestartPending, paths=restart_files),
     )
+
+
+def _json_object(text: str | None) -> dict | None:
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def unreachable_finding() -> rules.Finding:
@@ -131,20 +145,18 @@ def unreachable_finding() -> rules.Finding:
     )
 
 
-def _maybe_print_summary(state) -> None:
+def _maybe_print_summary(state, run: RunRecords) -> None:
     """Print the fleet summary once, when every host this run reached has its findings.
 
     The run's hosts are the inventory's within --limit/--exclude; the reached ones are those
     pyinfra connected to. A host of the run it could not connect to never gets here, so it is
     listed as unreachable instead of holding the summary back.
     """
-    key = id(state)
-    results = _results.get(key, {})
     reached = {h.name for h in state.activated_hosts}
-    if key in _summary_printed or not reached or not reached <= set(results):
+    if run.summary_printed or not reached or not reached <= set(run.preflight):
         return
-    _summary_printed.add(key)
-    summary = {name: results[name] for name in reached}
+    run.summary_printed = True
+    summary = {name: run.preflight[name].findings for name in reached}
     for host in state.inventory:
         if state.is_host_in_limit(host) and host.name not in reached:
             summary[host.name] = [unreachable_finding()]
@@ -183,28 +195,27 @@ def run_preflight(
     state,
     host,
     on_fixable: Callable[[rules.Observations], None] | None = None,
-    on_findings: Callable[[Settings, rules.Observations, list[rules.Finding]], None] | None = None,
-) -> tuple[Settings, rules.Observations, list[rules.Finding], bool]:
-    """Gather, evaluate, print. Returns (settings, observations, findings, ok).
+) -> tuple[rules.HostPreflight, bool]:
+    """Gather, evaluate, record, print. Returns (the host's preflight record, ok).
 
-    When a host's only blockers are ones the deploy's Windows-side step fixes,
-    `on_fixable(observations)` is called to queue that step before the host stops.
-    `on_findings(settings, observations, findings)` is called before a blocked host is
-    stopped (stopping the last host ends the run: nothing after this call would see it).
+    The record (settings, observations, findings) is kept on the run (``RunRecords.preflight``)
+    and, under $FREETOKEN_RUN_RECORD, written for a rollout's fleet report before a blocked host
+    is stopped (stopping the last host ends the run). When a host's only blockers are ones the
+    deploy's Windows-side step fixes, `on_fixable(observations)` is called to queue that step
+    before the host stops.
     """
+    run = RunRecords.of(state)
     settings = fleet_settings(state)[host.name]
     obs = observe(host, settings)
-    findings = rules.evaluate(settings, obs)
-    if on_findings is not None:
-        on_findings(settings, obs, findings)
-    _results.setdefault(id(state), {})[host.name] = findings
-    click.echo("\n" + findings_table(host.name, findings), err=True)
-    blocked = rules.blockers(findings)
-    if blocked and on_fixable is not None and rules.only_deploy_fixable(findings):
+    pre = rules.HostPreflight(settings, obs, rules.evaluate(settings, obs))
+    run.preflight[host.name] = pre
+    record_host(host.name, pre)
+    click.echo("\n" + findings_table(host.name, pre.findings), err=True)
+    if pre.blocked and on_fixable is not None and pre.restart_only:
         on_fixable(obs)
-        _maybe_print_summary(state)
-        return settings, obs, findings, False
-    _maybe_print_summary(state)
-    if blocked:
-        fail_host(state, host, "preflight blockers: " + ", ".join(f.check for f in blocked))
-    return settings, obs, findings, not blocked
+        _maybe_print_summary(state, run)
+        return pre, False
+    _maybe_print_summary(state, run)
+    if pre.blocked:
+        fail_host(state, host, "preflight blockers: " + ", ".join(f.check for f in pre.blocked))
+    return pre, not pre.blocked

@@ -3,18 +3,16 @@ report a rollout ends with (table and JSON)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import textwrap
 from collections.abc import Iterable
 from typing import Any
 
-from pyinfra.api.state import BaseStateCallback
-
-from freetoken_infra.core.layout import RESTART_MESSAGE, HostLayout
+from freetoken_infra.core.layout import RESTART_MESSAGE
 from freetoken_infra.core.records import RECORD_ENV, record
-from freetoken_infra.rules import Finding
+from freetoken_infra.core.records import first_line as _first_line
+from freetoken_infra.rules import Finding, HostPreflight, primary_gpu
 
 _MARK = {"pass": "pass", "warn": "WARN", "block": "BLOCK"}
 
@@ -71,92 +69,39 @@ RESULTS = (RESULT_OK, RESULT_PARKED, RESULT_REFUSED, RESULT_FAILED, RESULT_NOT_R
 UNTOUCHED = (RESULT_PARKED, RESULT_REFUSED, RESULT_NOT_RUN)
 
 
-class RunRecorder(BaseStateCallback):
-    """pyinfra callbacks: which operation failed on a host, and the host's end state."""
-
-    @staticmethod
-    def operation_host_error(state, host, op_hash, retry_count: int = 0, max_retries: int = 0):
-        names = sorted(state.get_op_meta(op_hash).names) or ["an operation"]
-        record(host.name, op_error=", ".join(names))
-
-    @staticmethod
-    def host_disconnect(state, host):
-        changes = 0
-        for op_data in state.ops.get(host, {}).values():
-            meta = op_data.operation_meta
-            if meta.is_complete() and meta.did_change():
-                changes += 1
-        # Not `host in state.failed_hosts`: the preflight fails hosts through pyinfra's
-        # context proxy, which cannot be compared outside the deploy's context.
-        record(host.name, finished={"failed": host not in state.active_hosts, "changes": changes})
-
-
-class ConnectRecorder(BaseStateCallback):
-    """pyinfra callback: a host it could not connect to, with pyinfra's reason (the host is
-    parked in a rollout's report)."""
-
-    @staticmethod
-    def host_connect_error(state, host, error) -> None:
-        reason = error.args[0] if getattr(error, "args", None) else error
-        record(host.name, unreachable=_first_line(reason) or "could not connect")
-
-
-def record_connect_errors(state) -> None:
-    """Register the ConnectRecorder on this run's state, before pyinfra connects (config.py
-    does, only under $FREETOKEN_RUN_RECORD)."""
+def record_host(host_name: str, pre: HostPreflight) -> None:
+    """Write what the preflight saw on this host to the run record (under $FREETOKEN_RUN_RECORD,
+    for a rollout's fleet report). Reads nothing from the host: all of it is in the preflight's
+    record."""
     if not os.environ.get(RECORD_ENV):
         return
-    if not any(isinstance(h, ConnectRecorder) for h in state.callback_handlers):
-        state.add_callback_handler(ConnectRecorder())
-
-
-def record_host(state, host, settings, obs, findings) -> None:
-    """Called by the deploy right after preflight: register the recorder once per run and
-    record what the facts saw on this host (reads only)."""
-    if not os.environ.get(RECORD_ENV):
-        return
-    if not any(isinstance(h, RunRecorder) for h in state.callback_handlers):
-        state.add_callback_handler(RunRecorder())
-    from facts.engine import EngineHealth
-    from facts.files import FileText
-    from facts.restart import RestartPending
-    from freetoken_infra import rules
-
-    gpu = rules.primary_gpu(obs)
-    blocked = rules.blockers(findings)
+    settings, obs = pre.settings, pre.observations
+    gpu = primary_gpu(obs)
     observed: dict[str, Any] = {
         "gpu": gpu.name if gpu else None,
         "vram_mib": gpu.memory_total_mib if gpu else None,
         "wsl_version": ".".join(map(str, obs.wsl.version)) if obs.wsl.version else None,
         "wsl_kind": obs.kernel.kind,
-        "engine_active": obs.engine.active,
+        "engine_active": obs.engine.active if obs.engine else None,
         "engine_version": settings.engine_version,
         "model": f"{settings.model_repo}@{settings.model_revision}",
-        "blockers": [f.check for f in blocked],
-        "restart_only": bool(blocked) and rules.only_deploy_fixable(findings),
+        "blockers": [f.check for f in pre.blocked],
+        "restart_only": bool(pre.blocked) and pre.restart_only,
     }
-    if not blocked:
-        health = host.get_fact(EngineHealth, host=str(settings.listen_host), port=settings.listen_port)
-        observed["health"] = {
-            "status": health.status if health.reachable else "down",
-            "version": health.version,
-            "message": health.message,
-        }
-        text = host.get_fact(FileText, path=HostLayout.of(settings).last_gate_file)
-        try:
-            observed["last_gate"] = json.loads(text) if text else None
-        except ValueError:
-            observed["last_gate"] = None
-    paths = ["/etc/wsl.conf"]
-    if obs.windows_profile is not None and obs.windows_profile.path:
-        paths.insert(0, f"{obs.windows_profile.path}/.wslconfig")
-    observed["restart_pending"] = host.get_fact(RestartPending, paths=paths)
-    record(host.name, observed=observed)
-
-
-def _first_line(text: Any) -> str:
-    lines = str(text or "").strip().splitlines()
-    return lines[0] if lines else ""
+    if not pre.blocked:
+        health = obs.health
+        observed["health"] = (
+            {
+                "status": health.status if health.reachable else "down",
+                "version": health.version,
+                "message": health.message,
+            }
+            if health is not None
+            else None
+        )
+        observed["last_gate"] = obs.gate_record
+    observed["restart_pending"] = list(obs.restart_pending or [])
+    record(host_name, observed=observed)
 
 
 def host_row(
@@ -176,7 +121,7 @@ def host_row(
     gate = rollback = finished = lost = None
     op_errors: list[str] = []
     restart_files: list[str] = []
-    # pyinfra's connection error, recorded (ConnectRecorder) or read from its output by the caller
+    # pyinfra's connection error, recorded (core.records.RunRecords) or read from its output by the caller
     unreachable = next((r["unreachable"] for r in records if r.get("unreachable")), None) or unreachable
     records = [r for r in records if not r.get("unreachable")]
     for r in records:

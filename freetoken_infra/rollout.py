@@ -246,7 +246,7 @@ def run_batch(
         records = read_records(record_file)
     finally:
         os.unlink(record_file)
-    # Everything comes from the run record, connection errors included (report.ConnectRecorder,
+    # Everything comes from the run record, connection errors included (core.records.RunRecords,
     # registered by config.py, which the CLI reads from the working directory): no console text
     # is parsed.
     rows = [

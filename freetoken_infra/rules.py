@@ -76,6 +76,8 @@ class Observations:
     model: ModelDirInfo | None = None
     health: EngineHealthInfo | None = None
     guard_state: dict | None = None
+    gate_record: dict | None = None  # the host's last health gate record (None: none)
+    restart_pending: list[str] | None = None  # Windows-side files changed since WSL started
 
 
 def _v(version: tuple[int, ...]) -> str:
@@ -526,3 +528,22 @@ def only_deploy_fixable(findings: list[Finding]) -> bool:
     """True when every blocker is one the deploy's Windows-side step resolves."""
     b = blockers(findings)
     return bool(b) and all(f.deploy_fixes for f in b)
+
+
+@dataclass(frozen=True)
+class HostPreflight:
+    """The preflight's record of one host, made once per run (preflight.run_preflight): what
+    the deploy, the doctor's output and a rollout's fleet report read."""
+
+    settings: Settings
+    observations: Observations
+    findings: list[Finding]
+
+    @property
+    def blocked(self) -> list[Finding]:
+        return blockers(self.findings)
+
+    @property
+    def restart_only(self) -> bool:
+        """Every blocker is the deploy's own Windows-side step to fix."""
+        return only_deploy_fixable(self.findings)

@@ -22,14 +22,13 @@ import click
 from pyinfra import host as current_host
 from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.exceptions import OperationError
-from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files
 
 from facts.files import FileText
 from freetoken_infra.core.layout import ENGINE_UNIT, GATE_RECORD_FILE, GATE_SCRIPT, HostLayout
 from freetoken_infra.core.manifest import MANIFEST_NAME
 from freetoken_infra.core.pyinfra_internals import connection_lost
-from freetoken_infra.core.records import record
+from freetoken_infra.core.records import RunRecords, first_line, lost_line, record
 from freetoken_infra.core.settings import Settings
 
 GATE_SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "health_gate.py"
@@ -56,14 +55,6 @@ _ELEVATION_ARGS = (
     "_dzdo",
     "_dzdo_user",
 )
-
-# host name -> the gate script's result, plus "decode_floor_tps" (the host's floor, or None).
-# Written as each host's gate runs; GateReport prints the table (format_gate_report) when the
-# run ends.
-GATE_RESULTS: dict[str, dict[str, Any]] = {}
-# host name -> the result its previous run's gate left on the host (None: none), read while the
-# deploy is prepared: the tok/s shown for a host whose gate had nothing to prove again.
-LAST_GATES: dict[str, dict[str, Any] | None] = {}
 
 _REMEDY = {
     "health": "see the engine's journal below; `systemctl status freetoken` and "
@@ -146,11 +137,6 @@ def rollback_target(installed, settings: Settings, record_doc: Mapping[str, Any]
         if version and version != settings.engine_version and installed.versions.get(version) == version:
             return str(version)
     return None
-
-
-def lost_line(host_name: str, step: str) -> str:
-    """The one line a run prints for a host whose connection dropped."""
-    return f"{host_name}: connection lost during {step}; re-run to finish"
 
 
 class ConnectionLost(Exception):
@@ -306,8 +292,11 @@ def run_gate(
     says the gate was cut off, and the operation fails without a traceback (returns False).
     """
     elevation = dict(elevation or {})
+    run = RunRecords.of(state)
     try:
-        return _run_gate(host, settings, key_file, script_path, elevation, rollback_to, result_path, subject, previous)
+        return _run_gate(
+            run, host, settings, key_file, script_path, elevation, rollback_to, result_path, subject, previous
+        )
     except ConnectionLost as exc:
         step = "the health gate"
         cut = {
@@ -320,7 +309,7 @@ def run_gate(
             "error": f"connection lost ({exc})",
             "decode_floor_tps": settings.decode_floor_tps,
         }
-        GATE_RESULTS[host.name] = cut
+        run.gates[host.name] = cut
         record(host.name, gate=cut, lost={"step": step})
         click.echo(lost_line(host.name, step), err=True)
         return False
@@ -331,6 +320,7 @@ def _passed(result: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _run_gate(
+    run: RunRecords,
     host,
     settings: Settings,
     key_file: str | None,
@@ -362,7 +352,7 @@ def _run_gate(
     # no passed gate for what is installed now, so the next run gates again.
     keep({"ok": False, "phase": "started", "error": "the gate did not finish (the run was cut off)"}, new)
     result = _gate_once(host, settings, key_file, script_path, elevation, expect_version=new)
-    GATE_RESULTS[host.name] = result
+    run.gates[host.name] = result
     keep(result, new)
     if result["ok"]:
         record(host.name, gate=result)
@@ -380,7 +370,7 @@ def _run_gate(
         raise OperationError(failure)
 
     # Blue-green: the previous version's environment is still there; switch back to it.
-    reason = f"{new} failed the health gate in the {phase} phase: {_first_line(result.get('error'))}"
+    reason = f"{new} failed the health gate in the {phase} phase: {first_line(result.get('error'))}"
     click.echo(f"{host.print_prefix}{reason}; rolling back to {rollback_to}", err=True)
     switched, output = _run(host, rollback_command(settings, rollback_to), elevation)
     if not switched:
@@ -404,7 +394,7 @@ def _run_gate(
         **_gate_once(host, settings, key_file, script_path, elevation, expect_version=rollback_to),
         "rolled_back_from": new,
     }
-    GATE_RESULTS[host.name] = again
+    run.gates[host.name] = again
     keep(again, rollback_to)
     record(
         host.name,
@@ -427,13 +417,8 @@ def _run_gate(
         f"host {host.name}: rollback to {rollback_to} failed too: the health gate failed in the "
         f"{again.get('phase') or 'health'} phase: {again.get('error')}\n"
         f"  last {JOURNAL_LINES} lines of `journalctl -u {ENGINE_UNIT}`:\n{_journal(host, elevation)}\n"
-        f"  first failure ({new}): {_first_line(result.get('error'))}"
+        f"  first failure ({new}): {first_line(result.get('error'))}"
     )
-
-
-def _first_line(text: Any) -> str:
-    lines = str(text or "").strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def gate_record(settings: Settings, record_path: str = GATE_RECORD_FILE) -> dict[str, Any] | None:
@@ -472,11 +457,11 @@ def health_gate(
     (stdlib only, run by the target's ``python3``) polls ``/health`` until ``status: ok`` (printing progress), fails at once on
     ``status: error``, fails when the engine serving is not ``settings.engine_version``, asks a
     question with one right answer (and fails on a wrong one), then sends a streamed chat whose
-    decode tokens/s it measures. The result lands in ``GATE_RESULTS[host.name]``. On failure the operation
+    decode tokens/s it measures. The result lands in the run's ``RunRecords.gates``. On failure the operation
     raises ``OperationError`` naming the host, the failed phase and the engine's last 30
     journal lines. Never idempotent: it always checks (skip it with ``_if`` when nothing
     changed). When every host of the run is done, the run prints one table
-    (``GateReport``): each host's health, decode tok/s, or why it has none.
+    (``print_gate_report``): each host's health, decode tok/s, or why it has none.
 
     **Example:**
 
@@ -493,9 +478,10 @@ def health_gate(
     """
     # Here, while the deploy is prepared, not in the operation: a gate skipped with `_if` never
     # runs its operation, and the report must see every host.
-    GateReport.watch(current_host.state)
+    run = RunRecords.of(current_host.state)
+    run.when_done(print_gate_report)
     previous = gate_record(settings, record_path)
-    LAST_GATES[current_host.name] = previous
+    run.last_gates[current_host.name] = previous
     return _health_gate(
         settings=settings,
         key_file=key_file,
@@ -544,56 +530,30 @@ def _json_or_none(text: str | None) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-class GateReport(BaseStateCallback):
-    """Prints the health gate table once every host of the run is done (pyinfra disconnects
-    from each host last, failed ones included): a host's gate result, the last gate of a host
-    with nothing to prove again, or why a host never reached its gate."""
+def print_gate_report(run: RunRecords, state) -> None:
+    """The health gate table, printed when every host of the run is done (pyinfra disconnects
+    from each host last, failed ones included)."""
+    hosts = sorted(h.name for h in state.activated_hosts)
+    click.echo("\n" + format_gate_report(gate_rows(run, hosts, {h.name for h in state.active_hosts})), err=True)
 
-    def __init__(self) -> None:
-        self.failed_ops: dict[str, list[str]] = {}
-        self.lost: dict[str, str] = {}  # host -> the step during which its connection dropped
-        self.done: set[str] = set()
 
-    @classmethod
-    def watch(cls, state) -> None:
-        """Register the report with this run (once)."""
-        if not any(isinstance(h, cls) for h in state.callback_handlers):
-            state.add_callback_handler(cls())
-
-    # pyinfra declares its callbacks as static methods; ours keep state on the instance.
-    def operation_host_error(  # type: ignore[override]
-        self, state, host, op_hash, retry_count: int = 0, max_retries: int = 0
-    ):
-        names = sorted(state.get_op_meta(op_hash).names) or ["an operation"]
-        self.failed_ops.setdefault(host.name, []).extend(names)
-        # A step other than the gate lost the connection: pyinfra logged the socket error; the
-        # run says what it means, once, and the fleet report gets the reason.
-        if connection_lost(host) and not GATE_RESULTS.get(host.name, {}).get("cut_off") and host.name not in self.lost:
-            self.lost[host.name] = "; ".join(names)
-            record(host.name, lost={"step": self.lost[host.name]})
-            click.echo(lost_line(host.name, self.lost[host.name]), err=True)
-
-    def host_disconnect(self, state, host):  # type: ignore[override]
-        self.done.add(host.name)
-        hosts = sorted(h.name for h in state.activated_hosts)
-        if set(hosts) <= self.done:
-            click.echo("\n" + format_gate_report(self.rows(hosts, {h.name for h in state.active_hosts})), err=True)
-
-    def rows(self, hosts: list[str], active: set[str]) -> dict[str, dict[str, Any]]:
-        rows: dict[str, dict[str, Any]] = {}
-        for name in hosts:
-            if name in GATE_RESULTS:
-                rows[name] = GATE_RESULTS[name]
-            elif name in active and name in LAST_GATES:
-                # Healthy before the run and nothing changed: the gate had nothing to prove.
-                rows[name] = {**(LAST_GATES[name] or {}), "ok": True, "checked": False}
-            elif name in self.lost:
-                rows[name] = {"ok": False, "stopped": f"connection lost during {self.lost[name]}; re-run to finish"}
-            elif name in self.failed_ops:
-                rows[name] = {"ok": False, "stopped": "failed at: " + "; ".join(self.failed_ops[name])}
-            else:
-                rows[name] = {"ok": False, "stopped": "refused at preflight (findings above)"}
-        return rows
+def gate_rows(run: RunRecords, hosts: list[str], active: set[str]) -> dict[str, dict[str, Any]]:
+    """A row per host: its gate result, the last gate of a host with nothing to prove again, or
+    why it never reached its gate."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name in hosts:
+        if name in run.gates:
+            rows[name] = run.gates[name]
+        elif name in active and name in run.last_gates:
+            # Healthy before the run and nothing changed: the gate had nothing to prove.
+            rows[name] = {**(run.last_gates[name] or {}), "ok": True, "checked": False}
+        elif name in run.lost:
+            rows[name] = {"ok": False, "stopped": f"connection lost during {run.lost[name]}; re-run to finish"}
+        elif name in run.failed_ops:
+            rows[name] = {"ok": False, "stopped": "failed at: " + "; ".join(run.failed_ops[name])}
+        else:
+            rows[name] = {"ok": False, "stopped": "refused at preflight (findings above)"}
+    return rows
 
 
 def _seconds(value: Any) -> str:
@@ -601,7 +561,7 @@ def _seconds(value: Any) -> str:
 
 
 def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: float | None = None) -> str:
-    """Per-host table of gate results (``GATE_RESULTS``), flagging decode speeds below the floor.
+    """Per-host table of gate results (``gate_rows``), flagging decode speeds below the floor.
 
     Each host's floor is its recorded ``decode_floor_tps``; ``floor_tps`` applies to hosts
     without one. A result with ``"checked": False`` is a host's last gate (marked ``*``); one

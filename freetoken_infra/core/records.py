@@ -5,13 +5,22 @@ nothing is recorded without it): what the facts saw at preflight, the health gat
 rollback, failed operations, and at disconnect whether pyinfra failed the host and how many
 operations changed something. The operations write it, the report and the rollout read it:
 one structured path, no console text scraped.
+
+Within the run, the same results live on one object attached to the run's pyinfra State
+(``RunRecords``), never in module globals.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
+
+import click
+from pyinfra.api.state import BaseStateCallback
+
+from freetoken_infra.core.pyinfra_internals import connection_lost
 
 RECORD_ENV = "FREETOKEN_RUN_RECORD"
 
@@ -42,3 +51,92 @@ def read_records(path: str) -> dict[str, list[dict[str, Any]]]:
         if isinstance(doc, dict) and isinstance(doc.get("host"), str):
             by_host.setdefault(doc["host"], []).append(doc)
     return by_host
+
+
+def lost_line(host_name: str, step: str) -> str:
+    """The one line a run prints for a host whose connection dropped."""
+    return f"{host_name}: connection lost during {step}; re-run to finish"
+
+
+def first_line(text: Any) -> str:
+    lines = str(text or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+class RunRecords(BaseStateCallback):
+    """What one pyinfra run learns, kept on the run itself: the one callback handler of the
+    report, registered on the run's State (``RunRecords.of(state)``), so that two runs in one
+    process never share results (no module-level result state).
+
+    It holds every host's settings (validated once), the preflight's record of each host, the
+    health gate's results and each host's previous gate, and what pyinfra's callbacks say: an
+    operation that failed, a connection lost, a host it could not connect to, a host done. The
+    same events go to the run record file ($FREETOKEN_RUN_RECORD) a rollout reads. When every
+    host of the run is done, the functions in ``at_end`` run (the health gate's table).
+    """
+
+    def __init__(self) -> None:
+        self.settings: dict[str, Any] | None = None  # host name -> Settings (preflight.fleet_settings)
+        self.preflight: dict[str, Any] = {}  # host name -> rules.HostPreflight
+        self.summary_printed = False
+        self.gates: dict[str, dict[str, Any]] = {}  # host name -> this run's gate result
+        self.last_gates: dict[str, dict[str, Any] | None] = {}  # host name -> its previous gate record
+        self.failed_ops: dict[str, list[str]] = {}
+        self.lost: dict[str, str] = {}  # host name -> the step during which its connection dropped
+        self.done: set[str] = set()
+        self.at_end: list[Callable[[RunRecords, Any], None]] = []
+
+    @classmethod
+    def of(cls, state: Any) -> RunRecords:
+        """This run's records (created and registered on the first call)."""
+        for handler in state.callback_handlers:
+            if isinstance(handler, cls):
+                return handler
+        run = cls()
+        state.add_callback_handler(run)
+        return run
+
+    def when_done(self, report: Callable[[RunRecords, Any], None]) -> None:
+        """Call ``report(self, state)`` once every host of the run is done (once per function)."""
+        if report not in self.at_end:
+            self.at_end.append(report)
+
+    # pyinfra declares its callbacks as static methods; ours keep state on the instance.
+    def host_connect_error(self, state: Any, host: Any, error: Any) -> None:  # type: ignore[override]
+        """A host pyinfra could not connect to, with its reason (parked in a rollout's report)."""
+        reason = error.args[0] if getattr(error, "args", None) else error
+        record(host.name, unreachable=first_line(reason) or "could not connect")
+
+    def operation_host_error(  # type: ignore[override]
+        self, state: Any, host: Any, op_hash: Any, retry_count: int = 0, max_retries: int = 0
+    ) -> None:
+        names = sorted(state.get_op_meta(op_hash).names) or ["an operation"]
+        if self.preflight:
+            record(host.name, op_error=", ".join(names))
+        self.failed_ops.setdefault(host.name, []).extend(names)
+        # A step other than the gate lost the connection: pyinfra logged the socket error; the
+        # run says what it means, once, and the fleet report gets the reason.
+        if (
+            self.at_end
+            and connection_lost(host)
+            and not self.gates.get(host.name, {}).get("cut_off")
+            and host.name not in self.lost
+        ):
+            self.lost[host.name] = "; ".join(names)
+            record(host.name, lost={"step": self.lost[host.name]})
+            click.echo(lost_line(host.name, self.lost[host.name]), err=True)
+
+    def host_disconnect(self, state: Any, host: Any) -> None:  # type: ignore[override]
+        if self.preflight:
+            changes = 0
+            for op_data in state.ops.get(host, {}).values():
+                meta = op_data.operation_meta
+                if meta.is_complete() and meta.did_change():
+                    changes += 1
+            # Not `host in state.failed_hosts`: the preflight fails hosts through pyinfra's
+            # context proxy, which cannot be compared outside the deploy's context.
+            record(host.name, finished={"failed": host not in state.active_hosts, "changes": changes})
+        self.done.add(host.name)
+        if {h.name for h in state.activated_hosts} <= self.done:
+            for report in self.at_end:
+                report(self, state)

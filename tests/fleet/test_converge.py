@@ -35,7 +35,7 @@ DEFAULTS = Settings()
 
 
 def gate_table(out: str) -> dict[str, dict[str, str]]:
-    """The health gate table a deploy ends with (operations/health.py, GateReport), by host:
+    """The health gate table a deploy ends with (operations/health.py, print_gate_report), by host:
     column name -> cell."""
     lines = out[out.rindex("== health gate ==") :].splitlines()
     header = re.split(r"\s{2,}", lines[1].strip())

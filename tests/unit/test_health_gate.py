@@ -18,9 +18,10 @@ import pytest
 from pyinfra.api.exceptions import OperationError
 from pyinfra.connectors.util import CommandOutput, OutputLine
 
+from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import Settings
 from operations import health
-from operations.health import GATE_RESULTS, format_gate_report, gate_command, gate_url, run_gate
+from operations.health import format_gate_report, gate_command, gate_url, run_gate
 from tests.loopback import free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,13 +234,13 @@ def settings_for(port: int, **extra) -> Settings:
 
 
 def test_run_gate_records_the_result(ready_engine, key_file, capsys):
-    GATE_RESULTS.clear()
+    state = _State([], set())
     host = LocalHost("ws1", journal=[])
     settings = settings_for(ready_engine.port, health_timeout_s=30, decode_floor_tps=5)
-    result = run_gate(None, host, settings, str(key_file), str(SCRIPT), {"_sudo": True})
+    result = run_gate(state, host, settings, str(key_file), str(SCRIPT), {"_sudo": True})
     assert result["ok"] is True
-    assert GATE_RESULTS["ws1"]["decode_tps"] > 0
-    assert GATE_RESULTS["ws1"]["decode_floor_tps"] == 5
+    assert RunRecords.of(state).gates["ws1"]["decode_tps"] > 0
+    assert RunRecords.of(state).gates["ws1"]["decode_floor_tps"] == 5
     assert host.commands[0][1]["_sudo"] is True  # the operation's privileges reach the script
     assert not any(c.startswith("journalctl") for c, _ in host.commands)
     out = capsys.readouterr().out
@@ -248,17 +249,17 @@ def test_run_gate_records_the_result(ready_engine, key_file, capsys):
 
 
 def test_run_gate_failure_names_host_phase_and_journal(key_file):
-    GATE_RESULTS.clear()
+    state = _State([], set())
     host = LocalHost("ws2", journal=["Loading experts: 50% (4/9 MiB)", "RuntimeError: boom"])
     settings = settings_for(free_port(with_next=True), health_timeout_s=10)
     t0 = time.monotonic()
     with pytest.raises(OperationError) as info:
-        run_gate(None, host, settings, str(key_file), str(SCRIPT))
+        run_gate(state, host, settings, str(key_file), str(SCRIPT))
     assert time.monotonic() - t0 >= 10
     message = str(info.value)
     assert "ws2" in message and "health phase" in message
     assert "RuntimeError: boom" in message and "journalctl -u freetoken.service" in message
-    assert GATE_RESULTS["ws2"]["ok"] is False
+    assert RunRecords.of(state).gates["ws2"]["ok"] is False
     assert host.commands[-1][0] == "journalctl -u freetoken.service -n 30 --no-pager -o cat"
 
 
@@ -362,7 +363,7 @@ class _Op:
 
 
 class _State:
-    """What GateReport reads of pyinfra's State."""
+    """What the run's records (RunRecords) read of pyinfra's State."""
 
     def __init__(self, activated, active):
         self.callback_handlers = []
@@ -380,21 +381,19 @@ class _State:
 
 
 def test_gate_report_prints_once_every_host_is_done(capsys):
-    GATE_RESULTS.clear()
-    health.LAST_GATES.clear()
     state = _State(["ws1", "ws2", "ws3", "ws4"], active={"ws1", "ws2"})
-    health.GateReport.watch(state)
-    health.GateReport.watch(state)
-    assert len(state.callback_handlers) == 1
-    report = state.callback_handlers[0]
-    GATE_RESULTS["ws1"] = {
+    report = RunRecords.of(state)
+    report.when_done(health.print_gate_report)
+    report.when_done(health.print_gate_report)
+    assert state.callback_handlers == [report] and report.at_end == [health.print_gate_report]
+    report.gates["ws1"] = {
         "ok": True,
         "phase": "done",
         "load_wait_s": 3.0,
         "decode_tps": 29.6,
         "decode_floor_tps": None,
     }
-    health.LAST_GATES["ws2"] = {"ok": True, "decode_tps": 24.4, "load_wait_s": 2.0}
+    report.last_gates["ws2"] = {"ok": True, "decode_tps": 24.4, "load_wait_s": 2.0}
     report.operation_host_error(state, state.host("ws4"), "CUDA: toolkit packages")
     for name in ("ws1", "ws2", "ws3"):
         report.host_disconnect(state, state.host(name))
@@ -488,12 +487,12 @@ SUBJECT = {
 
 
 def test_the_record_says_what_was_gated_and_a_later_run_skips_only_on_a_match(ready_engine, key_file, tmp_path):
-    GATE_RESULTS.clear()
+    state = _State([], set())
     record_file = tmp_path / "deploy-state" / "health-gate.json"
     settings = settings_for(ready_engine.port, health_timeout_s=30)
     previous = {"ok": True, "phase": "done", "version": "0.2.0", "gated": {**SUBJECT, "engine_version": "0.2.0"}}
     result = run_gate(
-        None,
+        state,
         LocalHost("ws1", journal=[]),
         settings,
         str(key_file),
@@ -520,14 +519,14 @@ def test_the_record_says_what_was_gated_and_a_later_run_skips_only_on_a_match(re
 
 
 def test_a_failed_gate_keeps_the_last_passed_one_for_the_rollback_target(engine_factory, key_file, tmp_path):
-    GATE_RESULTS.clear()
+    state = _State([], set())
     engine = engine_factory(load_seconds=0.5, wrong_answers=True)
     record_file = tmp_path / "health-gate.json"
     passed = {"ok": True, "phase": "done", "version": "0.2.1", "gated": {**SUBJECT, "manifest_sha256": None}}
     settings = settings_for(engine.port, health_timeout_s=30, engine_version="0.2.1")
     with pytest.raises(OperationError, match="failed in the answer phase: wrong answer"):
         run_gate(
-            None,
+            state,
             LocalHost("ws1", journal=[]),
             settings,
             str(key_file),
@@ -565,17 +564,17 @@ class LostHost(LocalHost):
 
 
 def test_a_lost_connection_is_one_line_and_the_table_says_cut_off(key_file, tmp_path, capsys):
-    GATE_RESULTS.clear()
+    state = _State([], set())
     settings = settings_for(free_port(with_next=True), health_timeout_s=10)
     status = run_gate(
-        None, LostHost("ws1", journal=[]), settings, str(key_file), str(SCRIPT), subject=SUBJECT, previous=None
+        state, LostHost("ws1", journal=[]), settings, str(key_file), str(SCRIPT), subject=SUBJECT, previous=None
     )
     assert status is False  # the operation fails without a traceback
     err = capsys.readouterr().err
     assert "ws1: connection lost during the health gate; re-run to finish" in err.splitlines()
     assert "Traceback" not in err
-    assert GATE_RESULTS["ws1"]["cut_off"] is True
-    table = format_gate_report(GATE_RESULTS)
+    assert RunRecords.of(state).gates["ws1"]["cut_off"] is True
+    table = format_gate_report(RunRecords.of(state).gates)
     row = next(line for line in table.splitlines() if line.startswith("ws1 "))
     assert row.split()[1:3] == ["cut", "off"] and "gate cut off: connection lost; re-run to finish" in row
     assert "FAILED" not in table

@@ -17,10 +17,9 @@ from pyinfra.connectors.util import CommandOutput, OutputLine
 
 from facts.engine import EngineInstallInfo
 from facts.restart import RestartPending, parse_restart_pending_output
-from freetoken_infra import report
 from freetoken_infra import rollout as rollout_mod
 from freetoken_infra.core import records
-from freetoken_infra.core.records import read_records
+from freetoken_infra.core.records import RunRecords, read_records
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.report import format_fleet_report, host_row
 from freetoken_infra.rollout import (
@@ -37,8 +36,9 @@ from freetoken_infra.rollout import (
     select_hosts,
 )
 from operations import engine
-from operations.health import GATE_RESULTS, rollback_command, run_gate
+from operations.health import rollback_command, run_gate
 from tests.loopback import free_port, wait_listening
+from tests.unit.test_run_records import run_state
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SRC = ROOT / "tests" / "fleet" / "standins" / "engine"
@@ -444,9 +444,9 @@ def test_failed_upgrade_rolls_back_and_serves_the_old_version(blue_green, tmp_pa
     record_file = tmp_path / "run.jsonl"
     monkeypatch.setenv(records.RECORD_ENV, str(record_file))
     kept = tmp_path / "last-gate.json"
-    GATE_RESULTS.clear()
+    state = run_state(["ws1"])
     with pytest.raises(OperationError) as info:
-        run_gate(None, host, settings, str(key_file), str(SCRIPT), {}, rollback_to="0.2.1", result_path=str(kept))
+        run_gate(state, host, settings, str(key_file), str(SCRIPT), {}, rollback_to="0.2.1", result_path=str(kept))
     message = str(info.value)
     assert message.startswith(
         "host ws1: rolled back to 0.2.1: 0.2.3 failed the health gate in the health phase: engine reports error: "
@@ -457,8 +457,8 @@ def test_failed_upgrade_rolls_back_and_serves_the_old_version(blue_green, tmp_pa
     assert not (base / "active.rollback").exists()
     assert rollback_command(settings, "0.2.1") in host.commands
     # the old version serves again, proven by the second gate (a real chat and stream)
-    assert GATE_RESULTS["ws1"]["ok"] is True and GATE_RESULTS["ws1"]["version"] == "0.2.1"
-    assert GATE_RESULTS["ws1"]["rolled_back_from"] == "0.2.3"
+    assert RunRecords.of(state).gates["ws1"]["ok"] is True and RunRecords.of(state).gates["ws1"]["version"] == "0.2.1"
+    assert RunRecords.of(state).gates["ws1"]["rolled_back_from"] == "0.2.3"
     assert json.loads(kept.read_text())["version"] == "0.2.1"
     row = host_row("ws1", read_records(str(record_file))["ws1"])
     assert row["engine_version"] == "0.2.1" and row["health"] == "ok" and row["tokens_per_s"] > 0
@@ -468,7 +468,7 @@ def test_failed_upgrade_rolls_back_and_serves_the_old_version(blue_green, tmp_pa
 def test_without_a_previous_version_the_failure_is_plain(blue_green):
     host, settings, key_file, base = blue_green
     with pytest.raises(OperationError) as info:
-        run_gate(None, host, settings, str(key_file), str(SCRIPT), {}, rollback_to=None)
+        run_gate(run_state(["ws1"]), host, settings, str(key_file), str(SCRIPT), {}, rollback_to=None)
     assert "the health gate failed in the health phase" in str(info.value)
     assert "rolled back" not in str(info.value)
     assert os.readlink(base / "active") == str(base / "0.2.3")
@@ -782,10 +782,11 @@ def test_a_run_that_reaches_no_host_says_so_plainly(tmp_path):
 
 
 def test_an_unreachable_host_is_parked_from_the_structured_record(tmp_path, monkeypatch):
-    """config.py registers report.ConnectRecorder under $FREETOKEN_RUN_RECORD: pyinfra's
-    connection error is a record, so the row needs no console text to be parked."""
+    """config.py registers the run's records (RunRecords) before pyinfra connects: under
+    $FREETOKEN_RUN_RECORD pyinfra's connection error is a record, so the row needs no console
+    text to be parked."""
     monkeypatch.setenv(records.RECORD_ENV, str(tmp_path / "run.jsonl"))
-    report.ConnectRecorder.host_connect_error(
+    RunRecords().host_connect_error(
         None, type("H", (), {"name": "ws2"})(), OSError("Could not connect (timed out)\nmore")
     )
     by_host = read_records(str(tmp_path / "run.jsonl"))

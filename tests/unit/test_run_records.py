@@ -1,0 +1,116 @@
+"""One reporting path: a run's results live on one object attached to its pyinfra State
+(core/records.RunRecords), never in module globals, and the report takes the preflight's record
+of a host instead of reading the host again."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from pyinfra.api import Config, Inventory, State
+
+from facts.engine import EngineHealthInfo
+from freetoken_infra import preflight, rules
+from freetoken_infra.core.records import RECORD_ENV, RunRecords, read_records
+from freetoken_infra.core.settings import Settings
+from freetoken_infra.report import host_row, record_host
+from operations import health
+from tests.unit.test_rules import healthy
+
+
+def run_state(hosts, **data) -> State:
+    """A pyinfra State of its own, as each run of the CLI makes one."""
+    return State(Inventory((list(hosts), data)), Config())
+
+
+class CutHost:
+    """A host whose connection is gone: every command raises as a dropped SSH socket does."""
+
+    print_prefix = "[ws1] "
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def run_shell_command(self, command, **arguments):
+        raise OSError("Socket is closed")
+
+
+class ActivatedState:
+    """The parts of pyinfra's State the gate table reads once hosts are connected."""
+
+    def __init__(self, state: State, names) -> None:
+        self.callback_handlers = state.callback_handlers
+        self.add_callback_handler = state.add_callback_handler
+        self.activated_hosts = {type("H", (), {"name": n})() for n in names}
+        self.active_hosts: set = set()
+
+
+def test_each_state_has_its_own_records_created_once():
+    first, second = run_state(["ws1"]), run_state(["ws1"])
+    run = RunRecords.of(first)
+    assert RunRecords.of(first) is run and first.callback_handlers == [run]
+    assert RunRecords.of(second) is not run
+
+
+def test_two_runs_in_one_process_do_not_share_gate_results(capsys):
+    """The gate result of one run (here, a gate cut off) is not another run's: the second run's
+    table says ws1 never reached its gate (module-level results showed the first run's row)."""
+    first, second = run_state(["ws1"]), run_state(["ws1"])
+    assert health.run_gate(first, CutHost("ws1"), Settings(), None) is False
+    assert RunRecords.of(first).gates["ws1"]["cut_off"] is True
+    assert RunRecords.of(second).gates == {}
+    capsys.readouterr()
+    health.print_gate_report(RunRecords.of(second), ActivatedState(second, ["ws1"]))
+    row = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("ws1 "))
+    assert "no gate: refused at preflight" in row and "cut off" not in row
+
+
+def test_two_runs_validate_their_own_settings():
+    first = run_state(["ws1"], listen_port=8001)
+    second = run_state(["ws1"], listen_port=8002)
+    assert preflight.fleet_settings(first)["ws1"].listen_port == 8001
+    assert preflight.fleet_settings(second)["ws1"].listen_port == 8002
+    assert RunRecords.of(first).settings is preflight.fleet_settings(first)
+
+
+class NoFactsHost:
+    """A host of which the preflight's facts were already gathered: reading one more raises."""
+
+    name = "ws1"
+
+    def get_fact(self, *args, **kwargs):
+        raise AssertionError(f"a fact was read after the preflight: {args}")
+
+
+def test_the_report_takes_the_preflights_record_without_reading_the_host(tmp_path, monkeypatch, capsys):
+    record_file = tmp_path / "run.jsonl"
+    monkeypatch.setenv(RECORD_ENV, str(record_file))
+    serving = EngineHealthInfo(True, "ok", "ready", None, None, "0.2.1", "m", None, None)
+    last_gate = {"ok": True, "decode_tps": 23.9}
+    obs = replace(
+        healthy(engine=replace(healthy().engine, active="0.2.1")),
+        health=serving,
+        gate_record=last_gate,
+        restart_pending=["/etc/wsl.conf"],
+    )
+    monkeypatch.setattr(preflight, "observe", lambda host, settings: obs)
+    state = run_state(["ws1"])
+    pre, ok = preflight.run_preflight(state, NoFactsHost())
+    assert ok and pre.observations is obs and RunRecords.of(state).preflight == {"ws1": pre}
+    assert "== ws1: preflight ==" in capsys.readouterr().err
+
+    observed = read_records(str(record_file))["ws1"][0]["observed"]
+    assert observed["health"] == {"status": "ok", "version": "0.2.1", "message": None}
+    assert observed["last_gate"] == last_gate and observed["restart_pending"] == ["/etc/wsl.conf"]
+    # the rollout's row of an unchanged host: the last gate's tok/s, from the preflight's record
+    row = host_row("ws1", [{"host": "ws1", "observed": observed, "finished": {"failed": False, "changes": 0}}])
+    assert (row["health"], row["tokens_per_s"], row["tokens_per_s_source"]) == ("ok", 23.9, "last gate")
+    assert row["restart_pending"] is True
+
+
+def test_record_host_needs_no_host(tmp_path, monkeypatch):
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path / "run.jsonl"))
+    blocked = rules.HostPreflight(Settings(), healthy(), [rules.Finding("wsl2", "block", "WSL1")])
+    record_host("ws3", blocked)
+    doc = json.loads((tmp_path / "run.jsonl").read_text())
+    assert doc["observed"]["blockers"] == ["wsl2"] and "health" not in doc["observed"]
