@@ -66,8 +66,8 @@ lock_refused = host_lock.take(
     run=lock_then_facts,
 )
 if lock_refused and connection_lost(host):  # one line, as for a connection lost in a step
-    records.record(host.name, lost={"step": FACTS_STEP})
-    fail_host(state, host, "connection lost", line=health.lost_line(host.name, FACTS_STEP), advice="re-run to finish")
+    lost = records.RunRecords.of(state).lost_during(host.name, FACTS_STEP, say=False)
+    fail_host(state, host, "connection lost", line=lost, advice="re-run to finish")
 elif lock_refused:
     fail_host(state, host, lock_refused)
 

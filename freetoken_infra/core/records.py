@@ -122,9 +122,17 @@ class RunRecords(BaseStateCallback):
             and not self.gates.get(host.name, {}).get("cut_off")
             and host.name not in self.lost
         ):
-            self.lost[host.name] = "; ".join(names)
-            record(host.name, lost={"step": self.lost[host.name]})
-            click.echo(lost_line(host.name, self.lost[host.name]), err=True)
+            self.lost_during(host.name, "; ".join(names))
+
+    def lost_during(self, host_name: str, step: str, say: bool = True) -> str:
+        """The host's connection dropped during ``step``: kept for the gate table, written for
+        the fleet report, and (``say``) printed as its one line. Returns that line."""
+        self.lost[host_name] = step
+        record(host_name, lost={"step": step})
+        line = lost_line(host_name, step)
+        if say:
+            click.echo(line, err=True)
+        return line
 
     def host_disconnect(self, state: Any, host: Any) -> None:  # type: ignore[override]
         if self.preflight:

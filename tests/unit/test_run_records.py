@@ -114,3 +114,17 @@ def test_record_host_needs_no_host(tmp_path, monkeypatch):
     record_host("ws3", blocked)
     doc = json.loads((tmp_path / "run.jsonl").read_text())
     assert doc["observed"]["blockers"] == ["wsl2"] and "health" not in doc["observed"]
+
+
+def test_a_connection_lost_before_any_step_is_said_once_and_shown_in_the_gate_table(capsys):
+    """The deploy's fact reads (with the host lock) lost their connection: the line it prints is
+    the one a step's loss prints, and the gate table says so (not 'refused at preflight')."""
+    state = run_state(["ws1", "ws2"])
+    run = RunRecords.of(state)
+    line = run.lost_during("ws1", "the host lock and the fact reads (before any change)", say=False)
+    assert line == "ws1: connection lost during the host lock and the fact reads (before any change); re-run to finish"
+    assert capsys.readouterr().err == ""  # the caller prints it, once
+    health.print_gate_report(run, ActivatedState(state, ["ws1", "ws2"]))
+    rows = {line.split()[0]: line for line in capsys.readouterr().err.splitlines() if line.startswith("ws")}
+    assert "connection lost during the host lock and the fact reads" in rows["ws1"]
+    assert "refused at preflight" in rows["ws2"]
