@@ -270,7 +270,10 @@ class CacheServer:
                     continue
                 conn = key.fileobj
                 assert isinstance(conn, socket.socket)
-                _, address = self.waiting.pop(conn)
+                entry = self.waiting.pop(conn, None)
+                if entry is None:  # closed this round to make room (``_accept``): its event is stale
+                    continue
+                _, address = entry
                 self.selector.unregister(conn)
                 self.pool.submit(self._serve_one, conn, address)
             deadline = time.monotonic() - self.idle_timeout_s

@@ -137,6 +137,23 @@ def test_more_waiting_connections_than_the_limit_close_the_oldest(script_dir, co
         cache.close()
 
 
+def test_a_connection_closed_by_its_client_as_it_is_evicted_does_not_stop_the_cache(script_dir, complete_model):
+    """At the limit, each new connection evicts the oldest waiting one; when that one's client
+    closed it in the same moment, its stale event must not be served (it stopped the cache)."""
+    cache = Cache(script_dir, complete_model, "--max-connections", "1")
+    try:
+        previous = socket.create_connection(("127.0.0.1", cache.port), timeout=20)
+        for _ in range(1000):
+            conn = socket.create_connection(("127.0.0.1", cache.port), timeout=20)
+            previous.close()
+            previous = conn
+        previous.close()
+        assert cache.get("/health")[0] == 200
+        assert cache.proc.poll() is None, cache.log.read_text()[-2000:]
+    finally:
+        cache.close()
+
+
 def test_log_lines_escape_control_characters(script_dir, complete_model):
     cache = Cache(script_dir, complete_model)
     try:
