@@ -57,7 +57,7 @@ def guard_service_unit(settings: Settings) -> str:
             "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
             "[Unit]",
             "Description=FreeToken memory guard: stop the engine when swap or GPU memory runs out",
-            "After=freetoken.service",
+            f"After={ENGINE_UNIT}",
             "",
             "[Service]",
             "Type=oneshot",
