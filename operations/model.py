@@ -25,7 +25,7 @@ import click
 from pyinfra import host as current_host
 from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.api.exceptions import OperationError
-from pyinfra.facts.systemd import SystemdStatus
+from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
 
 from facts.model_manifest import ModelManifest
@@ -374,7 +374,9 @@ def model_cache(settings: Settings, present: bool = True, bind: str | None = Non
     """
     unit_path = f"{UNIT_DIR}/{CACHE_UNIT}"
     if not present:
-        if CACHE_UNIT in (current_host.get_fact(SystemdStatus) or {}):  # already probed by the deploy
+        # Its unit file says whether it was ever set up here (read with the other facts, in the
+        # batch); the whole-system unit list would cost each host a `systemctl show --all`.
+        if current_host.get_fact(File, path=unit_path):
             yield from systemd.service._inner(service=CACHE_UNIT, running=False, enabled=False)
             yield from files.file._inner(path=unit_path, present=False)
             yield from files.file._inner(path=CACHE_SCRIPT, present=False)

@@ -1,5 +1,5 @@
 """Model delivery on the simulated fleet: the LAN model cache, a transfer cut part-way, a corrupt
-shard, an unsupported model. Real pyinfra over real SSH; the hub is the stand-in
+shard, an unsupported model, a host that stops being the cache host. Real pyinfra over real SSH; the hub is the stand-in
 (tests/fleet/standins/hub.py), whose byte counters say what crossed "the internet".
 
 ws1 is the fleet's cache host (``model_cache_host=ws1``): it fetches from the hub and serves its
@@ -17,9 +17,10 @@ import time
 
 import pytest
 
+from freetoken_infra.core.layout import CACHE_SCRIPT, CACHE_UNIT, UNIT_DIR
 from freetoken_infra.core.settings import Settings
 from tests.fleet import harness
-from tests.fleet.client import PYINFRA, ROOT, api_key, chat, deploy, health, hub, wait_healthy
+from tests.fleet.client import PYINFRA, ROOT, api_key, chat, deploy, grand_total, health, hub, wait_healthy
 from tests.fleet.standins import hub_repos
 
 pytestmark = pytest.mark.fleet
@@ -225,3 +226,23 @@ def test_an_unsupported_model_is_refused_before_a_single_weight_byte(sim_fleet, 
     # Nothing half-changed: the engine still serves the model it had.
     after = wait_healthy(sim_fleet, host)
     assert after["instance_id"] == before["instance_id"] and after["model"] == before["model"]
+
+
+def test_a_host_that_is_no_longer_the_cache_host_stops_and_removes_its_cache(sim_fleet, cached_rollout):
+    host = "ws1"
+    before = wait_healthy(sim_fleet, host)
+    hub(sim_fleet, "/_standin/reset", {})
+    run = deploy("--limit", host)  # no model_cache_host: every host fetches from the hub itself
+    assert run.returncode == 0, out(run)[-5000:]
+    assert sim_fleet.run(host, f"systemctl is-active {CACHE_UNIT}").stdout.strip() != "active"
+    for path in (f"{UNIT_DIR}/{CACHE_UNIT}", CACHE_SCRIPT):
+        assert sim_fleet.run(host, f"test -e {path}").returncode != 0, path
+    # The model it holds is still complete: nothing fetched, the engine serves on.
+    assert weight_bytes(hub(sim_fleet, "/_standin/stats")) == 0
+    assert wait_healthy(sim_fleet, host)["model"] == before["model"]
+    again = deploy("--limit", host)  # the cache is gone: nothing left to remove
+    assert again.returncode == 0 and grand_total(again)[1:3] == ("-", "-"), out(again)[-5000:]
+    # Back as the fleet's cache host, for whatever runs next.
+    back = deploy(*CACHE, "--limit", host)
+    assert back.returncode == 0, out(back)[-5000:]
+    assert sim_fleet.run(host, f"systemctl is-active {CACHE_UNIT}").stdout.strip() == "active"
