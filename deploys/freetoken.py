@@ -156,7 +156,7 @@ if ok:
         model_op = model.model_present(name=f"{model_name} (LAN cache first)", settings=settings)
 
     key_op = service.api_key(name="Service: API key (0600)", settings=settings)
-    unit_op = service.unit(name="Service: freetoken.service and its environment", settings=settings, plan=plan)
+    unit_op = service.unit(name=f"Service: {ENGINE_UNIT} and its environment", settings=settings, plan=plan)
     changed = any_changed(env_op, model_op, key_op, unit_op)
 
     guard.clear_guard_state(name="Guard: clear a tripped state", settings=settings)
