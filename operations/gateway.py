@@ -48,7 +48,10 @@ from operations.node_exporter import listen_address, scrape_address
 CHECK = "check inter 1s fastinter 500ms downinter 2s fall 2 rise 3"
 # Only a request no host has answered yet is retried (HAProxy never retries once a response has
 # started); 503 is FreeToken's "still loading" / "maintenance failed" before any work is done.
-RETRY_ON = "conn-failure empty-response response-timeout 503"
+# junk-response: an engine killed while it wrote its status line and headers leaves a partial
+# header block, which HAProxy never forwards; for the client that is as unanswered as an empty
+# response (a CI run saw one such 502 under load while ws1's engine was killed and restarted).
+RETRY_ON = "conn-failure empty-response junk-response response-timeout 503"
 # A retried request must fit one buffer (retry-on); chat requests with a long history are
 # forwarded all the same, just not retried.
 BUFSIZE = 65536

@@ -73,7 +73,7 @@ def test_retries_only_what_no_host_answered():
     for name in ("backend freetoken", "backend freetoken_sessions"):
         body = section(text, name)
         retry = next(line for line in body.splitlines() if line.startswith("retry-on"))
-        assert set(retry.split()[1:]) == {"conn-failure", "empty-response", "response-timeout", "503"}
+        assert set(retry.split()[1:]) == {"conn-failure", "empty-response", "junk-response", "response-timeout", "503"}
         assert "option redispatch 1" in body
     assert f"tune.bufsize {gw.BUFSIZE}" in text
 
