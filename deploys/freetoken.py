@@ -160,10 +160,8 @@ if ok:
     changed = any_changed(env_op, model_op, key_op, unit_op)
 
     guard.clear_guard_state(name="Guard: clear a tripped state", settings=settings)
-    # The same question, in the same words, as the service step below asks: read once.
-    was_running = (
-        host.get_fact(SystemdStatus, machine=None, services=[ENGINE_UNIT], user_mode=False, user_name=None) or {}
-    ).get(ENGINE_UNIT, False)
+    # The question the service step below asks too (pyinfra fills in the defaults): read once.
+    was_running = (host.get_fact(SystemdStatus, services=[ENGINE_UNIT]) or {}).get(ENGINE_UNIT, False)
 
     # The gate (and the restart) are skipped only when nothing changed and the host's last
     # passed gate was for exactly what is installed and serving now; anything else (a run cut
