@@ -311,6 +311,15 @@ def _breaks() -> list[Break]:
             f"</dev/null >/dev/null 2>&1 & echo $! > {SAVE}/leak.pid; }}",
             f"kill $(cat {SAVE}/leak.pid) && rm {SAVE}/leak.pid",
         ),
+        # journalctl fails (as a broken or rotated-away journal would): a journal that was not
+        # read must not pass for one without the key.
+        Break(
+            "the journal unreadable",
+            frozenset({"test_api_key_in_neither_ps_nor_the_journal"}),
+            f"mv /usr/bin/journalctl {SAVE}/journalctl && printf '#!/bin/sh\\nexit 1\\n' > /usr/bin/journalctl && "
+            "chmod 755 /usr/bin/journalctl",
+            f"mv {SAVE}/journalctl /usr/bin/journalctl",
+        ),
         Break(
             "the guard timer stopped",
             frozenset({"test_guard_timer_active"}),

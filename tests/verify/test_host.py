@@ -305,6 +305,8 @@ def test_api_key_in_neither_ps_nor_the_journal(host, settings):
         pytest.skip("api_key_source = none: the engine has no key")
     seen = key_exposure(host, key_path(settings))
     assert not seen.get("error"), seen["error"]
+    # A journal that could not be read has no key lines either: that must not pass as clean.
+    assert seen["journal_rc"] == 0, f"journalctl failed (exit status {seen['journal_rc']}): the journal was not read"
     assert not seen["ps"], f"the API key is on the command line of pid(s) {seen['ps']}"
     assert seen["journal_lines"] == 0, f"the API key is in {seen['journal_lines']} journal line(s)"
 
