@@ -2,9 +2,10 @@
 
     pyinfra inventories/home.py deploys/freetoken.py
 
-@local sits in the field report's hardware class (RTX 5060 Ti 16 GB); move it to
-the group of your card (see group_data/), or list it as `home = ["@local"]` with
-no class, and the launch plan follows whatever GPU nvidia-smi reports.
+@local carries no hardware class: the launch plan follows whatever GPU nvidia-smi reports, so the
+main command works on any supported card. A class is the owner's choice: move @local into the
+group of your card (`rtx5060ti_16gb = ["@local"]`, see group_data/) to get that class's settings,
+such as the health gate's decode floor; the preflight then checks that the GPU is that class's.
 """
 
-rtx5060ti_16gb = ["@local"]
+home = ["@local"]

@@ -5,6 +5,7 @@ The checks themselves run on the simulated fleet (tests/fleet/test_verify.py).""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -45,11 +46,12 @@ def test_home_inventory_is_local_with_the_deploys_settings():
     (target,) = bridge.targets(ROOT / "inventories" / "home.py")
     assert target.name == "@local"
     assert (target.hostspec, target.backend_kwargs) == ("local://", {})
-    assert "rtx5060ti_16gb" in target.groups
-    # group_data/all.py and group_data/rtx5060ti_16gb.py apply, as in the deploy.
-    assert target.settings.decode_floor_tps == 18.0
+    # No hardware class unless the owner opts into one (issue 24 item 4): the plan follows the
+    # GPU, and group_data/all.py applies, as in the deploy.
+    assert "home" in target.groups and not {"rtx5060ti_16gb", "rtx5090_32gb"} & set(target.groups)
+    assert target.settings.hardware_profile == "auto"
+    assert target.settings.decode_floor_tps is None
     assert target.settings.wslconfig_values()["vmIdleTimeout"] == "0"
-    assert target.settings.hardware_profile == "rtx5060ti_16gb"
 
 
 def test_local_target_runs_commands_with_sudo_only_when_not_root():
@@ -233,3 +235,13 @@ def test_tests_verify_collects_every_check_once_per_host():
     ids = [line for line in run.stdout.splitlines() if line.startswith("tests/verify/")]
     assert len(ids) >= 20 and all(i.endswith("[@local]") for i in ids)
     assert "tests/verify/test_host.py::test_decode_tokens_per_s_at_or_above_the_floor[@local]" in ids
+
+
+def test_a_hardware_class_is_the_owners_opt_in(tmp_path):
+    """Moving @local into a class's group (as home.py's docstring says) brings that class's settings."""
+    inventory = tmp_path / "home.py"
+    inventory.write_text('rtx5060ti_16gb = ["@local"]\n')
+    shutil.copytree(ROOT / "group_data", tmp_path / "group_data")
+    (target,) = bridge.targets(inventory)
+    assert target.settings.hardware_profile == "rtx5060ti_16gb"
+    assert target.settings.decode_floor_tps == 18.0
