@@ -199,8 +199,9 @@ def test_stream_pace_and_usage(engines, tmp_path, model):
                 stamps.append(time.monotonic() - t0)
     assert chunks[-1] == "DONE" and chunks[0]["object"] == "chat.completion.chunk"
     assert len(stamps) == 20
-    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-    assert 0.5 * 40 <= rate <= 1.5 * 40, rate
+    # Paced at 40 tokens/s: 20 tokens cannot all arrive sooner than 19 intervals after the
+    # request (a slow machine only makes it later; the pace itself is bench material).
+    assert stamps[-1] >= 0.9 * 19 / 40, stamps
     usage = chunks[-2]["usage"]
     assert usage["completion_tokens"] == 20 and usage["total_tokens"] == usage["prompt_tokens"] + 20
     status, body = e.call("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
