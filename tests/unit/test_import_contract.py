@@ -1,4 +1,4 @@
-"""The layers of design.md hold in the import graph (import-linter's contracts in pyproject.toml),
+"""The layers of ARCHITECTURE.md hold in the import graph (import-linter's contracts in pyproject.toml),
 and the contract is no formality: a fact that imports a rule breaks it."""
 
 import os
