@@ -40,7 +40,7 @@ from tests.fleet.gateway_load import (  # noqa: E402
     converge_behind_gateway,
     write_keys,
 )
-from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME, host_address  # noqa: E402
+from tests.fleet.profiles import BRIDGE_ADDRESS, GATEWAY_ADDRESS, GATEWAY_NAME, host_address  # noqa: E402
 
 KILL_ENGINE = "kill -9 $(systemctl show -p MainPID --value freetoken.service)"
 
@@ -141,7 +141,11 @@ def main() -> int:
             if not args.reuse:
                 with tempfile.TemporaryDirectory() as d:
                     t = time.monotonic()
-                    hosts, gateway = converge_behind_gateway(write_keys(Path(d) / "keys"))
+                    # The direct path is measured from this machine (the bridge): the engines'
+                    # firewall admits it only when told (operations/firewall.py).
+                    hosts, gateway = converge_behind_gateway(
+                        write_keys(Path(d) / "keys"), extra=["--data", f"firewall_engine_from={BRIDGE_ADDRESS}"]
+                    )
                     if hosts.returncode or gateway.returncode:
                         print("converge failed", file=sys.stderr)
                         return 1

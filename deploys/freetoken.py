@@ -38,7 +38,7 @@ from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, RESTART
 from freetoken_infra.core.pyinfra_internals import connection_lost
 from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.preflight import fail_host, fleet_settings, run_preflight
-from operations import cuda, engine, guard, health, host_lock, model, node_exporter, service, windows
+from operations import cuda, engine, firewall, guard, health, host_lock, model, node_exporter, service, windows
 
 # Every host's settings, validated before this deploy reads anything from any host. The repo's
 # config.py already did this before pyinfra connected; this covers runs that skip config.py
@@ -102,6 +102,16 @@ if not lock_refused:
     # The host's preflight record: the settings and everything this deploy knows of the host.
     pre, ok = run_preflight(state, host, on_fixable=stop_for_restart)
     settings, obs = pre.settings, pre.observations
+
+# Where the engine's firewall admits connections from (operations/firewall.py): the inventory's
+# gateway host(s), resolved before any change; an address that cannot be stops this host.
+gateways: list = []
+if ok and firewall.needed(settings):
+    try:
+        gateways = firewall.gateway_addresses(state.inventory)
+    except firewall.FirewallError as exc:
+        fail_host(state, host, str(exc))
+        ok = False
 
 if ok:
     changing = windows_side(settings, obs)
@@ -180,6 +190,13 @@ if ok:
         why_gate = health.why_gate(obs.gate_record, subject, manifest, serving.version)
     gate_args: dict[str, Any] = {"_if": changed} if why_gate is None else {}
 
+    # Before the engine (re)starts on its address: its port and node_exporter's from the gateway
+    # and loopback only (issue 20 items 6 and 14; README, "Security model").
+    firewall.firewall(
+        name="Firewall: the engine's and node_exporter's ports from the gateway only",
+        settings=settings,
+        gateways=gateways,
+    )
     systemd.service(name="Service: enabled and running", service=ENGINE_UNIT, running=True, enabled=True)
     if was_running:
         systemd.service(

@@ -3,10 +3,12 @@
 The hosts of the inventory group `gateway` (any Debian/Ubuntu machine, a WSL host too) run
 HAProxy from the distribution in front of every host of the inventory that runs an engine
 (`runs_engine`): one OpenAI base URL for the fleet, health-checked on `/health`'s JSON, keys
-checked at the gateway (README, "One endpoint for the fleet"). Backends, keys and ports come
-from the same settings the engines' deploy uses; a second run changes nothing; a changed config
-is validated (`haproxy -c`) and reloaded without dropping connections. Other hosts are left
-alone.
+checked at the gateway (README, "One endpoint for the fleet"), HTTPS with `gateway_tls_cert_file`.
+Every value that reaches haproxy.cfg or the scrape config (addresses, names, keys) is validated
+before any host is touched; an engine that takes no key on a LAN address is refused. Backends,
+keys and ports come from the same settings the engines' deploy uses; a second run changes
+nothing; a changed config is validated (`haproxy -c`) and reloaded without dropping
+connections. Other hosts are left alone.
 """
 
 from pyinfra import host
@@ -15,7 +17,7 @@ from pyinfra.context import state
 
 from freetoken_infra.core.layout import GATEWAY_GROUP
 from freetoken_infra.preflight import fleet_settings
-from operations import cuda, gateway
+from operations import cuda, firewall, gateway
 
 every = fleet_settings(state)  # every host's settings, validated before any host is touched
 
@@ -31,16 +33,22 @@ if GATEWAY_GROUP in host.groups:
         backends = gateway.backends_for(host.name, hosts)
         engine_key = gateway.fleet_engine_key(backends, every)
         client_keys = gateway.keys_map(gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
-        address = host.data.get("ssh_hostname") or host.name
-        scrape = gateway.scrape_config(address, settings, {b.name: (b.address, every[b.name]) for b in backends})
-    except gateway.GatewayError as exc:
+        address = firewall.fleet_address(host.name, host.data.get("ssh_hostname"))
+        tls = None
+        if settings.gateway_tls_cert_file is not None:
+            tls = gateway.tls_pem(host.name, settings.gateway_tls_cert_file)
+        scrape = gateway.scrape_config(
+            address, settings, {b.name: (b.address, every[b.name]) for b in backends}, tls=tls is not None
+        )
+    except (gateway.GatewayError, firewall.FirewallError) as exc:
         raise PyinfraError(f"gateway on {host.name}: {exc}") from None
 
     cuda.packages_present(name="Gateway: HAProxy and socat (Debian packages)", packages=["haproxy", "socat"])
     gateway.gateway(
         name=f"Gateway: HAProxy in front of {', '.join(b.name for b in backends)} (validated, reloaded)",
-        config=gateway.haproxy_config(settings, backends, engine_key is not None),
+        config=gateway.haproxy_config(settings, backends, engine_key is not None, tls=tls is not None),
         client_keys=client_keys,
         engine_keys=gateway.engine_key_map(engine_key),
         scrape=scrape,
+        tls=tls,
     )

@@ -11,3 +11,7 @@ runs_engine = False
 # key); /metrics and /stats are on gateway_stats_port (8404), a gateway key required.
 # The clients' keys, on the controller: one key per line, optionally followed by a label.
 # gateway_keys_source = "file:/home/me/freetoken-gateway-keys"
+
+# HTTPS on both ports (HAProxy's own TLS): the certificate chain, then its unencrypted key, in one
+# PEM on the controller (`cat cert.pem key.pem`); clients then use https://GATEWAY:8080/v1.
+# gateway_tls_cert_file = "/home/me/freetoken-gateway.pem"

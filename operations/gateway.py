@@ -18,14 +18,17 @@ import ipaddress
 import os
 import re
 import shlex
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import yaml
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files, systemd
 
+from facts.files import FileText
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
     GATEWAY_CONFIG,
@@ -35,11 +38,14 @@ from freetoken_infra.core.layout import (
     GATEWAY_SCRAPE_CONFIG,
     GATEWAY_SERVER_STATE,
     GATEWAY_SESSION_BACKEND,
+    GATEWAY_TLS_PEM,
     SERVED_BY_HEADER,
     SESSION_HEADER,
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
+from operations import preview
+from operations.firewall import FirewallError, fleet_address
 from operations.node_exporter import listen_address, scrape_address
 
 # Health checks: every second; out after 2 failed checks in a row (a refused connection also
@@ -57,9 +63,10 @@ RETRY_ON = "conn-failure empty-response junk-response response-timeout 503"
 BUFSIZE = 65536
 # Streams of a slow 16 GB host can pause for a long prefill: no shorter server timeout.
 SERVER_TIMEOUT = "10m"
-_SERVER_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_KEY_RE = re.compile(r"^[A-Za-z0-9._~+/=-]{16,256}$")
-_LABEL_RE = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
+# Matched over the whole string (fullmatch): `$` also accepts a final newline (issue 20 item 12).
+_SERVER_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_KEY_RE = re.compile(r"[A-Za-z0-9._~+/=-]{16,256}")
+_LABEL_RE = re.compile(r"[A-Za-z0-9._@-]{1,64}")
 # FreeToken's /health JSON, compact (FastAPI) or with spaces (json.dumps).
 HEALTH_OK_REGEX = '"status" *: *"ok"'
 
@@ -82,7 +89,10 @@ def backend_address(name: str, settings: Settings, hostname: str | None, gateway
     when the engine listens on every address; loopback only from the gateway host itself."""
     ip = ipaddress.ip_address(str(settings.listen_host))
     if ip.is_unspecified:
-        return hostname or name
+        try:
+            return fleet_address(name, hostname)
+        except FirewallError as exc:
+            raise GatewayError(str(exc)) from None
     if ip.is_loopback and name != gateway:
         raise GatewayError(
             f"host {name}: its engine listens on {ip} only, which the gateway on {gateway} cannot "
@@ -100,7 +110,7 @@ def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, str | None]])
         settings, hostname = hosts[name]
         if not settings.runs_engine:
             continue
-        if not _SERVER_NAME_RE.match(name):
+        if not _SERVER_NAME_RE.fullmatch(name):
             problems.append(f"host {name}: a gateway backend's name may hold only letters, digits, '.', '_', '-'")
             continue
         try:
@@ -136,8 +146,23 @@ def read_source(source: str, what: str) -> str:
 
 
 def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, Settings]) -> str | None:
-    """The one engine key the gateway sends to every backend (None: the engines take none)."""
+    """The one engine key the gateway sends to every backend (None: the engines take none, which
+    only engines on loopback may: a keyless engine on a LAN address is refused, issue 20 item 6)."""
     sources = {b.name: settings[b.name].api_key_source for b in backends}
+    keyless = [
+        b.name
+        for b in backends
+        if sources[b.name] == "none" and not ipaddress.ip_address(str(settings[b.name].listen_host)).is_loopback
+    ]
+    if keyless:
+        raise GatewayError(
+            "\n".join(
+                f"host {name}: api_key_source 'none' with listen_host {settings[name].listen_host}: the "
+                "gateway stands in front of no engine that takes no key on a LAN address; set "
+                "api_key_source to the fleet's 'file:...' or 'env:...' key"
+                for name in keyless
+            )
+        )
     if all(s == "none" for s in sources.values()):
         return None
     bad = sorted(n for n, s in sources.items() if s in ("none", "generate"))
@@ -154,7 +179,7 @@ def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, 
             "the gateway sends one engine key to all of them"
         )
     key = next(iter(keys.values()))
-    if not _KEY_RE.match(key):
+    if not _KEY_RE.fullmatch(key):
         raise GatewayError("the fleet's engine key must be 16-256 characters of A-Z a-z 0-9 . _ ~ + / = -")
     return key
 
@@ -169,7 +194,7 @@ def keys_map(text: str, source: str = "gateway_keys_source") -> str:
         if not words:
             continue
         key, label = words[0], (words[1] if len(words) > 1 else f"client{number}")
-        if len(words) > 2 or not _KEY_RE.match(key) or not _LABEL_RE.match(label):
+        if len(words) > 2 or not _KEY_RE.fullmatch(key) or not _LABEL_RE.fullmatch(label):
             raise GatewayError(
                 f"{source}, line {number}: expected 'KEY [LABEL]', the key 16-256 "
                 "characters of A-Z a-z 0-9 . _ ~ + / = -, the label letters, digits, . _ @ -"
@@ -181,6 +206,64 @@ def keys_map(text: str, source: str = "gateway_keys_source") -> str:
     if not lines:
         raise GatewayError(f"{source}: no key; clients need at least one")
     return "# Managed by freetoken-infra: the gateway's client keys (KEY LABEL).\n" + "".join(lines)
+
+
+def tls_pem(host_name: str, path: str) -> str:
+    """The PEM that ``gateway_tls_cert_file`` names on the controller, checked by Python's ssl as
+    HAProxy's `crt` will load it: a certificate (chain) and its private key, matching and not
+    encrypted. Errors name host and field, never the key."""
+    what = f"host {host_name}: gateway_tls_cert_file {path}"
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+    except OSError as exc:
+        raise GatewayError(f"{what}: {exc.strerror} on the controller") from None
+    except UnicodeDecodeError:
+        raise GatewayError(f"{what}: not a PEM file (PEM is ASCII text)") from None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(path, password=lambda: b"")
+    except (ssl.SSLError, ValueError):
+        raise GatewayError(
+            f"{what}: expected a PEM certificate (chain) and its private key, unencrypted, in one file "
+            "(cat cert.pem key.pem)"
+        ) from None
+    return text
+
+
+def masked_map(text: str | None, secret: int, before: str | None = None) -> list[str] | None:
+    """The lines of a key map with the key masked (``KEY LABEL``: `secret` 0; ``engine KEY``:
+    `secret` 1) for ``--dry --diff``; with `before` (the host's text) a key that differs is
+    marked ``(changed)`` or ``(new)``. Any other line that is not a comment is masked whole."""
+    if text is None:
+        return None
+    old: dict[str, str] | None = None
+    if before is not None:
+        old = {w[1 - secret]: w[secret] for w in (line.split() for line in before.splitlines()) if len(w) == 2}
+    out = []
+    for line in text.splitlines():
+        words = line.split()
+        if line.startswith("#") or not words:
+            out.append(line + "\n")
+            continue
+        if len(words) != 2:
+            out.append(preview.MASK + "\n")
+            continue
+        mark = ""
+        name = words[1 - secret]
+        if old is not None and old.get(name) != words[secret]:
+            mark = " (new)" if name not in old else " (changed)"
+        words[secret] = preview.MASK
+        out.append(" ".join(words) + mark + "\n")
+    return out
+
+
+def masked_pem(text: str | None, before: str | None = None) -> list[str] | None:
+    """A PEM holding a private key, for ``--dry --diff``: one masked line."""
+    if text is None:
+        return None
+    return [
+        preview.MASK + " (certificate and private key)" + (" (changed)" if before and before != text else "") + "\n"
+    ]
 
 
 def engine_key_map(key: str | None) -> str:
@@ -199,8 +282,10 @@ def _key_rules() -> list[str]:
     ]
 
 
-def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key: bool) -> str:
-    """/etc/haproxy/haproxy.cfg of the gateway host."""
+def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key: bool, tls: bool = False) -> str:
+    """/etc/haproxy/haproxy.cfg of the gateway host; with `tls`, both frontends speak HTTPS only
+    (HAProxy's own TLS, the certificate and key in GATEWAY_TLS_PEM)."""
+    ssl = f" ssl crt {GATEWAY_TLS_PEM}" if tls else ""
     session = SESSION_HEADER.lower()
     check_servers = "\n".join(f"    server {b.name} {b.address}:{b.port}" for b in backends)
     tracking = "\n".join(f"    server {b.name} {b.address}:{b.port} track {GATEWAY_BACKEND}/{b.name}" for b in backends)
@@ -269,11 +354,11 @@ defaults
     load-server-state-from-file global
 
 frontend freetoken_api
-    bind :{gw.gateway_port}
+    bind :{gw.gateway_port}{ssl}
     {front}
 
 frontend freetoken_stats
-    bind :{gw.gateway_stats_port}
+    bind :{gw.gateway_stats_port}{ssl}
     {stats}
 
 # Requests without a session: the least busy host in service.
@@ -295,32 +380,41 @@ backend {GATEWAY_SESSION_BACKEND}
 """
 
 
-def scrape_config(gateway_address: str, gw: Settings, workstations: Mapping[str, tuple[str, Settings]]) -> str:
+def scrape_config(
+    gateway_address: str, gw: Settings, workstations: Mapping[str, tuple[str, Settings]], tls: bool = False
+) -> str:
     """A Prometheus scrape config for the fleet: the gateway's exporter and each serving host's
     guard metrics (node_exporter's textfile collector, where operations/node_exporter.py makes
-    it listen; hosts with ``node_exporter_enabled`` False are left out)."""
-    targets = "\n".join(
-        f'      - targets: ["{listen_address(scrape_address(s, address), s.node_exporter_port)}"]\n'
-        f'        labels: {{host: "{name}", textfile_dir: "{HostLayout.of(s).guard_textfile_dir}"}}'
-        for name, (address, s) in sorted(workstations.items())
-        if s.node_exporter_enabled
+    it listen; hosts with ``node_exporter_enabled`` False are left out). Written by the YAML
+    library: an address is data in it, never a line of its own."""
+    gateway_job: dict = {
+        "job_name": "freetoken-gateway",
+        "metrics_path": "/metrics",
+        **({"scheme": "https"} if tls else {}),
+        "authorization": {"type": "Bearer", "credentials_file": "/etc/prometheus/freetoken-gateway.key"},
+        "static_configs": [{"targets": [listen_address(gateway_address, gw.gateway_stats_port)]}],
+    }
+    guard_job = {
+        "job_name": "freetoken-guard",
+        "static_configs": [
+            {
+                "targets": [listen_address(scrape_address(s, address), s.node_exporter_port)],
+                "labels": {"host": name, "textfile_dir": HostLayout.of(s).guard_textfile_dir},
+            }
+            for name, (address, s) in sorted(workstations.items())
+            if s.node_exporter_enabled
+        ],
+    }
+    head = (
+        "# Generated by freetoken-infra (deploys/gateway.py): Prometheus scrape config for the fleet.\n"
+        "# Put one gateway client key in the credentials file (mode 0600) and merge this into prometheus.yml.\n"
+        "# freetoken-guard: node_exporter on each serving host, its textfile collector reading the\n"
+        "# guard's samples (RAM, swap, GPU memory); its firewall admits the gateway host(s) and\n"
+        "# firewall_metrics_from only.\n"
     )
-    guard_job = f"    static_configs:\n{targets}" if targets else "    static_configs: []"
-    return f"""# Generated by freetoken-infra (deploys/gateway.py): Prometheus scrape config for the fleet.
-# Put one gateway client key in the credentials file (mode 0600) and merge this into prometheus.yml.
-scrape_configs:
-  - job_name: freetoken-gateway
-    metrics_path: /metrics
-    authorization:
-      type: Bearer
-      credentials_file: /etc/prometheus/freetoken-gateway.key
-    static_configs:
-      - targets: ["{gateway_address}:{gw.gateway_stats_port}"]
-  # The guard's samples (RAM, swap, GPU memory): node_exporter on each serving host with
-  # --collector.textfile.directory=<textfile_dir>.
-  - job_name: freetoken-guard
-{guard_job}
-"""
+    return head + yaml.safe_dump(
+        {"scrape_configs": [gateway_job, guard_job]}, sort_keys=False, default_flow_style=False
+    )
 
 
 def _sha256(text: str) -> str:
@@ -338,37 +432,49 @@ RELOAD = (
 
 
 @operation()
-def gateway(config: str, client_keys: str, engine_keys: str, scrape: str):
+def gateway(config: str, client_keys: str, engine_keys: str, scrape: str, tls: str | None = None):
     """
-    HAProxy's config, the key maps (0600 root) and the scrape config; a changed config is
-    validated with `haproxy -c` before it replaces the running one, then HAProxy reloads
-    without dropping connections. Nothing changes when every file is as given.
+    HAProxy's config, the key maps and the TLS PEM (0600 root) and the scrape config; a changed
+    config is validated with `haproxy -c` before it replaces the running one, then HAProxy
+    reloads without dropping connections. Nothing changes when every file is as given.
+    ``--dry --diff`` shows the key maps and the PEM masked (``********``), never a key.
 
     + config: haproxy.cfg text (haproxy_config)
     + client_keys: the clients' key map (keys_map)
     + engine_keys: the engine key map (engine_key_map)
     + scrape: the Prometheus scrape config (scrape_config)
+    + tls: the PEM of HTTPS on the gateway's ports (tls_pem), None: plain HTTP (the PEM removed)
 
     **Example:**
 
     .. code:: python
 
         gateway.gateway(name="Gateway: HAProxy", config=cfg, client_keys=keys,
-                        engine_keys=engine, scrape=scrape)
+                        engine_keys=engine, scrape=scrape, tls=None)
     """
+    # (path, text, mode, masked view for --diff or None: pyinfra's own diff)
+    managed = [
+        (GATEWAY_KEYS_MAP, client_keys, "600", lambda t, b=None: masked_map(t, 0, b)),
+        (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600", lambda t, b=None: masked_map(t, 1, b)),
+        *([(GATEWAY_TLS_PEM, tls, "600", masked_pem)] if tls is not None else []),
+        (GATEWAY_SCRAPE_CONFIG, scrape, "644", None),
+    ]
+    changing = {path: host.get_fact(Sha256File, path=path) != _sha256(text) for path, text, _, _ in managed}
+    if preview.diff_wanted():
+        # Every masked diff first: pyinfra reads an operation only up to its first change.
+        for path, text, _, masked in managed:
+            if masked is not None and changing[path]:
+                current = host.get_fact(FileText, path=path)
+                preview.log_diff(path, masked(current), masked(text, current if current is not None else "") or [])
     changed = False
-    for path, text, mode in (
-        (GATEWAY_KEYS_MAP, client_keys, "600"),
-        (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600"),
-        (GATEWAY_SCRAPE_CONFIG, scrape, "644"),
-    ):
-        have = host.get_fact(Sha256File, path=path)
-        if have != _sha256(text):
-            if have is None and mode == "600":
-                # A new key map is created 0600 first: the upload then writes into it and never
-                # leaves a world-readable copy at its final path.
+    for path, text, mode, masked in managed:
+        if changing[path]:
+            if mode == "600" and host.get_fact(Sha256File, path=path) is None:
+                # A new secret file is created 0600 first: the upload then writes into it and
+                # never leaves a world-readable copy at its final path.
                 yield f"install -m 600 -o root -g root /dev/null {shlex.quote(path)}"
-            yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root", mode=mode)
+            put = preview.put_without_pyinfra_diff if masked is not None else files.put._inner
+            yield from put(src=io.StringIO(text), dest=path, user="root", group="root", mode=mode)
             changed = True
         else:
             yield from files.file._inner(path=path, user="root", group="root", mode=mode)
@@ -381,3 +487,6 @@ def gateway(config: str, client_keys: str, engine_keys: str, scrape: str):
     if changed:
         yield RELOAD
     yield from systemd.service._inner(service="haproxy", running=True, enabled=True)
+    if tls is None:
+        # Plain HTTP again: the certificate's key leaves the host once no config names it.
+        yield from files.file._inner(path=GATEWAY_TLS_PEM, present=False)

@@ -198,3 +198,16 @@ GATEWAY_BACKENDS = (GATEWAY_BACKEND, GATEWAY_SESSION_BACKEND)
 SESSION_HEADER = "X-Session-Id"
 # The gateway names the host that answered in this response header.
 SERVED_BY_HEADER = "X-FreeToken-Host"
+
+# The gateway's TLS certificate and key (gateway_tls_cert_file, uploaded from the controller):
+# 0600 root, read by HAProxy while still root, like the key maps.
+GATEWAY_TLS_PEM = "/etc/haproxy/freetoken-gateway.pem"
+
+# --- the workstation's firewall (operations/firewall.py): nftables from the distribution ------
+# One table of ours, loaded by a unit of ours at boot before the network: the engine's ports and
+# node_exporter's only from loopback, the gateway host(s) and the firewall_*_from settings.
+FIREWALL_PACKAGE = "nftables"
+FIREWALL_NFT = "/usr/sbin/nft"
+FIREWALL_TABLE = "freetoken"  # `table inet freetoken`: the only table we load or delete
+FIREWALL_RULES = "/etc/freetoken-firewall.nft"
+FIREWALL_UNIT = "freetoken-firewall.service"

@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     IPvAnyAddress,
+    IPvAnyNetwork,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -252,6 +253,12 @@ class Settings(BaseModel):
     """Port of node_exporter's `/metrics` (the fleet's scrape config points at it)."""
     node_exporter_bind: IPvAnyAddress | None = None
     """Address node_exporter listens on; unset: listen_host, or if that is 0.0.0.0 the address the fleet reaches the host by."""
+    firewall_enabled: bool = True
+    """When the engine or node_exporter listens beyond loopback: nftables admits their ports only from loopback, the gateway host(s) and the two settings below."""
+    firewall_engine_from: list[IPvAnyNetwork] = Field(default_factory=list)
+    """Further addresses or networks admitted to the engine's port (clients that bypass the gateway)."""
+    firewall_metrics_from: list[IPvAnyNetwork] = Field(default_factory=list)
+    """Further addresses or networks admitted to node_exporter (your Prometheus host)."""
     ram_margin_gb: float = Field(3.0, ge=0)
     """RAM to keep free beside the experts."""
     disk_margin_gb: float = Field(5.0, ge=0)
@@ -268,6 +275,8 @@ class Settings(BaseModel):
     """Port of the gateway's Prometheus `/metrics` and `/stats` (a gateway key required)."""
     gateway_keys_source: str | None = None
     """Clients' gateway keys on the controller: `file:/path` or `env:VAR` (one key per line, optionally a label)."""
+    gateway_tls_cert_file: str | None = None
+    """PEM on the controller (certificate chain, then its unencrypted key): HTTPS on both gateway ports; unset: plain HTTP."""
 
     # --- validators ---------------------------------------------------------------
     @field_validator("engine_version")
@@ -368,9 +377,21 @@ class Settings(BaseModel):
     @field_validator("gateway_keys_source")
     @classmethod
     def _gateway_keys(cls, v: str | None) -> str | None:
-        if v is None or re.match(r"^(file:/[^\0\n]*|env:[A-Za-z_][A-Za-z0-9_]*)$", v):
+        # fullmatch: `$` also accepted a trailing newline (issue 20 item 12).
+        if v is None or re.fullmatch(r"file:/[^\0\n]*|env:[A-Za-z_][A-Za-z0-9_]*", v):
             return v
         raise ValueError("must be 'file:/path/on/controller' or 'env:VARIABLE' (one key per line)")
+
+    @field_validator("firewall_engine_from", "firewall_metrics_from", mode="before")
+    @classmethod
+    def _address_list(cls, v: Any) -> Any:
+        # `--data firewall_metrics_from=192.0.2.9,192.0.2.0/28` as well as a list.
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+
+    @field_validator("gateway_tls_cert_file")
+    @classmethod
+    def _tls_cert_file(cls, v: str | None) -> str | None:
+        return None if v is None else _abs_path(v)
 
     @field_validator("wslconfig_memory", "wslconfig_swap")
     @classmethod

@@ -69,9 +69,14 @@ def pyinfra(*args: str, timeout: int = 1500, quiet: bool = False) -> subprocess.
     return run
 
 
-def converge_behind_gateway(keys: dict[str, Path]) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
-    """ws1 and ws2 with their engines on every address and the fleet's key, then the gateway."""
-    hosts = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1", "--limit", "ws2")
+def converge_behind_gateway(
+    keys: dict[str, Path], extra: Sequence[str] = ()
+) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """ws1 and ws2 with their engines on every address and the fleet's key, then the gateway;
+    `extra`: more pyinfra arguments for the workstations' run."""
+    hosts = pyinfra(
+        *data_args(keys), *extra, "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1", "--limit", "ws2"
+    )
     gateway = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
     return hosts, gateway
 

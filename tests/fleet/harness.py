@@ -822,6 +822,9 @@ def _nspawn_argv(name: str, root: Path, ns: str, wsl: bool = True) -> list[str]:
     ]
     if wsl:  # the gateway is a plain Debian host: no WSL kernel or VM memory stand-ins
         argv += [
+            # The deploy's firewall (operations/firewall.py) loads nftables rules, as root in a
+            # WSL VM may; nspawn keeps CAP_NET_ADMIN only when asked (the netns is the host's own).
+            "--capability=CAP_NET_ADMIN",
             "--bind-ro=/.sim/version:/proc/version",  # source must be inside the tree
             "--bind-ro=/.sim/meminfo:/proc/meminfo",
         ]

@@ -7,7 +7,12 @@ fleet's one engine key, the gateway converges, converges again (nothing changes)
 go through it: keys, stats, sessions, the fleet CLI, and a steady load while ws1's engine is
 killed, ws1 is powered off and back on, drained and upgraded by a rollout, and the gateway
 reloads. At the end the gateway host is removed and ws1/ws2 converge back to the default
-settings, as the other test modules expect them."""
+settings, as the other test modules expect them.
+
+Issue 20's attacks on the gateway's LAN (items 4, 6, 14): a key taken from ws1 opens no other
+engine (the workstations' firewall admits the engine port from the gateway and loopback only),
+node_exporter answers the gateway only, a keyless engine on the LAN is refused, HTTPS on the
+client side, and `--dry --diff` of the gateway prints no key."""
 
 from __future__ import annotations
 
@@ -35,7 +40,9 @@ from tests.fleet.gateway_load import (
     summary,
     write_keys,
 )
-from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME
+from tests.fleet.profiles import BRIDGE_ADDRESS, GATEWAY_ADDRESS, GATEWAY_NAME, host_address
+
+pytestmark = pytest.mark.fleet
 
 ROOT = client.ROOT
 OTHER_KEY = "sim-client-key-bob-9876543210ab"
@@ -232,6 +239,189 @@ def test_the_engine_key_is_in_no_argv_log_or_stats_page(gateway):
         timeout=60,
     )
     assert r.stdout.split() == ["False", "False", "False", "False"], r.stderr
+
+
+# A GET from another host of the fleet, its key on stdin: the HTTP status, or "unreachable"
+# when no HTTP answer comes (refused, reset, timed out).
+PROBE = (
+    "import sys,urllib.request as u,urllib.error as e\n"
+    "key=sys.stdin.readline().strip()\n"
+    "h={'Authorization':'Bearer '+key} if key else {}\n"
+    "o=u.build_opener(u.ProxyHandler({}))\n"
+    "try: print(o.open(u.Request(sys.argv[1],headers=h),timeout=5).status)\n"
+    "except e.HTTPError as x: print(x.code)\n"
+    "except OSError as x: print('unreachable', type(x).__name__)\n"
+)
+
+
+def probe(fleet, host: str, url: str, key: str = "") -> str:
+    r = subprocess.run(
+        fleet.ssh_argv(host) + ["python3", "-c", shlex.quote(PROBE), shlex.quote(url)],
+        input=key + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    print(host, url, r.stdout, r.stderr)
+    return r.stdout.strip()
+
+
+def test_a_key_taken_from_ws1_opens_no_other_engine(gateway):
+    """Issue 20 item 6: every engine holds the fleet's one engine key. Someone with ws1 (its
+    engine's key file) tries ws2's engine directly: its port answers the gateway and loopback only."""
+    fleet = gateway["fleet"]
+    wait_in_service(fleet, ["ws1", "ws2"])
+    assert client.api_key(fleet, "ws1") == ENGINE_KEY  # what ws1 gives away
+    ws2 = f"http://{host_address('ws2')}:8000/v1/models"
+    assert probe(fleet, GATEWAY_NAME, ws2, ENGINE_KEY) == "200"  # the key and the address are right
+    assert probe(fleet, "ws1", ws2, ENGINE_KEY).startswith("unreachable")
+    assert probe(fleet, "ws1", f"http://{host_address('ws2')}:8001/", ENGINE_KEY).startswith("unreachable")
+    assert probe(fleet, "ws2", "http://127.0.0.1:8000/v1/models", ENGINE_KEY) == "200"  # loopback still
+    # Nor from this machine, another host of the fleet's LAN (the bridge).
+    with pytest.raises(OSError):
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        req = urllib.request.Request(ws2, headers={"Authorization": f"Bearer {ENGINE_KEY}"})
+        opener.open(req, timeout=5)
+    print(f"ws2's engine refused {BRIDGE_ADDRESS} and ws1")
+    # The rule set is ours alone, loaded by our unit.
+    rules = fleet.run("ws2", "nft list table inet freetoken", check=True).stdout
+    assert GATEWAY_ADDRESS in rules, rules
+
+
+def test_node_exporter_answers_the_gateway_and_no_other_host(gateway):
+    """Issue 20 item 14: with the engines on every address, node_exporter answered /metrics to
+    anyone on the LAN without a key."""
+    fleet = gateway["fleet"]
+    metrics = f"http://{host_address('ws1')}:9100/metrics"
+    assert probe(fleet, GATEWAY_NAME, metrics) == "200"  # the scrape config's source
+    assert probe(fleet, "ws2", metrics).startswith("unreachable")
+
+
+def test_the_gateway_refuses_a_keyless_engine_on_the_lan_before_any_change(gateway, keys):
+    """Issue 20 item 6: with api_key_source "none" the gateway deployed in front of engines that
+    anyone on the LAN could use without a key."""
+    fleet = gateway["fleet"]
+    before = fleet.snapshot(GATEWAY_NAME)
+    run = pyinfra(
+        "--data",
+        "listen_host=0.0.0.0",
+        "--data",
+        "api_key_source=none",
+        "--data",
+        f"gateway_keys_source=file:{keys['clients']}",
+        "inventories/sim.py",
+        "deploys/gateway.py",
+        "--limit",
+        "gateway",
+    )
+    assert run.returncode != 0
+    assert "host ws1: api_key_source 'none' with listen_host 0.0.0.0" in run.stdout + run.stderr
+    assert harness.snapshot_diff(before, fleet.snapshot(GATEWAY_NAME)) == []
+
+
+def test_dry_diff_of_the_gateway_shows_changed_keys_masked_and_prints_none(gateway, keys, tmp_path):
+    """Issue 20 item 4: `--dry --diff` printed the clients' keys and the engine key, old and new."""
+    import re
+
+    fleet = gateway["fleet"]
+    new_engine, new_client = "sim-engine-key-rotated-0123456789", "sim-client-key-alice-rotated-42"
+    (tmp_path / "engine.key").write_text(new_engine + "\n")
+    (tmp_path / "clients").write_text(f"{new_client} alice\n")
+    before = fleet.snapshot(GATEWAY_NAME)
+    run = subprocess.run(
+        [
+            client.PYINFRA,
+            "--dry",
+            "--diff",
+            "--data",
+            "listen_host=0.0.0.0",
+            "--data",
+            f"api_key_source=file:{tmp_path / 'engine.key'}",
+            "--data",
+            f"gateway_keys_source=file:{tmp_path / 'clients'}",
+            "inventories/sim.py",
+            "deploys/gateway.py",
+            "--limit",
+            "gateway",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+    )
+    out = re.sub(r"\x1b\[[0-9;]*m", "", run.stdout + run.stderr)
+    print(out[-12000:])
+    assert run.returncode == 0
+    assert "******** alice (changed)" in out and "engine ******** (changed)" in out
+    for key in (ENGINE_KEY, new_engine, CLIENT_KEY, new_client):
+        assert key not in out
+    assert harness.snapshot_diff(before, fleet.snapshot(GATEWAY_NAME)) == []
+
+
+def test_https_on_the_client_side_with_gateway_tls_cert_file(gateway, keys, tmp_path):
+    """Issue 20 item 6: clients' keys and prompts crossed the LAN in clear; with a certificate
+    the gateway speaks HTTPS only on both of its ports."""
+    import http.client
+    import ssl
+
+    fleet = gateway["fleet"]
+    cert, key, pem = tmp_path / "gw.crt", tmp_path / "gw.key", tmp_path / "gw.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={GATEWAY_NAME}"]
+        + ["-addext", f"subjectAltName=IP:{GATEWAY_ADDRESS}", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    pem.write_text(cert.read_text() + key.read_text())
+    pem.chmod(0o600)
+    context = ssl.create_default_context(cafile=str(cert))
+
+    def https_status(port: int) -> int | None:
+        conn = http.client.HTTPSConnection(GATEWAY_ADDRESS, port, timeout=10, context=context)
+        try:
+            conn.request(
+                "GET", "/v1/models" if port == PORT else "/metrics", headers={"Authorization": f"Bearer {CLIENT_KEY}"}
+            )
+            return conn.getresponse().status
+        except (OSError, http.client.HTTPException):
+            return None
+        finally:
+            conn.close()
+
+    def plain_ok() -> bool:
+        try:
+            return _get(f"http://{GATEWAY_ADDRESS}:{PORT}/v1/models", CLIENT_KEY) == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    try:
+        run = pyinfra(
+            *data_args(keys),
+            "--data",
+            f"gateway_tls_cert_file={pem}",
+            "inventories/sim.py",
+            "deploys/gateway.py",
+            "--limit",
+            "gateway",
+        )
+        assert run.returncode == 0
+        assert eventually(lambda: https_status(PORT) == 200)
+        assert https_status(STATS_PORT) == 200
+        assert fleet.run(GATEWAY_NAME, "stat -c '%a %U' /etc/haproxy/freetoken-gateway.pem").stdout.split() == [
+            "600",
+            "root",
+        ]
+        # Plain HTTP gets no answer from an HTTPS port.
+        assert not plain_ok()
+    finally:
+        back = deploy_gateway(keys)
+    assert back.returncode == 0
+    assert eventually(plain_ok)
+    assert fleet.run(GATEWAY_NAME, "test -e /etc/haproxy/freetoken-gateway.pem").returncode == 1
 
 
 def test_same_session_stays_on_one_host_and_moves_when_that_host_is_parked(gateway):

@@ -324,3 +324,164 @@ def test_wait_idle_waits_for_running_streams():
     busy = Busy()
     assert busy.wait_idle(["ws1"], timeout=60, poll=0) == [] and busy.polls == 3
     assert Busy().wait_idle(["ws1"], timeout=0, poll=0) == ["ws1"]
+
+
+# ------------------------------------------------------------------ issue 20: items 4, 6, 12
+HOSTILE = "10.0.0.1\n    server evil 1.2.3.4:80"
+
+
+def test_a_hostile_ssh_hostname_never_reaches_haproxy_cfg():
+    """Item 12: an inventory address with a newline would add a server line to haproxy.cfg."""
+    with pytest.raises(GatewayError, match=r"^host ws1: ssh_hostname '10\.0\.0\.1\\n    server evil") as err:
+        gw.backends_for("gw", {"ws1": (Settings(listen_host="0.0.0.0"), HOSTILE)})
+    assert "\n" not in str(err.value)
+    for bad in ("10.0.0.1\n", "ws1.lan # x", "@local"):
+        with pytest.raises(GatewayError, match="host ws1: ssh_hostname"):
+            gw.backends_for("gw", {"ws1": (Settings(listen_host="0.0.0.0"), bad)})
+    # A host name or an IP literal passes as it is.
+    assert gw.backends_for("gw", {"ws1": (Settings(listen_host="0.0.0.0"), "ws1.lab.example")})[0].address == (
+        "ws1.lab.example"
+    )
+
+
+def test_names_and_key_sources_with_a_trailing_newline_are_refused():
+    """Item 12: Python's `$` matches before a final newline; every pattern is a full match."""
+    with pytest.raises(GatewayError, match="a gateway backend's name"):
+        gw.backends_for("gw", {"ws1\n": (Settings(listen_host="192.0.2.11"), None)})
+    with pytest.raises(SettingsError, match="host gw: setting 'gateway_keys_source'"):
+        build_settings("gw", {"gateway_keys_source": "env:GW_KEYS\n"})
+    with pytest.raises(SettingsError, match="gateway_keys_source"):
+        build_settings("gw", {"gateway_keys_source": "file:/keys\n"})
+
+
+def test_the_scrape_yaml_is_written_by_the_yaml_library():
+    import yaml
+
+    text = gw.scrape_config("fd00::5", Settings(), {"ws1": ("ws1.lab.example", Settings(listen_host="0.0.0.0"))})
+    jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
+    assert jobs["freetoken-gateway"]["static_configs"] == [{"targets": ["[fd00::5]:8404"]}]
+    assert "scheme" not in jobs["freetoken-gateway"]
+    assert jobs["freetoken-guard"]["static_configs"][0]["targets"] == ["ws1.lab.example:9100"]
+    tls = yaml.safe_load(gw.scrape_config("192.0.2.5", Settings(), {}, tls=True))["scrape_configs"][0]
+    assert tls["scheme"] == "https"
+
+
+def test_a_keyless_engine_on_a_lan_address_is_refused_behind_the_gateway():
+    """Item 6: `api_key_source = "none"` on 0.0.0.0 would let anyone on the LAN bypass the keys."""
+    keyless = {"ws1": Settings(api_key_source="none", listen_host="0.0.0.0"), "ws2": Settings(api_key_source="none")}
+    with pytest.raises(GatewayError, match=r"^host ws1: api_key_source 'none' with listen_host 0\.0\.0\.0") as err:
+        gw.fleet_engine_key(BACKENDS, keyless)
+    assert "ws2" not in str(err.value)  # on loopback: only the gateway on that host reaches it
+    loopback = {"ws1": Settings(api_key_source="none")}
+    assert gw.fleet_engine_key([GatewayBackend("ws1", "127.0.0.1", 8000)], loopback) is None
+
+
+def test_tls_on_both_client_facing_ports():
+    text = gw.haproxy_config(Settings(), BACKENDS, engine_key=True, tls=True)
+    assert "bind :8080 ssl crt /etc/haproxy/freetoken-gateway.pem" in section(text, "frontend freetoken_api")
+    assert "bind :8404 ssl crt /etc/haproxy/freetoken-gateway.pem" in section(text, "frontend freetoken_stats")
+    assert "ssl" not in section(config(), "frontend freetoken_api")
+
+
+@pytest.fixture(scope="module")
+def pems(tmp_path_factory):
+    """A self-signed certificate and key made by openssl: as one PEM, encrypted, and alone."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.fail("these tests make a certificate with the openssl command")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        f"openssl req -x509 -newkey rsa:2048 -nodes -keyout {d}/k -out {d}/c -days 2 -subj /CN=gw 2>/dev/null"
+        f" && openssl rsa -in {d}/k -aes256 -passout pass:x -out {d}/ek 2>/dev/null"
+        f" && cat {d}/c {d}/k > {d}/ok.pem && cat {d}/c {d}/ek > {d}/encrypted.pem && cp {d}/c {d}/cert-only.pem",
+        shell=True,
+        check=True,
+    )
+    return d
+
+
+def test_the_tls_pem_is_checked_on_the_controller(pems):
+    text = gw.tls_pem("gw1", str(pems / "ok.pem"))
+    assert "BEGIN CERTIFICATE" in text and "PRIVATE KEY" in text
+    for name in ("encrypted.pem", "cert-only.pem", "missing.pem"):
+        with pytest.raises(GatewayError, match=f"^host gw1: gateway_tls_cert_file {pems}/{name}: ") as err:
+            gw.tls_pem("gw1", str(pems / name))
+        assert "PRIVATE KEY" not in str(err.value)
+    assert build_settings("gw", {"gateway_tls_cert_file": "/etc/ssl/gw.pem"}).gateway_tls_cert_file == "/etc/ssl/gw.pem"
+    with pytest.raises(SettingsError, match="gateway_tls_cert_file"):
+        build_settings("gw", {"gateway_tls_cert_file": "gw.pem\n"})
+
+
+def test_masked_key_maps_say_what_changes_never_the_key():
+    old = gw.keys_map("alice-key-0123456789 alice\nbob-key-0123456789abc bob\n")
+    new = gw.keys_map("alice-key-9876543210 alice\nbob-key-0123456789abc bob\ncarol-key-0123456789 carol\n")
+    assert gw.masked_map(new, 0, old)[1:] == ["******** alice (changed)\n", "******** bob\n", "******** carol (new)\n"]
+    engine = gw.masked_map(gw.engine_key_map(ENGINE_KEY), 1, gw.engine_key_map("other-engine-key-0123456"))
+    assert engine[1:] == ["engine ******** (changed)\n"]
+    # A line of another shape (hand-edited on the host) is masked whole.
+    assert gw.masked_map("k1 k2 k3\n", 0) == ["********\n"]
+
+
+class DiffHost:
+    """The gateway host's facts for the operation: the files it has (path -> text), HAProxy up."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def get_fact(self, cls, *args, **kwargs):
+        import hashlib
+
+        name, path = cls.__name__, kwargs.get("path")
+        text = self.files.get(path)
+        if name == "Sha256File":
+            return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+        if name == "Sha1File":
+            return None if text is None else hashlib.sha1(text.encode()).hexdigest()
+        if name == "FileText":
+            return text
+        if name == "FileContents":  # what pyinfra's own files.put diff reads
+            return None if text is None else text.splitlines()
+        if name == "File":
+            return None if text is None else {"user": "root", "group": "root", "mode": 600, "size": len(text)}
+        if name == "Directory":
+            return {"user": "root", "group": "root", "mode": 755} if path == "/etc/haproxy" else None
+        if name in ("SystemdStatus", "SystemdEnabled"):
+            return {s: True for s in kwargs["services"]}
+        if name == "TmpDir":
+            return "/tmp"
+        raise AssertionError(f"unexpected fact {name}")
+
+
+def test_dry_diff_of_the_gateway_shows_the_key_maps_masked(caplog):
+    """Item 4: `--dry --diff` printed the clients' keys and the engine key, old and new."""
+    from pyinfra.api import Config, Inventory, State
+    from pyinfra.context import ctx_host, ctx_state
+
+    old_client, new_client = "alice-key-0123456789", "alice-key-9876543210"
+    old_engine, new_engine = "old-engine-key-0123456789", ENGINE_KEY
+    host_files = {
+        GATEWAY_KEYS_MAP: gw.keys_map(f"{old_client} alice\n"),
+        GATEWAY_ENGINE_KEY_MAP: gw.engine_key_map(old_engine),
+    }
+    inventory = Inventory((["@local"], {}))
+    state = State(inventory, Config(DIFF=True))
+    host = inventory.get_host("@local")
+    host.get_fact = DiffHost(host_files).get_fact
+    caplog.set_level("INFO")
+    with ctx_state.use(state), ctx_host.use(host):
+        list(
+            gw.gateway._inner(
+                config="global\n",
+                client_keys=gw.keys_map(f"{new_client} alice\n"),
+                engine_keys=gw.engine_key_map(new_engine),
+                scrape="scrape_configs: []\n",
+            )
+        )
+    out = caplog.text
+    assert f"Will modify {GATEWAY_KEYS_MAP}" in out and f"Will modify {GATEWAY_ENGINE_KEY_MAP}" in out
+    assert "******** alice (changed)" in out and "engine ******** (changed)" in out
+    for key in (old_client, new_client, old_engine, new_engine):
+        assert key not in out
+    assert state.config.DIFF  # pyinfra's own diff held off only while our puts ran

@@ -1,0 +1,230 @@
+"""The workstation's firewall: nftables from the distribution admits the engine's ports and
+node_exporter's only from loopback, the inventory's gateway host(s) and the addresses the
+settings name (``firewall_engine_from``, ``firewall_metrics_from``). Issue 20, items 6 and 14:
+behind a gateway the engines listen on every address, and the fleet's engine key (in every
+engine's environment) or node_exporter's unauthenticated ``/metrics`` must not be one LAN hop
+away from anyone.
+
+Why a firewall and not one engine key per host held by the gateway: HAProxy 2.6 (Debian 12)
+sets request headers before it picks the server, so a per-host key needs a second proxy hop per
+host; and a per-host key still lets anyone on the LAN who learns it talk to that engine
+directly. With the engine port closed to all but the gateway, a key taken from one workstation
+opens no engine from anywhere else on the LAN, and node_exporter needs no web config of its own.
+
+One table of ours (``table inet freetoken``), loaded at boot before the network is up by a unit
+of ours (``freetoken-firewall.service``): other tables and Debian's ``/etc/nftables.conf`` are
+left alone. The rule set replaces itself atomically (``nft -f``: define, delete, define in one
+transaction). ``firewall_enabled`` False, or nothing listening beyond loopback, stops the unit,
+which deletes the table (the package stays).
+
+The pure parts (``fleet_address``, ``gateway_addresses``, ``ruleset``, ``unit``) are unit-tested.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from collections.abc import Iterable, Sequence
+from io import StringIO
+
+from pyinfra import host
+from pyinfra.api import operation
+from pyinfra.facts.deb import DebPackages
+from pyinfra.facts.files import File
+from pyinfra.operations import apt, files, systemd
+
+from freetoken_infra.core.layout import (
+    FIREWALL_NFT,
+    FIREWALL_PACKAGE,
+    FIREWALL_RULES,
+    FIREWALL_TABLE,
+    FIREWALL_UNIT,
+    GATEWAY_GROUP,
+    UNIT_DIR,
+)
+from freetoken_infra.core.settings import Settings
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+# A DNS name (labels of letters, digits and inner '-', dot-separated, an optional final dot),
+# matched over the whole string: what reaches haproxy.cfg, the scrape YAML or an nft rule is a
+# host name or an IP literal, never a newline or a second directive (issue 20 item 12).
+_DNS_NAME_RE = re.compile(
+    r"(?=.{1,253}\.?\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
+
+
+class FirewallError(Exception):
+    """An address the fleet's files cannot hold; the message names host and field."""
+
+
+def fleet_address(host_name: str, ssh_hostname: str | None) -> str:
+    """Where the fleet reaches `host_name`: its ``ssh_hostname``, else its inventory name, as a
+    host name or an IP literal (IPv6 without brackets); anything else is refused in one line."""
+    field, value = ("ssh_hostname", ssh_hostname) if ssh_hostname is not None else ("name", host_name)
+    if isinstance(value, str):
+        text = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+        try:
+            return str(ipaddress.ip_address(text))
+        except ValueError:
+            if _DNS_NAME_RE.fullmatch(value):
+                return value
+    raise FirewallError(
+        f"host {host_name}: {field} {value!r} is not a host name or an IP address "
+        "(letters, digits, '-' and '.' only, or an IPv4/IPv6 literal)"
+    )
+
+
+def resolve(host_name: str, address: str) -> list[Address]:
+    """The IP addresses of `address` (an IP literal, or a name resolved on the controller)."""
+    try:
+        return [ipaddress.ip_address(address)]
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise FirewallError(
+            f"host {host_name}: cannot resolve {address} on the controller ({exc}); "
+            "give it an IP address as ssh_hostname, or list the address in firewall_engine_from"
+        ) from None
+    return sorted({ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in found}, key=str)
+
+
+def gateway_addresses(inventory: Iterable) -> list[Address]:
+    """The addresses of the inventory's gateway host(s) (group ``gateway``): the only hosts
+    besides loopback and the settings' lists that reach a workstation's engine."""
+    out: set[Address] = set()
+    for h in inventory:
+        if GATEWAY_GROUP in h.groups:
+            out.update(resolve(h.name, fleet_address(h.name, h.data.get("ssh_hostname"))))
+    return sorted(out, key=lambda a: (a.version, int(a)))
+
+
+def _exposed(address: object) -> bool:
+    ip = ipaddress.ip_address(str(address))
+    return not ip.is_loopback
+
+
+def needed(settings: Settings) -> bool:
+    """The firewall is kept while the engine or node_exporter listens beyond loopback
+    (node_exporter without ``node_exporter_bind`` listens where the engine does, or on the
+    host's fleet address: operations/node_exporter.bind_address)."""
+    if not settings.firewall_enabled:
+        return False
+    bind = settings.node_exporter_bind
+    exporter = settings.node_exporter_enabled and bind is not None and _exposed(bind)
+    return _exposed(settings.listen_host) or exporter
+
+
+def _ports(ports: Iterable[int]) -> str:
+    unique = sorted(set(ports))
+    return str(unique[0]) if len(unique) == 1 else "{ " + ", ".join(map(str, unique)) + " }"
+
+
+def _accept(ports: str, sources: Sequence[Address | Network]) -> list[str]:
+    """`accept` rules for `sources` (one per address family) on `ports`."""
+    lines = []
+    for family, version in (("ip", 4), ("ip6", 6)):
+        mine = sorted({str(s) for s in sources if s.version == version})
+        if mine:
+            lines.append(f"tcp dport {ports} {family} saddr {{ {', '.join(mine)} }} accept")
+    return lines
+
+
+def ruleset(settings: Settings, gateways: Sequence[Address]) -> str:
+    """The nft rule set: the engine's port and port+1 (its gloo group) and node_exporter's port
+    from loopback, the gateways and the settings' lists; every other source is reset."""
+    engine = [settings.listen_port, settings.listen_port + 1]
+    metrics = [settings.node_exporter_port] if settings.node_exporter_enabled else []
+    rules = [
+        "iif lo accept",
+        # Replies of the host's own outgoing connections, whatever their local port.
+        "ct state established,related accept",
+        *_accept(_ports(engine + metrics), gateways),
+        *_accept(_ports(engine), settings.firewall_engine_from),
+        *(_accept(_ports(metrics), settings.firewall_metrics_from) if metrics else []),
+        f"tcp dport {_ports(engine + metrics)} reject with tcp reset",
+    ]
+    body = "\n".join(f"\t\t{r}" for r in rules)
+    return f"""# Managed by freetoken-infra (operations/firewall.py); changes here are overwritten.
+# The engine's and node_exporter's ports: loopback, the gateway host(s) and the firewall_*_from
+# settings only. Loaded by {FIREWALL_UNIT}; other tables are left alone.
+add table inet {FIREWALL_TABLE}
+delete table inet {FIREWALL_TABLE}
+table inet {FIREWALL_TABLE} {{
+\tchain input {{
+\t\ttype filter hook input priority filter; policy accept;
+{body}
+\t}}
+}}
+"""
+
+
+def unit() -> str:
+    """The unit that loads the rule set at boot, before the network (as Debian's nftables.service
+    does, and after it: its `flush ruleset` would remove ours)."""
+    return f"""# Managed by freetoken-infra (operations/firewall.py); changes here are overwritten.
+[Unit]
+Description=freetoken-infra: the engine's and node_exporter's ports from the gateway only
+DefaultDependencies=no
+Wants=network-pre.target
+After=nftables.service
+Before=network-pre.target shutdown.target
+Conflicts=shutdown.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart={FIREWALL_NFT} -f {FIREWALL_RULES}
+ExecReload={FIREWALL_NFT} -f {FIREWALL_RULES}
+ExecStop={FIREWALL_NFT} delete table inet {FIREWALL_TABLE}
+
+[Install]
+WantedBy=sysinit.target
+"""
+
+
+UNIT_PATH = f"{UNIT_DIR}/{FIREWALL_UNIT}"
+
+
+@operation()
+def firewall(settings: Settings, gateways: Sequence[Address]):
+    """
+    nftables from the distribution: the engine's and node_exporter's ports only from loopback,
+    `gateways` and the ``firewall_*_from`` settings, while anything of ours listens beyond
+    loopback; otherwise our unit is stopped (its table deleted).
+
+    + settings: the host's ``Settings``
+    + gateways: the inventory's gateway addresses (``gateway_addresses``)
+
+    **Example:**
+
+    .. code:: python
+
+        firewall(name="Firewall: engine ports from the gateway only", settings=settings,
+                 gateways=gateway_addresses(state.inventory), _sudo=True)
+    """
+    if not needed(settings):
+        if host.get_fact(File, path=UNIT_PATH):
+            yield from systemd.service._inner(service=FIREWALL_UNIT, running=False, enabled=False)
+        return
+    if FIREWALL_PACKAGE not in (host.get_fact(DebPackages) or {}):
+        yield from apt.update._inner()
+        yield from apt.packages._inner(packages=[FIREWALL_PACKAGE], no_recommends=True)
+    rules = list(
+        files.put._inner(
+            src=StringIO(ruleset(settings, gateways)), dest=FIREWALL_RULES, user="root", group="root", mode="644"
+        )
+    )
+    yield from rules
+    unit_put = list(files.put._inner(src=StringIO(unit()), dest=UNIT_PATH, user="root", group="root", mode="644"))
+    yield from unit_put
+    if unit_put:
+        yield from systemd.daemon_reload._inner()
+    # A changed rule set is loaded in one nft transaction (reload): never a moment without it.
+    yield from systemd.service._inner(
+        service=FIREWALL_UNIT, running=True, enabled=True, reloaded=bool(rules or unit_put)
+    )

@@ -1,0 +1,197 @@
+"""The workstation's firewall (operations/firewall.py): the nft rule set that admits the engine's
+ports and node_exporter's from loopback, the gateway host(s) and the settings' lists only, the
+addresses it is made of (validated over the whole string), and the operation's commands with
+the host's facts stubbed. The fleet tests load it for real and attack it from another host."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+
+import pytest
+from pyinfra.api import Inventory
+
+from freetoken_infra.core.layout import FIREWALL_RULES, FIREWALL_UNIT
+from freetoken_infra.core.settings import Settings, SettingsError, build_settings
+from operations import firewall as fw
+
+GW = [ipaddress.ip_address("192.0.2.5")]
+
+
+def rules(text: str) -> list[str]:
+    """The input chain's rules, one per line."""
+    body = text.split("chain input {", 1)[1].split("\n\t}", 1)[0]
+    return [line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("type ")]
+
+
+def test_engine_ports_and_node_exporter_from_loopback_and_the_gateway_only():
+    text = fw.ruleset(Settings(listen_host="0.0.0.0"), GW)
+    assert rules(text) == [
+        "iif lo accept",
+        "ct state established,related accept",
+        "tcp dport { 8000, 8001, 9100 } ip saddr { 192.0.2.5 } accept",
+        "tcp dport { 8000, 8001, 9100 } reject with tcp reset",
+    ]
+    # Our one table, replaced atomically (define, delete, define in one `nft -f`); nothing else.
+    assert text.count("table inet freetoken") == 3 and "flush ruleset" not in text
+    assert "policy accept" in text  # every other port is left to the host's own rules
+
+
+def test_the_settings_lists_open_their_own_ports_only():
+    settings = Settings(
+        listen_host="0.0.0.0",
+        listen_port=8100,
+        node_exporter_port=9200,
+        firewall_engine_from=["10.0.0.0/24", "fd00::/64"],
+        firewall_metrics_from=["192.0.2.9"],
+    )
+    got = rules(fw.ruleset(settings, GW + [ipaddress.ip_address("fd00::5")]))
+    assert "tcp dport { 8100, 8101, 9200 } ip6 saddr { fd00::5 } accept" in got
+    assert "tcp dport { 8100, 8101 } ip saddr { 10.0.0.0/24 } accept" in got
+    assert "tcp dport { 8100, 8101 } ip6 saddr { fd00::/64 } accept" in got
+    assert "tcp dport 9200 ip saddr { 192.0.2.9/32 } accept" in got
+    assert got[-1] == "tcp dport { 8100, 8101, 9200 } reject with tcp reset"
+    # node_exporter disabled: its port is no business of ours.
+    off = rules(fw.ruleset(Settings(listen_host="0.0.0.0", node_exporter_enabled=False), GW))
+    assert off[-1] == "tcp dport { 8000, 8001 } reject with tcp reset"
+
+
+def test_settings_lists_are_addresses_or_networks():
+    s = build_settings("ws1", {"firewall_engine_from": "192.0.2.9, 10.0.0.0/8"})
+    assert [str(n) for n in s.firewall_engine_from] == ["192.0.2.9/32", "10.0.0.0/8"]
+    for bad in ("10.0.0.1/8", "ws2.lan", "10.0.0.1\ntcp dport 22 accept"):
+        with pytest.raises(SettingsError, match="host ws1: setting 'firewall_metrics_from'"):
+            build_settings("ws1", {"firewall_metrics_from": [bad]})
+
+
+def test_needed_while_anything_of_ours_listens_beyond_loopback():
+    assert not fw.needed(Settings())  # the default: engine and node_exporter on loopback
+    assert fw.needed(Settings(listen_host="0.0.0.0"))
+    assert fw.needed(Settings(listen_host="192.0.2.11"))
+    assert fw.needed(Settings(node_exporter_bind="192.0.2.11"))
+    assert not fw.needed(Settings(node_exporter_bind="192.0.2.11", node_exporter_enabled=False))
+    assert not fw.needed(Settings(listen_host="0.0.0.0", firewall_enabled=False))
+
+
+HOSTILE = "10.0.0.1\n    server evil 1.2.3.4:80"
+
+
+@pytest.mark.parametrize(
+    "value", [HOSTILE, "10.0.0.1\n", "gw.lan\n", "gw lan", "@local", "gw;rm", "-gw", "a..b", "x" * 254, ""]
+)
+def test_a_hostile_ssh_hostname_is_refused_naming_host_and_field(value):
+    with pytest.raises(
+        fw.FirewallError, match=r"^host gw1: ssh_hostname .* is not a host name or an IP address"
+    ) as err:
+        fw.fleet_address("gw1", value)
+    assert "\n" not in str(err.value)  # one line: the value shown escaped
+
+
+def test_host_names_and_ip_literals_pass():
+    assert fw.fleet_address("gw1", "10.213.0.5") == "10.213.0.5"
+    assert fw.fleet_address("gw1", "[fd00::5]") == "fd00::5"
+    assert fw.fleet_address("gw1", "gw-1.lab.example.") == "gw-1.lab.example."
+    assert fw.fleet_address("gw1", None) == "gw1"
+    with pytest.raises(fw.FirewallError, match="host @local: name"):
+        fw.fleet_address("@local", None)
+
+
+def test_gateway_addresses_come_from_the_inventorys_gateway_group():
+    hosts = Inventory(
+        (
+            [
+                ("ws1", {"ssh_hostname": "192.0.2.11"}),
+                ("gw1", {"ssh_hostname": "192.0.2.5"}),
+                ("gw2", {"ssh_hostname": "fd00::5"}),
+            ],
+            {},
+        ),
+        gateway=(["gw1", "gw2"], {}),
+    )
+    assert [str(a) for a in fw.gateway_addresses(hosts)] == ["192.0.2.5", "fd00::5"]
+    hostile = Inventory(([("gw1", {"ssh_hostname": HOSTILE})], {}), gateway=(["gw1"], {}))
+    with pytest.raises(fw.FirewallError, match="host gw1: ssh_hostname"):
+        fw.gateway_addresses(hostile)
+
+
+class StubHost:
+    """Answers the operation's pyinfra facts: files (path -> (text, mode)), packages, units."""
+
+    def __init__(self, files=None, packages=(), running=(), enabled=()):
+        self.files = dict(files or {})
+        self.packages, self.running, self.enabled = set(packages), set(running), set(enabled)
+
+    def commands(self, settings, gateways=GW):
+        from pyinfra.api import Config, FileUploadCommand, State
+        from pyinfra.context import ctx_host, ctx_state
+
+        inventory = Inventory((["@local"], {}))
+        state = State(inventory, Config())
+        host = inventory.get_host("@local")
+        host.get_fact = self.get_fact
+        with ctx_state.use(state), ctx_host.use(host):
+            return [
+                f"upload {c.dest}"
+                if isinstance(c, FileUploadCommand)
+                else c
+                if isinstance(c, str)
+                else c.get_raw_value()
+                for c in fw.firewall._inner(settings, gateways)
+            ]
+
+    def get_fact(self, cls, *args, **kwargs):
+        name, path = cls.__name__, kwargs.get("path")
+        if name == "DebPackages":
+            return {p: ["1.0.6-2+deb12u2"] for p in self.packages}
+        if name == "File":
+            return (
+                {"user": "root", "group": "root", "mode": self.files[path][1], "size": 1}
+                if path in self.files
+                else None
+            )
+        if name == "Directory":
+            return {"user": "root", "group": "root", "mode": 755} if path in ("/etc", "/etc/systemd/system") else None
+        if name == "Sha1File":
+            return hashlib.sha1(self.files[path][0].encode()).hexdigest() if path in self.files else None
+        if name == "SystemdStatus":
+            return {s: s in self.running for s in kwargs["services"]}
+        if name == "SystemdEnabled":
+            return {s: s in self.enabled for s in kwargs["services"]}
+        if name == "TmpDir":
+            return "/tmp"
+        raise AssertionError(f"unexpected fact {name}")
+
+
+ON_LAN = Settings(listen_host="0.0.0.0")
+
+
+def converged(settings=ON_LAN):
+    return StubHost(
+        {FIREWALL_RULES: (fw.ruleset(settings, GW), 644), fw.UNIT_PATH: (fw.unit(), 644)},
+        {"nftables"},
+        {FIREWALL_UNIT},
+        {FIREWALL_UNIT},
+    )
+
+
+def test_bare_host_gets_the_package_the_rules_and_the_unit_started_at_boot():
+    cmds = StubHost().commands(ON_LAN)
+    install = next(i for i, c in enumerate(cmds) if "apt-get" in c and "install" in c and "nftables" in c)
+    assert install < cmds.index(f"upload {FIREWALL_RULES}") < cmds.index(f"upload {fw.UNIT_PATH}")
+    assert "systemctl daemon-reload" in cmds
+    assert f"systemctl start {FIREWALL_UNIT}" in cmds and f"systemctl enable {FIREWALL_UNIT}" in cmds
+    unit = fw.unit()
+    assert "WantedBy=sysinit.target" in unit and "Before=network-pre.target" in unit
+    assert "ExecStop=/usr/sbin/nft delete table inet freetoken" in unit
+
+
+def test_converged_host_runs_nothing_and_a_new_gateway_reloads_the_rules():
+    assert converged().commands(ON_LAN) == []
+    cmds = converged().commands(ON_LAN, gateways=[ipaddress.ip_address("192.0.2.6")])
+    assert cmds[0] == f"upload {FIREWALL_RULES}" and cmds[-1] == f"systemctl reload {FIREWALL_UNIT}"
+    assert f"upload {fw.UNIT_PATH}" not in cmds and "systemctl daemon-reload" not in cmds
+
+
+def test_back_on_loopback_the_unit_stops_and_its_table_goes():
+    assert converged().commands(Settings()) == [f"systemctl stop {FIREWALL_UNIT}", f"systemctl disable {FIREWALL_UNIT}"]
+    assert StubHost().commands(Settings()) == []
