@@ -20,7 +20,6 @@ import base64
 import getpass
 import json
 import os
-import re
 import secrets
 import shlex
 import socket
@@ -36,6 +35,7 @@ from pyinfra.api.state import BaseStateCallback
 
 from freetoken_infra.core.layout import HOST_LOCK_FILE, HOST_LOCK_MUTEX
 from freetoken_infra.core.pyinfra_internals import connection_lost
+from freetoken_infra.core.redact import mask_text, redact_command
 
 SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
 # A run renews its lease every LEASE_S / 4 seconds; a holder that stopped renewing (its
@@ -43,18 +43,24 @@ SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
 LEASE_S = 120.0
 POLL_S = 2.0
 HELD_EXIT = 3
-# Values of --data keys that look like secrets are not written into the lock file.
-_SECRET_KEY = re.compile(r"(key|token|secret|passw)", re.I)
 _RUN_STARTED = time.time()
 
 
 def redacted_command(argv: list[str]) -> str:
-    """The controller's command line for the lock's holder, secret-looking --data values hidden."""
-    out = []
-    for word in [Path(argv[0]).name, *argv[1:]] if argv else []:
-        name, sep, _ = word.partition("=")
-        out.append(f"{name}=***" if sep and _SECRET_KEY.search(name) else word)
-    return " ".join(shlex.quote(w) for w in out)
+    """The controller's command line for the lock's holder, its secrets masked
+    (core.redact.redact_argv: password/key/token options, URL passwords, secret --data values)
+    before it is written anywhere (the lock file, the target's process list, the doctor)."""
+    return redact_command(argv)
+
+
+def _shown_command(command: Any) -> str:
+    """A holder's command as shown: masked again, since a lock file an older release wrote (or a
+    hand-edited one) may hold a secret."""
+    text = str(command)
+    try:
+        return redact_command(shlex.split(text)) if text.strip() else text
+    except ValueError:
+        return mask_text(text)
 
 
 def holder_info(token: str, argv: list[str] | None = None) -> dict[str, Any]:
@@ -75,7 +81,7 @@ def describe(holder: Mapping[str, Any] | None) -> str:
         return "nobody"
     return (
         f"{holder.get('user', '?')}@{holder.get('controller', '?')} (pid {holder.get('pid', '?')}) "
-        f"since {holder.get('started', '?')}: {holder.get('command', '?')}"
+        f"since {holder.get('started', '?')}: {_shown_command(holder.get('command', '?'))}"
     )
 
 

@@ -3,8 +3,9 @@
 
 One deploy run per host at a time: a run takes the lock before it reads anything it will act
 on, renews its lease while it works and releases it at its end. The lock file (JSON, root's,
-mode 0644: the doctor reads it as any user, and no secret is in it) names its holder:
-controller host, user, process id, start time, command line, a random token (which run holds
+mode 0600 like its mutex: the engine's user must not read who runs what, and the doctor reads it
+as root) names its holder:
+controller host, user, process id, start time, command line (secrets masked by the controller before it is sent), a random token (which run holds
 it: only root changes the file), the lease's end, and the target-side session that took it:
 the sshd process serving the holder's SSH connection (or, on a local run, the controller
 process itself), with its start time so a reused process id is not mistaken for it.
@@ -92,7 +93,8 @@ def _read(path: str) -> dict | None:
 
 def _write(path: str, doc: dict) -> None:
     tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # a leftover .tmp of an older release was 0644
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(doc, f)
         f.write("\n")
@@ -127,7 +129,8 @@ def main(argv: list | None = None) -> int:
     folder = os.path.dirname(args.lock_file) or "."
     try:
         os.makedirs(folder, mode=0o755, exist_ok=True)
-        mutex = os.open(args.mutex, os.O_RDWR | os.O_CREAT, 0o600)
+        mutex = os.open(args.mutex, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.fchmod(mutex, 0o600)
     except PermissionError as exc:  # not root: the controller asks again through sudo
         print(json.dumps({"error": f"{exc.strerror}: {exc.filename}", "need_root": True}))
         return NEED_ROOT

@@ -162,8 +162,73 @@ def test_redacted_command_hides_secret_looking_data_values():
     text = host_lock.redacted_command(argv)
     assert text == (
         "pyinfra -y inventories/sim.py deploys/freetoken.py --data engine_version=0.2.2 "
-        "--data 'hub_token=***' --data 'api_key=***'"
+        "--data 'hub_token=********' --data 'api_key=********'"
     )
+
+
+SECRETS = ("PW-ssh-s3cret", "PW-keyphrase", "PW-in-url", "PW-sudo")
+SECRET_ARGV = [
+    "pyinfra",
+    "-y",
+    "--ssh-password",
+    "PW-ssh-s3cret",
+    "--ssh-key-password=PW-keyphrase",
+    "--sudo-password",
+    "PW-sudo",
+    "--data",
+    "pip_index_url=https://builder:PW-in-url@mirror.example/simple",
+    "inv.py",
+    "deploys/freetoken.py",
+]
+
+
+def test_the_command_line_is_redacted_in_the_lock_file_the_wait_line_and_the_doctor(tmp_path, capsys, monkeypatch):
+    """Issue 20 item 5: a run started with passwords on its command line takes the lock; the lock
+    file, the line a second run prints while it waits and the doctor's line carry none of them,
+    and the lock file is root's alone (0600), as is its mutex."""
+    monkeypatch.setattr(host_lock, "POLL_S", 0.2)
+    first, second = _State(), _State()
+    host = LocalHost("ws1", tmp_path)
+    assert host_lock.take(first, host, timeout_s=1, argv=SECRET_ARGV) is None
+    try:
+        lock_file = tmp_path / "run.lock"
+        assert lock_file.stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / "run.lock.mutex").stat().st_mode & 0o777 == 0o600
+        written = lock_file.read_text()
+        assert "--ssh-password '********' " in json.loads(written)["command"]
+        why = host_lock.take(second, host, timeout_s=0.5, argv=["pyinfra", "other"])
+        waited = capsys.readouterr().err
+        doctor = host_lock.describe(HostLock().process(_fact_lines(lock_file)).holder)
+        shown = "\n".join([written, why, waited, doctor, *host.commands])
+        assert "waiting for the host lock" in waited and "pyinfra -y --ssh-password" in doctor
+        for secret in SECRETS:
+            assert secret not in shown, secret
+    finally:
+        first.callback_handlers[0].host_disconnect(first, host)
+
+
+def test_a_lock_file_written_by_an_older_release_is_masked_when_shown():
+    holder_doc = holder("A", command="pyinfra -y --ssh-password PW-ssh-s3cret inv.py deploys/freetoken.py")
+    assert "PW-ssh-s3cret" not in host_lock.describe(holder_doc)
+    assert "--ssh-password '********'" in host_lock.describe(holder_doc)
+
+
+def test_an_old_world_readable_lock_file_becomes_root_only_when_taken(tmp_path):
+    (tmp_path / "run.lock").write_text("{}")
+    (tmp_path / "run.lock").chmod(0o644)
+    (tmp_path / "run.lock.mutex").write_text("")
+    (tmp_path / "run.lock.mutex").chmod(0o644)
+    rc, doc = lock(tmp_path, "take", "--holder", b64(holder("A")), "--lease", "60")
+    assert rc == 0 and doc["taken"]
+    for name in ("run.lock", "run.lock.mutex"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def _fact_lines(lock_file: Path) -> list[str]:
+    from facts.host_lock import LOCK_SCRIPT
+
+    proc = subprocess.run([sys.executable, "-c", LOCK_SCRIPT, str(lock_file)], capture_output=True, text=True)
+    return proc.stdout.splitlines()
 
 
 class LocalHost:
