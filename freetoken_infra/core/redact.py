@@ -53,7 +53,7 @@ def _mask_line(line: str) -> str:
     body = line.rstrip("\r\n")
     end = line[len(body) :]
     m = _ASSIGNMENT.match(body)
-    if m and SECRET_NAME.search(m.group(2)) and m.group(3) and m.group(3) != MASK:
+    if m and SECRET_NAME.search(m.group(2)) and m.group(3) and not m.group(3).startswith(MASK):
         body = m.group(1) + MASK + m.group(4)
     body = URL_PASSWORD.sub(lambda u: u.group(1) + MASK + "@", body)
     body = BEARER.sub(lambda b: b.group(1) + MASK, body)
@@ -64,7 +64,10 @@ def mask_lines(current: Sequence[str] | None, desired: Sequence[str]) -> tuple[l
     """Both sides of a diff, masked. A desired line that differs from every current line but
     masks to one of them gets `` (secret changed)``: the diff says that a secret changes, never
     what it was or becomes."""
-    before = None if current is None else [_mask_line(line) for line in current]
+    # Where a desired line holds a known secret, the current line of the same shape holds the
+    # old one (a host's file read back): its value at that place is masked too.
+    shapes = _secret_shapes(desired)
+    before = None if current is None else [_mask_line(_mask_shaped(line, shapes)) for line in current]
     raw_before = set(current or ())
     masked_before = set(before or ())
     after = []
@@ -75,6 +78,29 @@ def mask_lines(current: Sequence[str] | None, desired: Sequence[str]) -> tuple[l
             masked = body + " (secret changed)" + masked[len(body) :]
         after.append(masked)
     return before, after
+
+
+def _secret_shapes(lines: Sequence[str]) -> list[re.Pattern[str]]:
+    shapes = []
+    for line in lines:
+        found = sorted((v for v in _known if v in line), key=len, reverse=True)
+        if found:
+            parts = re.split("(" + "|".join(re.escape(v) for v in found) + ")", line.rstrip("\r\n"))
+            shapes.append(re.compile("".join(r"(\S+)" if p in found else re.escape(p) for p in parts)))
+    return shapes
+
+
+def _mask_shaped(line: str, shapes: Sequence[re.Pattern[str]]) -> str:
+    body = line.rstrip("\r\n")
+    for shape in shapes:
+        m = shape.fullmatch(body)
+        if m:
+            for start, end in sorted(
+                (m.span(i) for i in range(1, m.lastindex + 1 if m.lastindex else 1)), reverse=True
+            ):
+                body = body[:start] + MASK + body[end:]
+            return body + line[len(line.rstrip("\r\n")) :]
+    return line
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
