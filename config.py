@@ -29,7 +29,7 @@ import click
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra_cli.exceptions import CliError, UnexpectedExternalError
 
-from freetoken_infra.core import pyinfra_internals
+from freetoken_infra.core import pyinfra_internals, redact
 from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import SettingsError, validate_inventory
 
@@ -97,6 +97,9 @@ if not pyinfra_internals.wrap_cli("make_inventory", _load_inventory_or_say_why, 
         "inventory is reported by pyinfra itself",
         err=True,
     )
+# --diff: every diff pyinfra's files operations print goes through the secret mask first
+# (operations/preview.py does the same for runs that do not read this file).
+pyinfra_internals.mask_file_diffs(redact.mask_lines)
 if not pyinfra_internals.wrap_cli("connect_all", _validate_then_connect, "validates_settings"):
     click.echo(
         "config.py: this pyinfra's CLI has no connect_all to wrap; settings are validated "

@@ -17,11 +17,12 @@ from pyinfra.context import state
 
 from freetoken_infra.core.layout import GATEWAY_GROUP
 from freetoken_infra.preflight import fleet_settings
-from operations import cuda, firewall, gateway
+from operations import cuda, firewall, gateway, host_lock
 
 every = fleet_settings(state)  # every host's settings, validated before any host is touched
 
 if GATEWAY_GROUP in host.groups:
+    host_lock.private_uploads(state, host)  # the key maps never pass through a guessable /tmp name
     settings = every[host.name]
     try:
         if settings.gateway_keys_source is None:

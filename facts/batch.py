@@ -25,6 +25,13 @@ here cut that to a handful, without changing what any fact or operation sees:
    costs a few extra lines of output, a missing entry one normal round trip (and is learned
    for next time); at the end of a host's run that did not fail, the list becomes what that
    run asked, so a question no longer asked leaves it.
+   The list is a file on the controller that someone else may have written, and its questions
+   run as root on the host, so it is data checked against an allow-list (``allowed``): facts of
+   our own ``facts`` package and the few pyinfra facts the deploy reads (never ``Command`` or
+   another fact that runs a command it is given), each argument checked for its shape (an
+   absolute path, a name, an address, a port), run with this run's own connector arguments.
+   Anything else in the file is dropped with one warning line; the run goes on as if it had
+   not been learned.
 
 ``FREETOKEN_FACT_BATCH=0`` turns both off (every fact is its own command, as in plain pyinfra).
 """
@@ -36,14 +43,17 @@ import binascii
 import copy
 import functools
 import importlib
+import ipaddress
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
 from pyinfra.api.command import StringCommand
 from pyinfra.api.facts import FactBase, ShortFactBase
 from pyinfra.api.state import BaseStateCallback
@@ -59,6 +69,104 @@ MAX_LEARNED = 300
 _NEVER_WRITTEN = ("_sudo_password", "_su_password", "_env", "_stdin")
 # pyinfra's own sentinel for "the fact's required command is missing" (pyinfra.api.facts).
 _MISSING = "__pyinfra_missing_command__"
+
+# --------------------------------------------------------------------------- the allow-list
+# What a learned list may name. An argument's shape is checked by its name; a fact argument
+# whose name is not here makes the request one that is never written down nor replayed.
+_PATH_RE = re.compile(r"/[A-Za-z0-9 ._+@:,=~/-]{0,4095}")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+
+
+def _path(v: Any) -> bool:
+    return isinstance(v, str) and bool(_PATH_RE.fullmatch(v))
+
+
+def _name(v: Any) -> bool:
+    return isinstance(v, str) and bool(_NAME_RE.fullmatch(v))
+
+
+def _address(v: Any) -> bool:
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        return False
+    return isinstance(v, str)
+
+
+def _port(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536
+
+
+ARGUMENT_SHAPES: dict[str, Callable[[Any], bool]] = {
+    "path": _path,
+    "base_dir": _path,
+    "state_file": _path,
+    "model_dir": _path,
+    "drive_root": _path,
+    "cuda_home": lambda v: v is None or _path(v),
+    "paths": lambda v: isinstance(v, list) and all(_path(p) for p in v),
+    "account": _name,
+    "task_name": _name,
+    "command": _name,  # pyinfra's Which: a program's name, nothing to run
+    "host": _address,
+    "port": _port,
+    "services": lambda v: isinstance(v, list) and all(_name(u) for u in v),
+    "user_mode": lambda v: v is False,
+    "machine": lambda v: v is None,
+    "user_name": lambda v: v is None,
+}
+# The pyinfra facts the deploy's operations read (files.*, server.user/group, systemd.service,
+# apt): reads of a path, a program's name or unit names. Not Command, not any fact that runs
+# what it is given.
+PYINFRA_FACTS = frozenset(
+    {
+        "pyinfra.facts.files:File",
+        "pyinfra.facts.files:Directory",
+        "pyinfra.facts.files:Link",
+        "pyinfra.facts.files:Sha1File",
+        "pyinfra.facts.files:Sha256File",
+        "pyinfra.facts.deb:DebPackages",
+        "pyinfra.facts.server:Os",
+        "pyinfra.facts.server:TmpDir",
+        "pyinfra.facts.server:Users",
+        "pyinfra.facts.server:Groups",
+        "pyinfra.facts.server:Which",
+        "pyinfra.facts.systemd:SystemdStatus",
+        "pyinfra.facts.systemd:SystemdEnabled",
+    }
+)
+_OUR_FACT_RE = re.compile(r"facts\.[a-z][a-z0-9_]*:[A-Z][A-Za-z0-9]*")
+# Connector arguments that may differ from the run's own between runs: whether the run went
+# through sudo, and the run's private upload folder (operations/host_lock.py).
+_RUN_VARIES = ("_sudo", "_temp_dir")
+
+
+def allowed(fact: Any, kwargs: Any) -> str | None:
+    """Why a learned request naming ``fact`` ("module:Class") with ``kwargs`` may not be run
+    (None: it may)."""
+    if not isinstance(fact, str) or not (fact in PYINFRA_FACTS or _OUR_FACT_RE.fullmatch(fact)):
+        return f"{fact!r} is not a fact the deploy reads"
+    if not isinstance(kwargs, dict):
+        return f"{fact}: arguments {kwargs!r} are not named arguments"
+    for name, value in kwargs.items():
+        shape = ARGUMENT_SHAPES.get(name)
+        if shape is None or not shape(value):
+            return f"{fact}: argument {name}={value!r} is not an expected {name}"
+    return None
+
+
+def _fact_class(fact: str) -> type | None:
+    """The class a fact name of the allow-list names: defined in that very module (a name a
+    module merely imports, such as ``facts.batch:Command``, is not taken)."""
+    module_name, _, name = fact.partition(":")
+    try:
+        fact_cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if not isinstance(fact_cls, type) or fact_cls.__module__ != module_name or not batchable(fact_cls):
+        return None
+    return fact_cls
+
 
 # --------------------------------------------------------------------------- pure parts
 
@@ -170,7 +278,10 @@ class FactRequest:
             return None
         if _holds_any(dict(self.fact_kwargs), list(one_off)):
             return None
-        doc = {"fact": _class_path(self.cls), "kwargs": dict(self.fact_kwargs), "executor": dict(self.executor)}
+        executor.pop("_temp_dir", None)  # this run's own upload folder: nothing to remember
+        doc = {"fact": _class_path(self.cls), "kwargs": dict(self.fact_kwargs), "executor": executor}
+        if allowed(doc["fact"], doc["kwargs"]) is not None:
+            return None  # never written: it would be dropped, with a warning, when read back
         try:
             if json.loads(json.dumps(doc)) != doc:
                 return None
@@ -179,19 +290,30 @@ class FactRequest:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict) -> FactRequest | None:
-        try:
-            module, _, name = str(doc["fact"]).partition(":")
-            fact_cls = getattr(importlib.import_module(module), name)
-        except (KeyError, ImportError, AttributeError, ValueError):
-            return None
-        if not batchable(fact_cls):
-            return None
-        kwargs = doc.get("kwargs") or {}
-        executor = doc.get("executor") or {}
-        if not isinstance(kwargs, dict) or not isinstance(executor, dict):
-            return None
-        return cls(fact_cls, tuple(sorted(kwargs.items())), tuple(sorted(executor.items())))
+    def from_json(cls, doc: Any, executor: tuple) -> FactRequest | str:
+        """The request a learned entry stands for, run with ``executor`` (this run's connector
+        arguments), or why it is dropped: not on the allow-list (``allowed``), or remembered with
+        connector arguments other than this run's (a shell, a user, an environment...)."""
+        if not isinstance(doc, dict):
+            return f"{doc!r} is not a fact request"
+        fact, kwargs = doc.get("fact"), doc.get("kwargs") or {}
+        why = allowed(fact, kwargs)
+        if why is not None:
+            return why
+        fact_cls = _fact_class(str(fact))
+        if fact_cls is None:
+            return f"{fact!r} is not a fact the deploy reads"
+        ours = dict(executor)
+        learned = doc.get("executor")
+        if (
+            not isinstance(learned, dict)
+            or not all(learned.get(k) == v for k, v in ours.items() if k not in _RUN_VARIES)
+            or set(learned) - set(ours) - set(_RUN_VARIES)
+        ):
+            return f"{fact}: connector arguments other than this run's"
+        if not isinstance(learned.get("_sudo", False), bool):
+            return f"{fact}: connector arguments other than this run's"
+        return cls(fact_cls, tuple(sorted(kwargs.items())), tuple(sorted(ours.items())))
 
 
 def _holds_any(value: Any, needles: list[Any]) -> bool:
@@ -336,6 +458,7 @@ class _Memo:
     primed: bool = False
     path: Path | None = None
     reading: int = 0  # > 0 while a fact is being read
+    warned: bool = False  # the learned list's dropped entries were reported
 
 
 _memos: dict[tuple[int, str], _Memo] = {}
@@ -431,10 +554,24 @@ def prefetch(
     was_primed = memo.primed
     if not memo.primed:
         memo.primed = True
+        plain = _plain_executor(state, host)
+        dropped = []
         for doc in memo.learned:
-            learned = FactRequest.from_json(doc)
-            if learned is not None:
+            learned = FactRequest.from_json(doc, plain)
+            if isinstance(learned, str):
+                dropped.append(learned)
+            else:
                 requests.setdefault(learned.key, learned)
+        if dropped:
+            memo.learned = [d for d in memo.learned if not isinstance(FactRequest.from_json(d, plain), str)]
+            if not memo.warned:
+                memo.warned = True
+                click.echo(
+                    f"    [{host.name}] warning: {len(dropped)} entr{'y' if len(dropped) == 1 else 'ies'} of "
+                    f"the learned fact list {memo.path} dropped (not run): {'; '.join(dropped[:3])}"
+                    + (" ..." if len(dropped) > 3 else ""),
+                    err=True,
+                )
     groups: dict[str, list[FactRequest]] = {}
     plain_key = json.dumps(list(_plain_executor(state, host)), sort_keys=True, default=repr)
     if first is not None:

@@ -37,6 +37,8 @@ fails is failed by the deploy, after an automatic rollback when it was an upgrad
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from freetoken_infra.core.records import RECORD_ENV, read_records
+from freetoken_infra.core.redact import redact_command
 from freetoken_infra.fleet import GATEWAY_GROUP, Fleet, FleetError
 from freetoken_infra.report import (
     RESULT_FAILED,
@@ -155,16 +158,32 @@ def batch_stops(
 
 # --------------------------------------------------------------------------- inventory
 def parse_data(items: Sequence[str]) -> dict:
-    """``--data KEY=VALUE`` as pyinfra parses it (so validation sees what the deploy sees)."""
-    from pyinfra_cli.util import parse_cli_arg
+    """``--data KEY=VALUE`` as pyinfra parses it (so validation sees what the deploy sees).
 
-    data = {}
+    Only our settings (core.settings.Settings) may be given: never a pyinfra global argument
+    (``_shell_executable``, ``_sudo``...) or a connection setting (``ssh_hostname``...), which
+    would change how, where or as whom every command of the run is executed. ``load_hosts``
+    then validates the values as the inventory's."""
+    from freetoken_infra.core.settings import Settings
+
+    pairs = []
     for item in items:
+        if not isinstance(item, str):
+            raise RolloutError(f"--data {item!r}: expected KEY=VALUE")
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise RolloutError(f"--data {item!r}: expected KEY=VALUE")
-        data[key] = parse_cli_arg(value)
-    return data
+        if key not in Settings.model_fields:
+            raise RolloutError(
+                f"--data {key}: not a setting of this deploy (pyinfra arguments and connection "
+                "settings belong in the inventory); see group_data/all.py for the settings"
+            )
+        pairs.append((key, value))
+    if not pairs:
+        return {}
+    from pyinfra_cli.util import parse_cli_arg  # after the checks: it patches this process (gevent)
+
+    return {key: parse_cli_arg(value) for key, value in pairs}
 
 
 def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[str]:
@@ -225,7 +244,7 @@ def run_batch(
     """Converge one batch with the pyinfra CLI, streaming its output; one report row per host."""
     argv = pyinfra_argv(inventory, deploy, hosts, data)
     print(f"\n--> rollout batch {index + 1}: {', '.join(hosts)}", file=out, flush=True)
-    print("    " + " ".join(argv), file=out, flush=True)
+    print("    " + redact_command(argv), file=out, flush=True)
     fd, record_file = tempfile.mkstemp(prefix="freetoken-rollout-", suffix=".jsonl")
     os.close(fd)
     try:
@@ -398,12 +417,70 @@ def default_report_path(now: float | None = None) -> Path:
     return path
 
 
+# A report says which hosts to converge and with which --data: a catch-up replays it, so it must
+# be one this controller's rollout wrote. Each report carries an HMAC-SHA256 over its content
+# under a key only the operator's account can read (REPORT_KEY_NAME beside the reports, 0600,
+# made on first use). Chosen over trusting the file's owner, mode or folder: a report may be
+# written anywhere (--json FILE) and copied, and whoever can edit it but not read the key
+# cannot make a signature that matches; stdlib only, one small file of state.
+REPORT_KEY_NAME = ".report-key"
+SIGNATURE = "signature"
+
+
+def report_key(create: bool) -> bytes:
+    """This controller's report key (``reports_dir()/.report-key``); made (0600, in a 0700
+    folder) when `create` and missing. RolloutError when it is missing (not `create`), not ours,
+    or readable by others (anyone who could read it could forge a report)."""
+    folder = reports_dir()
+    path = folder / REPORT_KEY_NAME
+    if create and not path.exists():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass  # another rollout made it just now
+        else:
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(os.urandom(32).hex() + "\n")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise RolloutError(f"no report key at {path}: no rollout of this controller signed a report yet") from None
+    except OSError as exc:
+        raise RolloutError(f"the report key {path} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, encoding="ascii", errors="replace") as f:
+        info = os.fstat(f.fileno())
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise RolloutError(
+                f"the report key {path} is not this user's alone (owner uid {info.st_uid}, mode "
+                f"{info.st_mode & 0o777:o}); remove it: the next rollout makes a new one"
+            )
+        text = f.read().strip()
+    if len(text) < 32:
+        raise RolloutError(f"the report key {path} is damaged; remove it: the next rollout makes a new one")
+    return text.encode("ascii", "replace")
+
+
+def report_signature(doc: dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in doc.items() if k != SIGNATURE}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
+
+
 def write_report(path: Path, doc: dict[str, Any]) -> None:
-    """Write the report atomically (a catch-up may read it while another rollout writes)."""
+    """Write the report, signed (``report_signature``), atomically (a catch-up may read it while
+    another rollout writes) and 0600 (its --data may hold a credential in a URL)."""
+    signed = {**doc, SIGNATURE: report_signature(doc, report_key(create=True))}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(signed, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def newest_report() -> Path:
@@ -433,7 +510,39 @@ def load_report(source: str) -> tuple[Path, dict[str, Any]]:
         raise RolloutError(f"--from {source}: {path} is not a rollout report: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("hosts"), list):
         raise RolloutError(f"--from {source}: {path} is not a rollout report (no host rows)")
+    signature = doc.get(SIGNATURE)
+    try:
+        key = report_key(create=False)
+    except RolloutError as exc:
+        raise RolloutError(f"--from {source}: {path} cannot be checked, {exc}; nothing was run") from None
+    if not isinstance(signature, str) or not hmac.compare_digest(signature, report_signature(doc, key)):
+        raise RolloutError(
+            f"--from {source}: {path} is not a report this controller's rollout wrote (its signature "
+            f"does not match the key in {reports_dir()}); nothing was run"
+        )
     return path, doc
+
+
+def replayed_options(doc: dict[str, Any], source: str) -> dict[str, Any]:
+    """What a catch-up takes from its report: the batches, the max-fail-pct and the --data items
+    the rollout decided, each checked for its type (the --data keys and values are then checked
+    like any --data: ``parse_data``, ``load_hosts``)."""
+    out: dict[str, Any] = {}
+    batches, pct, data = doc.get("batches_spec"), doc.get("max_fail_pct"), doc.get("data")
+    if batches is not None:
+        if not isinstance(batches, str):
+            raise RolloutError(f"--from {source}: batches_spec {batches!r} is not a text")
+        out["batches"] = batches
+    if pct is not None:
+        if isinstance(pct, bool) or not isinstance(pct, (int, float)):
+            raise RolloutError(f"--from {source}: max_fail_pct {pct!r} is not a number")
+        out["max_fail_pct"] = float(pct)
+    if data is not None:
+        if not isinstance(data, list) or not all(isinstance(item, str) for item in data):
+            raise RolloutError(f"--from {source}: data {data!r} is not a list of KEY=VALUE texts")
+        parse_data(data)  # settings keys only, before anything else is done
+        out["data"] = list(data)
+    return out
 
 
 def select_hosts(doc: dict[str, Any], only: Sequence[str], inventory_hosts: Sequence[str], source: str) -> list[str]:
@@ -531,9 +640,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RolloutError("--only needs --from REPORT (the rollout report whose hosts to catch up)")
         if args.from_report:
             source, earlier = load_report(args.from_report)
-            for key, (_, doc_key) in defaults.items():  # its batches and gates, unless given again
-                if getattr(args, key) is None and earlier.get(doc_key) is not None:
-                    setattr(args, key, earlier[doc_key])
+            replayed = replayed_options(earlier, args.from_report)
+            for key in defaults:  # its batches and gates, unless given again
+                if getattr(args, key) is None and key in replayed:
+                    setattr(args, key, replayed[key])
         for key, (value, _) in defaults.items():
             if getattr(args, key) is None:
                 setattr(args, key, value)

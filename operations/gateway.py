@@ -29,6 +29,7 @@ from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files, systemd
 
 from facts.files import FileText
+from freetoken_infra.core import redact
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
     GATEWAY_CONFIG,
@@ -181,6 +182,7 @@ def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, 
     key = next(iter(keys.values()))
     if not _KEY_RE.fullmatch(key):
         raise GatewayError("the fleet's engine key must be 16-256 characters of A-Z a-z 0-9 . _ ~ + / = -")
+    redact.remember(key)  # masked in every diff and line of this run, whatever file it lands in
     return key
 
 
@@ -202,6 +204,7 @@ def keys_map(text: str, source: str = "gateway_keys_source") -> str:
         if key in seen:
             raise GatewayError(f"{source}, line {number}: this key is listed twice")
         seen.add(key)
+        redact.remember(key)
         lines.append(f"{key} {label}\n")
     if not lines:
         raise GatewayError(f"{source}: no key; clients need at least one")

@@ -35,7 +35,8 @@ import gevent
 from pyinfra.api.state import BaseStateCallback
 
 from freetoken_infra.core.layout import HOST_LOCK_FILE, HOST_LOCK_MUTEX
-from freetoken_infra.core.pyinfra_internals import connection_lost
+from freetoken_infra.core.pyinfra_internals import connection_lost, use_upload_dir
+from freetoken_infra.core.redact import mask_text, redact_command
 
 SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
 # A run renews its lease every LEASE_S / 4 seconds; a holder that stopped renewing (its
@@ -43,18 +44,24 @@ SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
 LEASE_S = 120.0
 POLL_S = 2.0
 HELD_EXIT = 3
-# Values of --data keys that look like secrets are not written into the lock file.
-_SECRET_KEY = re.compile(r"(key|token|secret|passw)", re.I)
 _RUN_STARTED = time.time()
 
 
 def redacted_command(argv: list[str]) -> str:
-    """The controller's command line for the lock's holder, secret-looking --data values hidden."""
-    out = []
-    for word in [Path(argv[0]).name, *argv[1:]] if argv else []:
-        name, sep, _ = word.partition("=")
-        out.append(f"{name}=***" if sep and _SECRET_KEY.search(name) else word)
-    return " ".join(shlex.quote(w) for w in out)
+    """The controller's command line for the lock's holder, its secrets masked
+    (core.redact.redact_argv: password/key/token options, URL passwords, secret --data values)
+    before it is written anywhere (the lock file, the target's process list, the doctor)."""
+    return redact_command(argv)
+
+
+def _shown_command(command: Any) -> str:
+    """A holder's command as shown: masked again, since a lock file an older release wrote (or a
+    hand-edited one) may hold a secret."""
+    text = str(command)
+    try:
+        return redact_command(shlex.split(text)) if text.strip() else text
+    except ValueError:
+        return mask_text(text)
 
 
 def holder_info(token: str, argv: list[str] | None = None) -> dict[str, Any]:
@@ -75,12 +82,17 @@ def describe(holder: Mapping[str, Any] | None) -> str:
         return "nobody"
     return (
         f"{holder.get('user', '?')}@{holder.get('controller', '?')} (pid {holder.get('pid', '?')}) "
-        f"since {holder.get('started', '?')}: {holder.get('command', '?')}"
+        f"since {holder.get('started', '?')}: {_shown_command(holder.get('command', '?'))}"
     )
 
 
 def lock_command(
-    action: str, *, holder: Mapping[str, Any] | None = None, token: str | None = None, lease_s: float = LEASE_S
+    action: str,
+    *,
+    holder: Mapping[str, Any] | None = None,
+    token: str | None = None,
+    lease_s: float = LEASE_S,
+    upload_dir: str | None = None,
 ) -> str:
     """The target-side command; the script itself comes on stdin (``python3 -``)."""
     argv = ["python3", "-", action, "--lock-file", HOST_LOCK_FILE, "--mutex", HOST_LOCK_MUTEX]
@@ -90,7 +102,15 @@ def lock_command(
         argv += ["--holder", base64.b64encode(json.dumps(dict(holder)).encode()).decode()]
     if token is not None:
         argv += ["--token", token]
+    if upload_dir is not None:
+        argv += ["--upload-dir", upload_dir]
     return " ".join(shlex.quote(a) for a in argv)
+
+
+# The run's private upload folder, as the lock script makes it (scripts/host_lock.py): only this
+# shape is taken from the host's answer.
+UPLOAD_PREFIX = "/tmp/freetoken-upload-"
+UPLOAD_DIR_RE = re.compile(re.escape(UPLOAD_PREFIX) + r"[A-Za-z0-9_]{8,32}")
 
 
 def _last_json(lines: list[str]) -> dict[str, Any] | None:
@@ -111,6 +131,7 @@ class HostLockKeeper(BaseStateCallback):
         self.tokens: dict[str, str] = {}
         self.renewers: dict[str, Any] = {}
         self.elevation: dict[str, dict[str, Any]] = {}
+        self.upload_dirs: dict[str, str] = {}
 
     @classmethod
     def of(cls, state) -> HostLockKeeper:
@@ -149,11 +170,19 @@ class HostLockKeeper(BaseStateCallback):
         if renewer is not None:
             renewer.kill()
         token = self.tokens.pop(host.name, None)
-        if token is None or connection_lost(host):
+        upload_dir = self.upload_dirs.pop(host.name, None)
+        if connection_lost(host):
+            return
+        if token is None:
+            if upload_dir is not None:  # made by private_uploads, as the SSH user: removed so
+                try:
+                    host.run_shell_command(f"rm -rf -- {shlex.quote(upload_dir)}")
+                except Exception:  # best effort: a 0700 folder of the SSH user's in /tmp
+                    pass
             return
         try:
             host.run_shell_command(
-                lock_command("release", token=token),
+                lock_command("release", token=token, upload_dir=upload_dir),
                 _stdin=SCRIPT_SOURCE.read_text(),
                 **self.elevation.get(host.name, {}),
             )
@@ -204,6 +233,11 @@ def take(
                     err=True,
                 )
             keeper.hold(host, token, elevation, lease_s)
+            upload_dir = doc.get("upload_dir")
+            if isinstance(upload_dir, str) and UPLOAD_DIR_RE.fullmatch(upload_dir):
+                # Through sudo: pyinfra uploads through this run's own 0700 folder, not /tmp.
+                keeper.upload_dirs[host.name] = upload_dir
+                use_upload_dir(host, upload_dir)
             return None
         if doc.get("need_root") and not elevation:
             elevation = {"_sudo": True}
@@ -218,6 +252,20 @@ def take(
             click.echo(f"    [{host.name}] waiting for the host lock, held by {who} (up to {timeout_s:g} s)", err=True)
             announced = who
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def private_uploads(state, host) -> None:
+    """For a deploy that takes no host lock (deploys/gateway.py): when the host's operations go
+    through sudo, make this run's own upload folder now, as the SSH user (``mktemp -d``: 0700,
+    an unpredictable name), upload through it, and remove it at disconnect."""
+    if not host.data.get("_sudo"):
+        return
+    ok, output = host.run_shell_command(f"mktemp -d {UPLOAD_PREFIX}XXXXXXXX", _sudo=False)
+    path = output.stdout_lines[-1].strip() if ok and output.stdout_lines else ""
+    if not UPLOAD_DIR_RE.fullmatch(path):
+        raise OSError(f"{host.name}: cannot make a private upload folder (mktemp -d: {path or 'no output'})")
+    HostLockKeeper.of(state).upload_dirs[host.name] = path
+    use_upload_dir(host, path)
 
 
 def _run_alone(host) -> Run:

@@ -122,12 +122,13 @@ def unit_command(argv: Sequence[str]) -> str:
 
 
 def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: str | None = None) -> list[str]:
-    """The downloader's command line (no token in it: at most the name of its file)."""
+    """The downloader's command line (no token in it: at most the name of its file; an endpoint
+    with a user:password comes from the unit's environment file instead, ``fetch_env_path``)."""
+    endpoint = [] if endpoint_has_credentials(settings) else ["--endpoint", str(settings.hub_endpoint).rstrip("/")]
     argv = [
         "/usr/bin/python3",
         FETCH_SCRIPT,
-        "--endpoint",
-        str(settings.hub_endpoint).rstrip("/"),
+        *endpoint,
         "--repo",
         settings.model_repo,
         "--revision",
@@ -146,6 +147,16 @@ def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: str 
     if token_file:
         argv += ["--token-file", token_file]
     return argv
+
+
+def endpoint_has_credentials(settings: Settings) -> bool:
+    return bool(settings.hub_endpoint.username or settings.hub_endpoint.password)
+
+
+def fetch_env_path(settings: Settings) -> str:
+    """Root-only (0600) environment file of the fetch unit, holding HF_ENDPOINT when the endpoint
+    carries credentials: process arguments (and the 0644 unit file) are readable by every user."""
+    return f"{settings.config_dir}/model-fetch.env"
 
 
 def check_argv(settings: Settings) -> list[str]:
@@ -268,6 +279,8 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
         # the token never appears on a command line.
         lines.append(f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}")
         exec_words += ["--token-file", f"%d/{TOKEN_CREDENTIAL}"]
+    if endpoint_has_credentials(settings):
+        lines.append(f"EnvironmentFile={unit_word(fetch_env_path(settings), variables=False)}")
     lines.append("ExecStart=" + " ".join(exec_words))
     if settings.hub_disable_xet:
         # Field report, pitfall 2: Xet answered 401 through a mirror. fetch_model.py never
@@ -333,6 +346,16 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
     yield from files.directory._inner(path=settings.model_dir, user=user, group=user, mode="755")
     yield from files.directory._inner(path=fetch_status_dir(settings), user=user, group=user, mode="755")
 
+    env_file = fetch_env_path(settings)
+    if endpoint_has_credentials(settings):  # read by systemd as root, before the unit's User=
+        if not current_host.get_fact(File, path=env_file):
+            yield f"install -m 600 -o root -g root /dev/null {shlex.quote(env_file)}"
+        endpoint = str(settings.hub_endpoint).rstrip("/")
+        yield from files.put._inner(
+            src=StringIO(f"HF_ENDPOINT={endpoint}\n"), dest=env_file, user="root", group="root", mode="600"
+        )
+    else:
+        yield from files.file._inner(path=env_file, present=False)
     unit_commands = list(
         files.put._inner(
             src=StringIO(fetch_unit(settings, sources)),

@@ -13,12 +13,16 @@ through that as it is:
 For those, the operation prints the diff itself with pyinfra's own formatter
 (``generate_color_diff``) on decoded, masked text, and runs ``files.put`` with pyinfra's diff
 held off (``put_without_pyinfra_diff``). Every other managed file (units, apt sources, the
-pin) keeps pyinfra's own diff.
+pin, pip.conf) keeps pyinfra's own diff.
+
+Every diff, ours and pyinfra's, goes through one mask first (``core.redact.mask_lines``:
+secret-named values, URL passwords, bearer tokens, keys the run read on the controller):
+importing this module routes pyinfra's files operations' diff formatter through it
+(``pyinfra_internals.mask_file_diffs``), so no file the deploy writes shows a secret.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Generator, Iterable
 from typing import Any
 
@@ -26,11 +30,10 @@ from pyinfra import host, logger, state
 from pyinfra.operations import files
 from pyinfra.operations.util.files import generate_color_diff
 
-MASK = "********"
-# Environment variable names whose values are secrets (FREETOKEN_API_KEY, HF_TOKEN, ...).
-SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSW(OR)?D|CREDENTIAL)", re.IGNORECASE)
-# A password in a URL: scheme://user:password@host
-URL_PASSWORD = re.compile(r"(\w+://[^/\s:@]*:)[^/\s@]+@")
+from freetoken_infra.core import pyinfra_internals, redact
+from freetoken_infra.core.redact import MASK, SECRET_NAME
+
+pyinfra_internals.mask_file_diffs(redact.mask_lines)
 
 
 def diff_wanted() -> bool:
@@ -61,14 +64,16 @@ def mask_env_lines(text: str | None, before: str | None = None) -> list[str]:
                 mark = " (new)" if name.strip() not in old else " (changed)"
             line = f"{name}={MASK}{mark}"
         else:
-            line = URL_PASSWORD.sub(lambda m: m.group(1) + MASK + "@", line)
+            line = redact.mask_text(line)
         out.append(line + "\n")
     return out
 
 
 def diff_lines(current: list[str] | None, desired: list[str]) -> list[str]:
-    """pyinfra's unified diff lines (colour codes included) of two lists of lines."""
-    return list(generate_color_diff(current or [], desired))
+    """pyinfra's unified diff lines (colour codes included) of two lists of lines, secrets
+    masked (``core.redact.mask_lines``)."""
+    before, after = redact.mask_lines(current, desired)
+    return list(generate_color_diff(before or [], after))
 
 
 def log_diff(path: str, current: list[str] | None, desired: list[str]) -> None:

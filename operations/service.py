@@ -16,6 +16,7 @@ from pyinfra.facts.files import File
 from pyinfra.operations import files
 
 from facts.files import FileText
+from freetoken_infra.core import redact
 from freetoken_infra.core.launch import LaunchPlan, engine_command
 from freetoken_infra.core.layout import ENGINE_UNIT, UNIT_DIR, HostLayout
 from freetoken_infra.core.settings import Settings
@@ -116,6 +117,7 @@ def key_from_controller(settings: Settings) -> str:
         key = os.environ.get(ref, "").strip()
     if not key or "\n" in key:
         raise OperationError(f"{host.name}: api_key_source {settings.api_key_source} gives an empty or multi-line key")
+    redact.remember(key)  # masked in every diff and line of this run, whatever file it lands in
     return key
 
 

@@ -1,10 +1,11 @@
 """Every pyinfra internal we rely on, touched here and nowhere else.
 
-pyinfra's public API has no hook for three things we need: reading many facts in one round
+pyinfra's public API has no hook for some things we need: reading many facts in one round
 trip (facts/batch.py: how pyinfra normalises a fact call, and the Host methods that run
 something), validating the inventory and the settings before the CLI connects (config.py: the CLI's
-inventory loader and connect step), and telling pyinfra's own host data keys from ours (settings: the connectors'
-``data_meta``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
+inventory loader and connect step), telling pyinfra's own host data keys from ours (settings: the connectors'
+``data_meta``), masking secrets in the ``--diff`` of files operations (``mask_file_diffs``) and
+a private upload folder for sudo runs (``use_upload_dir``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
 every one against the installed pyinfra and fails naming the internal when a release changes
 it. pyproject.toml allows only the pyinfra releases those tests passed on.
 """
@@ -106,6 +107,65 @@ def connection_lost(host: Any) -> bool:
     return transport is None or not transport.is_active()
 
 
+DiffMask = Callable[[list[str] | None, list[str]], "tuple[list[str] | None, list[str]]"]
+
+
+def mask_file_diffs(mask: DiffMask) -> None:
+    """Route every diff pyinfra's files operations print under ``--diff`` (``files.put``,
+    ``files.template``, ``files.line``... call ``generate_color_diff``, which
+    ``pyinfra.operations.files`` imports by name from ``pyinfra.operations.util.files``) through
+    ``mask(current_lines, desired_lines)`` first. Once per process."""
+    import pyinfra.operations.files as files_ops
+
+    current = files_ops.generate_color_diff
+    if getattr(current, "masks_secrets", False):
+        return
+
+    def masked_color_diff(current_lines: list[str], desired_lines: list[str]) -> Any:
+        before, after = mask(list(current_lines), list(desired_lines))
+        return current(before or [], after)
+
+    masked_color_diff.masks_secrets = True  # type: ignore[attr-defined]
+    files_ops.generate_color_diff = masked_color_diff
+
+
+def _check_file_diff() -> None:
+    import pyinfra.operations.files as files_ops
+    import pyinfra.operations.util.files as util_files
+
+    current = files_ops.generate_color_diff
+    assert current is util_files.generate_color_diff or getattr(current, "masks_secrets", False)
+    assert _params(util_files.generate_color_diff) == ["current_lines", "desired_lines"]
+    for op in (files_ops.put, files_ops.line):
+        assert "generate_color_diff(" in inspect.getsource(op)
+
+
+def use_upload_dir(host: Host, path: str) -> None:
+    """Make ``path`` the folder pyinfra uploads through for ``host`` from now on: host data
+    ``_temp_dir`` becomes every later operation's ``_temp_dir`` global argument, which
+    ``files.put`` hands to ``host.get_temp_filename`` (``<path>/pyinfra-<sha1>``), the file a
+    sudo upload is written to before root copies it into place."""
+    host.data._temp_dir = path
+
+
+def _check_upload_dir() -> None:
+    from pyinfra.api import Config, Inventory, State
+    from pyinfra.api.arguments import pop_global_arguments
+    from pyinfra.operations import files
+
+    inventory = Inventory((["ws-check"], {}))  # type: ignore[no-untyped-call]
+    state = State(inventory, Config())  # type: ignore[no-untyped-call]
+    host = inventory.get_host("ws-check")
+    use_upload_dir(host, "/tmp/freetoken-upload-check")
+    arguments, _ = pop_global_arguments(state, host, {})
+    assert arguments["_temp_dir"] == "/tmp/freetoken-upload-check"
+    assert host.get_temp_filename("/etc/x", temp_directory="/tmp/freetoken-upload-check").startswith(
+        "/tmp/freetoken-upload-check/pyinfra-"
+    )
+    put = inspect.getsource(files.put)
+    assert 'get("_temp_dir")' in put and "get_temp_filename(dest, temp_directory=temp_dir)" in put
+
+
 def _check_ssh_client() -> None:
     from paramiko import SSHClient
     from pyinfra.connectors.ssh import SSHConnector
@@ -161,4 +221,6 @@ INTERNALS: dict[str, Callable[[], None]] = {
     "connectors' data_meta and pyinfra.api.arguments.CONNECTOR_ARGUMENT_KEYS": _check_connector_keys,
     "pyinfra.context proxies' _get_module()": _check_context_proxy,
     "pyinfra.connectors.ssh.SSHConnector.client (a paramiko SSHClient)": _check_ssh_client,
+    "pyinfra.operations.files.generate_color_diff (the --diff formatter, imported by name)": _check_file_diff,
+    "host data _temp_dir -> the _temp_dir global argument -> files.put's upload temp file": _check_upload_dir,
 }

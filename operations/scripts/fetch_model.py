@@ -48,6 +48,7 @@ import hmac
 import http.client
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -110,6 +111,7 @@ class SourceDown(BadSource):
 
 
 def log(msg: str) -> None:
+    msg = re.sub(r"(\w+://)[^/\s@]*@", r"\1", msg)  # an endpoint's user:password never reaches the journal
     sys.stderr.write(f"fetch_model: {msg}\n")
     sys.stderr.flush()
 
@@ -747,7 +749,12 @@ def read_token(path: str | None) -> str | None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="fetch_model.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--endpoint", help="hub or hub mirror, e.g. the HF_ENDPOINT value (required unless --check)")
+    p.add_argument(
+        "--endpoint",
+        default=os.environ.get("HF_ENDPOINT"),
+        help="hub or hub mirror (default: $HF_ENDPOINT, which keeps a user:password out of the "
+        "process arguments; required unless --check)",
+    )
     p.add_argument(
         "--check",
         action="store_true",

@@ -3,21 +3,24 @@
 
 One deploy run per host at a time: a run takes the lock before it reads anything it will act
 on, renews its lease while it works and releases it at its end. The lock file (JSON, root's,
-mode 0644: the doctor reads it as any user, and no secret is in it) names its holder:
-controller host, user, process id, start time, command line, a random token (which run holds
+mode 0600 like its mutex: the engine's user must not read who runs what, and the doctor reads it
+as root) names its holder:
+controller host, user, process id, start time, command line (secrets masked by the controller before it is sent), a random token (which run holds
 it: only root changes the file), the lease's end, and the target-side session that took it:
 the sshd process serving the holder's SSH connection (or, on a local run, the controller
 process itself), with its start time so a reused process id is not mistaken for it.
 
 Commands (the lock file is --lock-file; every decision is taken under an flock on --mutex):
 
-    take --holder B64JSON --lease S     exit 0 and print {"taken": true, "took_over": OLD|null}
+    take --holder B64JSON --lease S     exit 0 and print {"taken": true, "took_over": OLD|null,
+                                        "upload_dir": DIR|null}
                                         when the lock was free, left by a holder that is gone
                                         (its session process no longer exists), past its lease,
                                         or already ours (same token); else exit 3 and print
                                         {"taken": false, "holder": CURRENT}
     renew --token T --lease S           exit 0 when still ours (lease extended), else 3
-    release --token T                   exit 0 (removed when ours; left alone when not)
+    release --token T [--upload-dir D]  exit 0 (removed when ours; left alone when not); D, the
+                                        run's upload folder, is removed
     (any, without root)                 exit 4 and print {"need_root": true, "error": ...}
     show                                print {"holder": CURRENT|null, "alive": bool|null,
                                         "expired": bool|null, "now": EPOCH}
@@ -34,11 +37,43 @@ import base64
 import fcntl
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
 import time
 
 HELD = 3
 NEED_ROOT = 4
+# The run's upload folder (pyinfra's _temp_dir): with sudo, pyinfra uploads a file as the SSH
+# user to TEMP/pyinfra-<sha1 of the destination> before root copies it into place; in /tmp that
+# name is predictable, and another local user could plant it first. So a run that went through
+# sudo gets a fresh folder of its own, 0700 and owned by the SSH user (SUDO_UID), made when it
+# takes the lock and removed when it releases it.
+UPLOAD_PREFIX = "/tmp/freetoken-upload-"
+UPLOAD_DIR_RE = re.compile(re.escape(UPLOAD_PREFIX) + r"[A-Za-z0-9_]{8,32}")
+
+
+def make_upload_dir() -> str | None:
+    """A new 0700 folder for the SSH user's uploads (None when not run through sudo)."""
+    uid, gid = os.environ.get("SUDO_UID"), os.environ.get("SUDO_GID")
+    if not (uid and uid.isdigit() and gid and gid.isdigit()):
+        return None
+    # mkdtemp: a new name, made with O_EXCL semantics and mode 0700; in the sticky /tmp nobody
+    # but root can rename or remove it before it is handed to the SSH user.
+    path = tempfile.mkdtemp(prefix=os.path.basename(UPLOAD_PREFIX), dir=os.path.dirname(UPLOAD_PREFIX))
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchown(fd, int(uid), int(gid))
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
+def remove_upload_dir(path: str | None) -> None:
+    if path and UPLOAD_DIR_RE.fullmatch(path) and os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: follows no link inside
 
 
 def _stat(pid: int) -> tuple | None:
@@ -92,7 +127,8 @@ def _read(path: str) -> dict | None:
 
 def _write(path: str, doc: dict) -> None:
     tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # a leftover .tmp of an older release was 0644
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(doc, f)
         f.write("\n")
@@ -119,6 +155,7 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("command", choices=("take", "renew", "release", "show"))
     parser.add_argument("--holder", help="base64 of the holder's JSON (take)")
     parser.add_argument("--token", help="the holder's token (renew, release)")
+    parser.add_argument("--upload-dir", help="the run's upload folder, removed (release)")
     parser.add_argument("--lease", type=float, default=300.0, help="seconds the lease lasts")
     parser.add_argument("--lock-file", required=True, help="layout.HOST_LOCK_FILE")
     parser.add_argument("--mutex", required=True, help="layout.HOST_LOCK_MUTEX")
@@ -127,7 +164,8 @@ def main(argv: list | None = None) -> int:
     folder = os.path.dirname(args.lock_file) or "."
     try:
         os.makedirs(folder, mode=0o755, exist_ok=True)
-        mutex = os.open(args.mutex, os.O_RDWR | os.O_CREAT, 0o600)
+        mutex = os.open(args.mutex, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.fchmod(mutex, 0o600)
     except PermissionError as exc:  # not root: the controller asks again through sudo
         print(json.dumps({"error": f"{exc.strerror}: {exc.filename}", "need_root": True}))
         return NEED_ROOT
@@ -162,7 +200,8 @@ def main(argv: list | None = None) -> int:
             doc = {**holder, "session": session_of(holder), "taken_at": now, "expires": now + args.lease}
             _write(args.lock_file, doc)
             took_over = current if why in ("holder gone", "lease expired") else None
-            print(json.dumps({"taken": True, "took_over": took_over, "why": why}))
+            upload_dir = make_upload_dir()
+            print(json.dumps({"taken": True, "took_over": took_over, "why": why, "upload_dir": upload_dir}))
             return 0
         ours = current is not None and current.get("token") == args.token
         if args.command == "renew":
@@ -172,7 +211,8 @@ def main(argv: list | None = None) -> int:
             _write(args.lock_file, {**current, "expires": now + args.lease})
             print(json.dumps({"renewed": True}))
             return 0
-        if ours:  # release
+        remove_upload_dir(args.upload_dir)  # release
+        if ours:
             os.unlink(args.lock_file)
         print(json.dumps({"released": ours}))
         return 0

@@ -291,6 +291,8 @@ def test_two_runs_at_once_the_later_one_waits_and_wins(ws1):
     while ws1.run(HOST, f"test -e {harness_lock()}").returncode != 0:
         assert time.monotonic() < deadline and first.poll() is None, first_log.read_text()[-5000:]
         time.sleep(0.2)
+    # root's alone (issue 20 item 5): the engine's user cannot read who runs what
+    assert ws1.run(HOST, f"stat -c %a {harness_lock()}").stdout.strip() == "600"
     second, second_log = start_deploy()  # the fleet's version, 0.2.1
     assert first.wait(timeout=900) == 0, first_log.read_text()[-8000:]
     assert second.wait(timeout=900) == 0, second_log.read_text()[-8000:]

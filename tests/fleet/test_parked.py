@@ -192,3 +192,32 @@ def test_dry_diff_of_a_changed_api_key_is_masked(sim_fleet, caught_up):
     assert key not in out and new_key not in out
     assert harness.snapshot_diff(before, snapshot_without_guard_samples(sim_fleet, "ws1")) == []
     assert api_key(sim_fleet, "ws1") == key
+
+
+def test_dry_diff_holding_index_and_hub_credentials_prints_none_of_them(sim_fleet, caught_up):
+    """Issue 20 item 4: a preview whose settings carry credentials (pip index, hub endpoint) and
+    a new engine key shows the files that change (pip.conf, the engine's environment, the key
+    file) with every secret masked, old or new, and changes nothing."""
+    state = json.loads(harness.state_file().read_text())
+    index, hub = state["services"]["wheelhouse"]["url"], state["services"]["hub"]["url"]
+    with_pw = lambda url, pw: re.sub(r"^(\w+://)", rf"\1builder:{pw}@", url)  # noqa: E731
+    before = snapshot_without_guard_samples(sim_fleet, "ws1")
+    key = api_key(sim_fleet, "ws1")
+    new_key = "ft-preview-" + key[::-1][:12]
+    out = preview(
+        "--data",
+        f"pip_index_url={with_pw(index, 'PW-index-8c1f')}",
+        "--data",
+        f"hub_endpoint={with_pw(hub, 'PW-hub-42ad')}",
+        "--data",
+        "api_key_source=env:FT_PREVIEW_KEY",
+        env={"FT_PREVIEW_KEY": new_key},
+    )
+    assert re.search(r"\[ws1\] Will modify /opt/freetoken/[^/]+/pip\.conf", out), out[-5000:]
+    assert (
+        "[ws1] Will modify /etc/freetoken/engine.env" in out and "[ws1] Will modify /etc/freetoken/api-key.env" in out
+    )
+    for secret in ("PW-index-8c1f", "PW-hub-42ad", key, new_key):
+        assert secret not in out
+    assert "builder:********@" in out
+    assert harness.snapshot_diff(before, snapshot_without_guard_samples(sim_fleet, "ws1")) == []

@@ -4,6 +4,7 @@ repeated reads in the prepare stage from one round trip."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -205,10 +206,10 @@ def test_an_unbatchable_read_does_not_end_the_memo(local_prepare):
 
 
 def test_a_request_with_a_password_is_never_written_down(local_prepare):
-    from pyinfra.facts.server import Command
+    from pyinfra.facts.files import File
 
     state, host, _ = local_prepare
-    plain = batch.make_request(state, host, Command, (), {"command": "id -u"})
+    plain = batch.make_request(state, host, File, (), {"path": "/etc/hostname"})
     assert plain.to_json() is not None
     secret = batch.FactRequest(
         plain.cls, plain.fact_kwargs, tuple(sorted({**dict(plain.executor), "_sudo_password": "hunter2"}.items()))
@@ -261,3 +262,74 @@ def test_a_question_no_longer_asked_leaves_the_list_after_a_run_that_did_not_fai
     calls.clear()
     a_run(["/etc/hostname"])
     assert len(calls) == 1  # the pruned list still answers the run in one command
+
+
+# ---------------------------------------------------------------------------- a tampered learned list (issue 20 item 13)
+def test_a_tampered_learned_list_runs_nothing_of_what_it_added(local_prepare, tmp_path, capsys):
+    """Whoever can write the controller's learned list adds a Command (any command, as root in the
+    next run's first batch), a fact of ours with an argument of an odd shape, a name our facts
+    module only imports, and a known fact with another shell: none of it runs, the run reads
+    the genuine entries in one batch, and one warning line says what was dropped."""
+    from pyinfra.facts.files import File
+
+    state, host, calls = local_prepare
+    batch.prefetch(state, host, [])
+    host.get_fact(File, path="/etc/hostname")  # a genuine entry, learned
+    genuine = batch._load_learned(batch.learned_path(host))
+    assert [d["fact"] for d in genuine] == ["pyinfra.facts.files:File"]
+    proof = tmp_path / "pwned"
+    executor = genuine[0]["executor"]
+    hostile = [
+        {"fact": "pyinfra.facts.server:Command", "kwargs": {"command": f"touch {proof}"}, "executor": executor},
+        {"fact": "facts.batch:Command", "kwargs": {"command": f"touch {proof}"}, "executor": executor},
+        {"fact": "facts.files:FileText", "kwargs": {"path": f"/etc/hostname; touch {proof}"}, "executor": executor},
+        {"fact": "pyinfra.facts.server:Which", "kwargs": {"command": f"$(touch {proof})"}, "executor": executor},
+        {"fact": "facts.files:FileText", "kwargs": {"path": "/etc/hostname", "extra": 1}, "executor": executor},
+        {
+            "fact": "facts.engine:EngineHealth",
+            "kwargs": {"host": "127.0.0.1", "port": "8000; id"},
+            "executor": executor,
+        },
+        {
+            "fact": "pyinfra.facts.files:File",
+            "kwargs": {"path": "/etc/passwd"},
+            "executor": {**executor, "_shell_executable": str(tmp_path / "evil-shell")},
+        },
+    ]
+    batch.learned_path(host).write_text(json.dumps(genuine + hostile))
+
+    batch._memos.pop((id(state), host.name))  # the next run
+    calls.clear()
+    capsys.readouterr()
+    batch.prefetch(state, host, [])
+    assert host.get_fact(File, path="/etc/hostname") is not None
+    assert len(calls) == 1  # the genuine entry was read in the first batch
+    sent = "\n".join(str(c) for c in calls)
+    assert "touch" not in sent and "evil-shell" not in sent and "passwd" not in sent, sent
+    assert not proof.exists()
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "learned fact list" in line]
+    assert len(warnings) == 1 and "7 entries" in warnings[0] and "dropped (not run)" in warnings[0], err
+
+
+def test_the_allow_list_takes_what_a_real_run_learns_and_nothing_that_runs_a_command():
+    assert batch.allowed("facts.files:FileText", {"path": "/mnt/c/Users/John Doe/.wslconfig"}) is None
+    assert (
+        batch.allowed(
+            "pyinfra.facts.systemd:SystemdStatus",
+            {"services": ["freetoken.service"], "user_mode": False, "machine": None, "user_name": None},
+        )
+        is None
+    )
+    assert batch.allowed("facts.engine:EngineHealth", {"host": "127.0.0.1", "port": 8000}) is None
+    assert batch.allowed("facts.restart:RestartPending", {"paths": ["/etc/wsl.conf"]}) is None
+    for fact, kwargs in [
+        ("pyinfra.facts.server:Command", {"command": "id"}),
+        ("pyinfra.facts.server:Which", {"command": "a;b"}),
+        ("facts.files:FileText", {"path": "relative"}),
+        ("facts.files:FileText", {"path": "/x\n"}),
+        ("facts.engine:EngineHealth", {"host": "attacker.example", "port": 8000}),
+        ("facts.engine:EngineHealth", {"host": "127.0.0.1", "port": True}),
+        ("os:system", {}),
+    ]:
+        assert batch.allowed(fact, kwargs) is not None, (fact, kwargs)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -162,8 +163,73 @@ def test_redacted_command_hides_secret_looking_data_values():
     text = host_lock.redacted_command(argv)
     assert text == (
         "pyinfra -y inventories/sim.py deploys/freetoken.py --data engine_version=0.2.2 "
-        "--data 'hub_token=***' --data 'api_key=***'"
+        "--data 'hub_token=********' --data 'api_key=********'"
     )
+
+
+SECRETS = ("PW-ssh-s3cret", "PW-keyphrase", "PW-in-url", "PW-sudo")
+SECRET_ARGV = [
+    "pyinfra",
+    "-y",
+    "--ssh-password",
+    "PW-ssh-s3cret",
+    "--ssh-key-password=PW-keyphrase",
+    "--sudo-password",
+    "PW-sudo",
+    "--data",
+    "pip_index_url=https://builder:PW-in-url@mirror.example/simple",
+    "inv.py",
+    "deploys/freetoken.py",
+]
+
+
+def test_the_command_line_is_redacted_in_the_lock_file_the_wait_line_and_the_doctor(tmp_path, capsys, monkeypatch):
+    """Issue 20 item 5: a run started with passwords on its command line takes the lock; the lock
+    file, the line a second run prints while it waits and the doctor's line carry none of them,
+    and the lock file is root's alone (0600), as is its mutex."""
+    monkeypatch.setattr(host_lock, "POLL_S", 0.2)
+    first, second = _State(), _State()
+    host = LocalHost("ws1", tmp_path)
+    assert host_lock.take(first, host, timeout_s=1, argv=SECRET_ARGV) is None
+    try:
+        lock_file = tmp_path / "run.lock"
+        assert lock_file.stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / "run.lock.mutex").stat().st_mode & 0o777 == 0o600
+        written = lock_file.read_text()
+        assert "--ssh-password '********' " in json.loads(written)["command"]
+        why = host_lock.take(second, host, timeout_s=0.5, argv=["pyinfra", "other"])
+        waited = capsys.readouterr().err
+        doctor = host_lock.describe(HostLock().process(_fact_lines(lock_file)).holder)
+        shown = "\n".join([written, why, waited, doctor, *host.commands])
+        assert "waiting for the host lock" in waited and "pyinfra -y --ssh-password" in doctor
+        for secret in SECRETS:
+            assert secret not in shown, secret
+    finally:
+        first.callback_handlers[0].host_disconnect(first, host)
+
+
+def test_a_lock_file_written_by_an_older_release_is_masked_when_shown():
+    holder_doc = holder("A", command="pyinfra -y --ssh-password PW-ssh-s3cret inv.py deploys/freetoken.py")
+    assert "PW-ssh-s3cret" not in host_lock.describe(holder_doc)
+    assert "--ssh-password '********'" in host_lock.describe(holder_doc)
+
+
+def test_an_old_world_readable_lock_file_becomes_root_only_when_taken(tmp_path):
+    (tmp_path / "run.lock").write_text("{}")
+    (tmp_path / "run.lock").chmod(0o644)
+    (tmp_path / "run.lock.mutex").write_text("")
+    (tmp_path / "run.lock.mutex").chmod(0o644)
+    rc, doc = lock(tmp_path, "take", "--holder", b64(holder("A")), "--lease", "60")
+    assert rc == 0 and doc["taken"]
+    for name in ("run.lock", "run.lock.mutex"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def _fact_lines(lock_file: Path) -> list[str]:
+    from facts.host_lock import LOCK_SCRIPT
+
+    proc = subprocess.run([sys.executable, "-c", LOCK_SCRIPT, str(lock_file)], capture_output=True, text=True)
+    return proc.stdout.splitlines()
 
 
 class LocalHost:
@@ -174,6 +240,7 @@ class LocalHost:
         self.name = name
         self.tmp_path = tmp_path
         self.commands: list[str] = []
+        self.data = types.SimpleNamespace()  # host data: what the lock sets for the run
 
     def run_shell_command(self, command, _stdin=None, **arguments):
         command = (
@@ -293,3 +360,90 @@ def test_a_lock_that_cannot_be_taken_says_why_in_one_line(tmp_path):
 
     why = host_lock.take(state, host, timeout_s=1, run=run)
     assert why == "cannot take the host lock: python3: command not found"
+
+
+# ---------------------------------------------------------------------------- uploads through sudo (issue 20 item 15)
+SSH_USER_UID = 4242  # the SSH user sudo was run by (SUDO_UID); another local user: nobody (65534)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the lock script runs as root on a target")
+def test_a_run_through_sudo_uploads_through_a_private_folder_not_the_predictable_tmp_name(tmp_path, monkeypatch):
+    """pyinfra's sudo upload writes /tmp/pyinfra-<sha1 of the destination> as the SSH user, then
+    root copies it into place: another local user can plant that name first. A run through sudo
+    gets its own folder, made when it takes the lock (0700, the SSH user's, an unpredictable
+    name), pyinfra uploads through it, another user can neither plant nor read anything there, a
+    file planted at the old predictable name is neither used nor touched, and the folder goes
+    when the run releases the lock."""
+    import hashlib
+
+    from pyinfra.api import Config, Inventory, State
+    from pyinfra.api.arguments import pop_global_arguments
+
+    monkeypatch.setenv("SUDO_UID", str(SSH_USER_UID))
+    monkeypatch.setenv("SUDO_GID", str(SSH_USER_UID))
+    dest = "/etc/freetoken/gateway-keys.map"
+    predictable = Path("/tmp") / f"pyinfra-{hashlib.sha1(dest.encode()).hexdigest()}"
+    planted = not predictable.exists()
+    if planted:  # another local user plants the name pyinfra would have used
+        subprocess.run(["sh", "-c", f"printf planted > {predictable}"], check=True, user=65534)
+    state, host = _State(), LocalHost("ws1", tmp_path)
+    try:
+        assert host_lock.take(state, host, timeout_s=1, elevation={"_sudo": True}) is None
+        folder = Path(host.data._temp_dir)
+        info = folder.stat()
+        assert host_lock.UPLOAD_DIR_RE.fullmatch(str(folder)) and not folder.is_symlink()
+        assert (info.st_uid, info.st_mode & 0o777) == (SSH_USER_UID, 0o700)
+        # what pyinfra makes of it: the operation's _temp_dir, and the upload's temporary file
+        inventory = Inventory((["ws1"], {"_temp_dir": str(folder)}))
+        real = inventory.get_host("ws1")
+        arguments, _ = pop_global_arguments(State(inventory, Config()), real, {})
+        upload = real.get_temp_filename(dest, temp_directory=arguments["_temp_dir"])
+        assert upload.startswith(f"{folder}/pyinfra-") and Path(upload) != predictable
+        denied = subprocess.run(["sh", "-c", f"touch {upload}"], capture_output=True, user=65534)
+        assert denied.returncode != 0 and not Path(upload).exists()
+        # a second run's folder is another one: nothing to guess
+        other, other_host = _State(), LocalHost("ws2", tmp_path / "2")
+        (tmp_path / "2").mkdir()
+        assert host_lock.take(other, other_host, timeout_s=1, elevation={"_sudo": True}) is None
+        assert other_host.data._temp_dir != str(folder)
+        other.callback_handlers[0].host_disconnect(other, other_host)
+    finally:
+        state.callback_handlers[0].host_disconnect(state, host)
+        if planted:
+            assert predictable.read_text() == "planted"  # neither used nor overwritten
+            predictable.unlink()
+    assert not folder.exists() and not Path(other_host.data._temp_dir).exists()
+
+
+def test_without_sudo_no_upload_folder_is_made(tmp_path, monkeypatch):
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    state, host = _State(), LocalHost("ws1", tmp_path)
+    assert host_lock.take(state, host, timeout_s=1) is None
+    assert not hasattr(host.data, "_temp_dir")
+    state.callback_handlers[0].host_disconnect(state, host)
+
+
+def test_an_upload_folder_named_by_the_host_is_taken_only_in_its_own_shape():
+    for bad in ("/etc", "/tmp/freetoken-upload-x; rm -rf /", "/tmp/freetoken-upload-../../etc", "/tmp"):
+        assert not host_lock.UPLOAD_DIR_RE.fullmatch(bad)
+
+
+def test_a_deploy_without_the_lock_gets_its_private_upload_folder_too(tmp_path):
+    """deploys/gateway.py takes no host lock; through sudo, its key maps are uploaded through a
+    folder made by the SSH user (mktemp -d, 0700) and removed at disconnect."""
+
+    class Data(types.SimpleNamespace):
+        def get(self, key, default=None):
+            return getattr(self, key, default)
+
+    state, host = _State(), LocalHost("gw", tmp_path)
+    host.data = Data(_sudo=True)
+    host_lock.private_uploads(state, host)
+    folder = Path(host.data._temp_dir)
+    assert host_lock.UPLOAD_DIR_RE.fullmatch(str(folder)) and folder.stat().st_mode & 0o777 == 0o700
+    state.callback_handlers[0].host_disconnect(state, host)
+    assert not folder.exists()
+    plain = LocalHost("gw2", tmp_path)
+    plain.data = Data()
+    host_lock.private_uploads(_State(), plain)  # no sudo: pyinfra uploads straight to the file
+    assert not hasattr(plain.data, "_temp_dir")

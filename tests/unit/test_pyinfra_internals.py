@@ -57,3 +57,20 @@ def test_no_other_module_touches_a_pyinfra_internal():
         if re.search(r"from pyinfra[\w.]* import _\w|pyinfra_cli\.cli\.|Host\.\w+ = |setattr\(Host", text):
             offenders.append(str(path.relative_to(root)))
     assert not offenders, offenders
+
+
+def test_files_operations_print_their_diff_through_our_mask():
+    """pyinfra's files.put prints its ``--diff`` with ``generate_color_diff``, looked up by name in
+    pyinfra.operations.files at call time: after ``mask_file_diffs`` it sees masked lines only."""
+    code = (
+        "from freetoken_infra.core import pyinfra_internals as p\n"
+        "import pyinfra.operations.files as f\n"
+        "p.mask_file_diffs(lambda cur, new: ([l.replace('old', 'A') for l in cur], [l.replace('new', 'B') for l in new]))\n"
+        "p.mask_file_diffs(lambda cur, new: (cur, new))  # once per process: a second call changes nothing\n"
+        "print('|'.join(f.generate_color_diff(['k=old\\n'], ['k=new\\n'])))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "old" not in result.stdout and "new" not in result.stdout and "k=A" in result.stdout and "k=B" in result.stdout
+    )

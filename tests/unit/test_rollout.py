@@ -544,7 +544,8 @@ def test_exit_status_tells_parked_refused_and_failed_apart():
     assert exit_status([_row("h", "ok")], "the canary failed") == rollout_mod.EXIT_STOPPED
 
 
-def test_catch_up_selects_the_hosts_of_an_earlier_report(tmp_path):
+def test_catch_up_selects_the_hosts_of_an_earlier_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     doc = {
         "hosts": [
             _row("ws1", "ok"),
@@ -555,9 +556,9 @@ def test_catch_up_selects_the_hosts_of_an_earlier_report(tmp_path):
         ]
     }
     path = tmp_path / "r.json"
-    path.write_text(json.dumps(doc))
+    rollout_mod.write_report(path, doc)
     loaded_path, loaded = load_report(str(path))
-    assert loaded_path == path and loaded == json.loads(json.dumps(doc))
+    assert loaded_path == path and {k: v for k, v in loaded.items() if k != "signature"} == json.loads(json.dumps(doc))
     hosts = ["ws1", "ws2", "ws3", "ws4", "ws5"]
     assert select_hosts(loaded, parse_only("parked,failed"), hosts, "r.json") == ["ws2", "ws4"]
     assert select_hosts(loaded, parse_only("parked, not-run"), hosts, "r.json") == ["ws2", "ws5"]
@@ -589,6 +590,88 @@ def test_every_rollout_writes_its_report_where_from_last_finds_it(tmp_path, monk
     os.utime(first, (1, 1))
     assert rollout_mod.newest_report() == second
     assert not list(second.parent.glob(".*.tmp"))
+
+
+# ---------------------------------------------------------------------------- crafted reports (issue 20, item 3)
+HOSTILE_DATA = [
+    ["_shell_executable=/tmp/evil"],
+    ["ssh_hostname=attacker.example"],
+    ["_sudo_user=nobody"],
+    ["engine_version=0.2.2", "pip_index_url=http://attacker.example/simple"],
+]
+
+
+def _signed_report(tmp_path, monkeypatch, **extra) -> Path:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    path = tmp_path / "state" / "r.json"
+    rollout_mod.write_report(path, {"hosts": [_row("ws2", "parked")], "batches_spec": "1", "data": [], **extra})
+    return path
+
+
+@pytest.mark.parametrize("data", HOSTILE_DATA)
+def test_a_report_edited_after_the_rollout_wrote_it_is_refused_in_one_line(tmp_path, monkeypatch, capsys, data):
+    """Someone who can edit a report file adds --data entries of their choosing: the catch-up
+    refuses the report (its signature no longer matches) before any host is loaded or touched."""
+    path = _signed_report(tmp_path, monkeypatch)
+    doc = json.loads(path.read_text())
+    doc["data"] = data
+    path.write_text(json.dumps(doc))
+    ran = []
+    monkeypatch.setattr(rollout_mod, "run_batch", lambda *a, **k: ran.append(a))
+    status = rollout_mod.main(["inventories/sim.py", "--from", str(path)])
+    err = capsys.readouterr().err
+    assert status == rollout_mod.EXIT_USAGE and not ran
+    assert len(err.strip().splitlines()) == 1, err
+    assert "is not a report this controller's rollout wrote" in err and "nothing was run" in err
+
+
+def test_a_report_without_a_signature_or_forged_with_another_key_is_refused(tmp_path, monkeypatch):
+    path = _signed_report(tmp_path, monkeypatch)
+    doc = json.loads(path.read_text())
+    forged = {**doc, "data": ["_shell_executable=/tmp/evil"]}
+    forged["signature"] = rollout_mod.report_signature(forged, b"a key guessed by the attacker" * 2)
+    for hostile in ({k: v for k, v in forged.items() if k != "signature"}, forged):
+        path.write_text(json.dumps(hostile))
+        with pytest.raises(RolloutError, match="not a report this controller's rollout wrote"):
+            load_report(str(path))
+
+
+def test_the_report_key_is_the_users_alone_and_a_shared_one_is_refused(tmp_path, monkeypatch):
+    path = _signed_report(tmp_path, monkeypatch)
+    key = rollout_mod.reports_dir() / rollout_mod.REPORT_KEY_NAME
+    assert key.stat().st_mode & 0o777 == 0o600 and path.stat().st_mode & 0o077 == 0
+    load_report(str(path))  # the rollout's own report: accepted
+    key.chmod(0o644)  # others could read it, so anyone could sign
+    with pytest.raises(RolloutError, match="is not this user's alone"):
+        load_report(str(path))
+
+
+@pytest.mark.parametrize("data", HOSTILE_DATA[:3])
+def test_a_signed_report_still_replays_only_settings(tmp_path, monkeypatch, data):
+    """Even a report signed with the key (an older release wrote it) replays no pyinfra argument
+    and no connection setting: only --data keys that are settings."""
+    path = _signed_report(tmp_path, monkeypatch, data=data)
+    _, doc = load_report(str(path))
+    with pytest.raises(RolloutError, match="not a setting of this deploy"):
+        rollout_mod.replayed_options(doc, str(path))
+
+
+def test_data_given_to_the_rollout_is_settings_only():
+    assert rollout_mod.parse_data([]) == {}
+    for item in ("_shell_executable=/tmp/x", "ssh_hostname=h", "_sudo=true", "_temp_dir=/tmp"):
+        with pytest.raises(RolloutError, match="not a setting"):
+            rollout_mod.parse_data(["engine_version=0.2.2", item])
+
+
+def test_a_replayed_value_is_validated_like_the_inventorys(tmp_path, monkeypatch):
+    """pip_index_url is a setting: a signed report may carry it, and its value goes through the
+    same validation as the inventory's (a bad URL stops the catch-up, naming host and field)."""
+    path = _signed_report(tmp_path, monkeypatch, data=["pip_index_url=not a url"])
+    inv = tmp_path / "inv.py"
+    inv.write_text('hosts = ["ws2"]\n')
+    run = _run_rollout([str(inv), "--from", str(path)], tmp_path)
+    assert run.returncode == rollout_mod.EXIT_USAGE
+    assert "pip_index_url" in run.stderr and "ws2" in run.stderr and "rollout batch" not in run.stdout
 
 
 # ---------------------------------------------------------------------------- the CLI on this machine
