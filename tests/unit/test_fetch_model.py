@@ -809,3 +809,25 @@ def test_a_listing_with_a_control_character_in_a_name_is_refused_before_any_writ
         assert hub.stats()["bytes_sent"] == 0
     finally:
         hub.close()
+
+
+@pytest.mark.parametrize("size", [-(10**12), -1, True, 1.5, "12"])
+def test_a_hostile_listing_with_a_size_that_is_no_byte_count_is_refused_before_any_byte(
+    script_dir, fresh, repos, tmp_path, size
+):
+    """Issue 20, item 11: a hub listing a shard with a negative size cancelled the other shards
+    in the disk check (a full disk passed) and left a manifest that never covered (re-fetch and
+    restart on every run). The stand-in lists the hostile size; the fetcher refuses the listing
+    in one line, before a byte is fetched or a file written. (A string makes the fetcher fall
+    back to the tree API: the same check holds there.)"""
+    fresh._call("/_standin/listing", {"sizes": {SHARD2: size}})
+    dest = tmp_path / "model"
+    run = fetch(script_dir, fresh.url, dest, "--retries", "0")
+    assert run.rc != 0
+    refusal = [line for line in run.stderr.splitlines() if "FAILED" in line]
+    assert refusal == [
+        f"fetch_model: FAILED: the hub listed {SHARD2} with the size {size!r}, not a byte count; refusing the listing"
+    ], run.stderr
+    assert fresh.stats()["bytes_sent"] == 0
+    assert not dest.exists() or not any(p.is_file() for p in dest.rglob("*")), list(dest.rglob("*"))
+    assert run.status["state"] == "failed" and "not a byte count" in run.status["error"]
