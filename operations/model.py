@@ -44,6 +44,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.text import printable
 
 TOKEN_CREDENTIAL = "hub-token"
 JOURNAL_LINES = 20
@@ -545,15 +546,16 @@ def _duration(seconds: float | None) -> str:
 
 
 def format_progress(status: Mapping[str, Any]) -> str:
-    """One progress line from the fetcher's status file."""
-    state = status.get("state") or "?"
+    """One progress line from the fetcher's status file (the service user writes it: its text
+    is escaped, issue 20 item 10)."""
+    state = printable(status.get("state") or "?")
     done, total = status.get("bytes_done") or 0, status.get("bytes_total") or 0
     pct = f"{100.0 * done / total:.1f} %" if total else "-"
     line = f"model {state}: {_human(done)} of {_human(total)} ({pct})"
     if state == "downloading":
         line += f", {_human(status.get('rate_bps') or 0)}/s, {_duration(status.get('eta_s'))} left"
     if status.get("current_file"):
-        line += f", {status['current_file']}"
+        line += f", {printable(status['current_file'])}"
     return line
 
 
@@ -609,7 +611,9 @@ def wait_for_fetch(
         )
     ok, output = host.run_shell_command(start, **elevation)
     if not ok:
-        raise OperationError(f"host {host.name}: cannot start {FETCH_UNIT}: " + " ".join(output.output_lines[-3:]))
+        raise OperationError(
+            f"host {host.name}: cannot start {FETCH_UNIT}: " + " ".join(printable(x) for x in output.output_lines[-3:])
+        )
     click.echo(
         f"{host.print_prefix}model: fetching {settings.model_repo}@{settings.model_revision} into "
         f"{settings.model_dir} ({FETCH_UNIT}; it keeps running if this session drops)",
@@ -647,14 +651,14 @@ def wait_for_fetch(
         f"journalctl -u {FETCH_UNIT} -n {JOURNAL_LINES} --no-pager -o cat",
         **elevation,
     )
-    journal_text = "\n".join("    " + line for line in journal.output_lines) or "    (no journal lines)"
+    journal_text = "\n".join("    " + printable(line) for line in journal.output_lines) or "    (no journal lines)"
     exit_status = unit.get("ExecMainStatus", "?")
     what = "refused" if status and status.get("state") == "refused" else "failed"
     error = (status or {}).get(
         "error"
     ) or f"the unit ended with {unit.get('Result', '?')} (exit {exit_status}) before writing a status"
     raise OperationError(
-        f"host {host.name}: the model download {what}: {error}\n"
+        f"host {host.name}: the model download {what}: {printable(error)}\n"
         f"  last {JOURNAL_LINES} lines of `journalctl -u {FETCH_UNIT}`:\n{journal_text}"
     )
 
