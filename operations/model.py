@@ -301,8 +301,9 @@ def cache_unit(settings: Settings, bind: str) -> str:
     token_lines = []
     if settings.hub_token_file:
         token_lines = [f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}"]
+        # %d: systemd's credentials folder (root's); every other word is one of our constants.
         token = f"umask 077 && /usr/bin/python3 -I {CACHE_SCRIPT} token %d/{TOKEN_CREDENTIAL} > {run}/token.conf"
-        pre.insert(0, f"ExecStartPre=/bin/sh -c {unit_word(token).replace('%%d/', '%d/')}")
+        pre.insert(0, f'ExecStartPre=/bin/sh -c "{token}"')
     return "\n".join(
         [
             "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
