@@ -217,14 +217,14 @@ class WorkerTraceback:
         elif line == TRACEBACK_START or line in TRACEBACK_CHAINS:
             self.state = "frames"
         elif self.state == "frames" and not line.startswith(" "):
-            self.exception, self.state = line.strip(), "exception"
+            self.exception, self.state = line, "exception"
         # else: a frame ("  File ...", its code) or a further line of the exception's message
         return self.state != "broken"
 
     @property
     def oom(self) -> str | None:
-        done = self.state == "exception" and self.exception
-        return self.exception if done and TRACEBACK_OOM_RE.fullmatch(self.exception or "") else None
+        last = self.exception if self.state == "exception" else None
+        return last.strip() if last and TRACEBACK_OOM_RE.fullmatch(last) else None
 
 
 def find_ooms(lines: list, pending: dict | None = None) -> tuple[list, dict | None]:
