@@ -161,6 +161,10 @@ if ok:
         settings=settings,
         present=settings.model_cache_host == host.name,
     )
+    if settings.model_cache_host == host.name and model_op.will_change:
+        # nginx serves the files its list named at its start: a newly verified model is served
+        # from the reload on (the list is rebuilt from the manifest).
+        model.model_cache_reload(name="Model: LAN cache serves the newly verified files")
     if not fetches_first:
         model.model_fetcher(name="Model: downloader unit (LAN cache first)", settings=settings, sources=sources)
         model_op = model.model_present(name=f"{model_name} (LAN cache first)", settings=settings)

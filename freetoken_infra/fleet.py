@@ -38,6 +38,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.text import printable
 
 DEFAULT_INVENTORY = "inventories/fleet.py"
 IN_SERVICE, PARKED, DRAINING, FAILED = "in service", "parked", "draining", "failed"
@@ -69,7 +70,7 @@ class Remote:
         if r.returncode != 0:
             raise FleetError(
                 f"{self.name}: {command.split('|')[0].strip()!r} failed ({r.returncode}): "
-                f"{(r.stderr or r.stdout).strip()[-300:]}"
+                f"{printable((r.stderr or r.stdout).strip()[-300:])}"
             )
         return r.stdout
 
@@ -166,7 +167,7 @@ def format_status(servers: Sequence[ServerStatus], gate_tps: dict[str, float | N
             s.host,
             s.state,
             str(s.active),
-            s.health[:60],
+            printable(s.health)[:60],  # HAProxy's last check: what the engine answered
             f"{gate_tps[s.host]:.1f}" if gate_tps.get(s.host) is not None else "-",
         )
         for s in servers

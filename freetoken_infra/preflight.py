@@ -29,6 +29,7 @@ from freetoken_infra import rules
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, WSLCONFIG_NAME, HostLayout
 from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
+from freetoken_infra.core.text import printable
 from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.report import findings_table, fleet_summary, record_host
 
@@ -174,7 +175,8 @@ def fail_host(state, host, reason: str, line: str | None = None, advice: str | N
     a crash of ours. SystemExit still lets the CLI disconnect (so a rollout's record gets every
     host's end).
     """
-    click.echo(line or f"    [{host.name}] stopped: {reason}", err=True)
+    reason = printable(reason)  # may quote what the host said (issue 20, item 10)
+    click.echo(printable(line) if line else f"    [{host.name}] stopped: {reason}", err=True)
     try:
         state.fail_hosts({host})
     except PyinfraError:

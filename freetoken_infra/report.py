@@ -12,6 +12,7 @@ from typing import Any
 from freetoken_infra.core.layout import RESTART_MESSAGE
 from freetoken_infra.core.records import RECORD_ENV, record
 from freetoken_infra.core.records import first_line as _first_line
+from freetoken_infra.core.text import printable
 from freetoken_infra.rules import Finding, HostPreflight, primary_gpu
 
 _MARK = {"pass": "pass", "warn": "WARN", "block": "BLOCK"}
@@ -26,9 +27,10 @@ def findings_table(host_name: str, findings: Iterable[Finding]) -> str:
     lines = [f"== {host_name}: preflight ==", f"{'check':<{check_w}}  {'status':<{status_w}}  evidence / remedy"]
     lines.append("-" * min(width, check_w + status_w + 4 + text_w))
     for f in findings:
-        body = textwrap.wrap(f.evidence, text_w) or [""]
+        # Evidence quotes what the host said (tool output, file text): escaped (issue 20, item 10).
+        body = textwrap.wrap(printable(f.evidence), text_w) or [""]
         if f.remedy and f.status != "pass":
-            body += textwrap.wrap("-> " + f.remedy, text_w, subsequent_indent="   ")
+            body += textwrap.wrap("-> " + printable(f.remedy), text_w, subsequent_indent="   ")
         lines.append(f"{f.check:<{check_w}}  {_MARK[f.status]:<{status_w}}  {body[0]}")
         lines += [f"{'':<{check_w}}  {'':<{status_w}}  {rest}" for rest in body[1:]]
     return "\n".join(lines)
@@ -222,7 +224,7 @@ def fleet_counts(rows: list[dict]) -> str:
 
 def ending_line(row: dict) -> str:
     """One plain line of why for a host that is not ok (printed as its batch ends)."""
-    result, reason = row["result"], row.get("reason") or ""
+    result, reason = row["result"], printable(row.get("reason") or "")
     if result == RESULT_PARKED:
         return f"{row['host']} parked: {reason}; nothing was done on it (catch it up when it is back)"
     if result == RESULT_REFUSED:
@@ -258,14 +260,16 @@ def format_fleet_report(rows: list[dict]) -> str:
                 f"{r['result']}: {r['reason']}" if r.get("reason") else r["result"],
             )
         )
-    widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header) - 1)]
+    # Engine version, model, health and reason come from hosts and the engine: escaped.
+    shown = [tuple(printable(c) for c in row) for row in table]
+    widths = [max(len(str(row[i])) for row in [header, *shown]) for i in range(len(header) - 1)]
 
     def fmt(row):
         cells = [f"{str(c):<{w}}" for c, w in zip(row[:-1], widths, strict=False)] + [str(row[-1])]
         return "  ".join(cells).rstrip()
 
     lines = ["== fleet report ==", fmt(header), "-" * (sum(widths) + 2 * len(widths) + len("result"))]
-    lines += [fmt(row) for row in table]
+    lines += [fmt(row) for row in shown]
     lines.append(fleet_counts(rows))
     if any(r.get("tokens_per_s_source") == "last gate" for r in rows):
         lines.append("* tok/s of the host's last health gate (nothing changed, so the gate did not run again)")

@@ -30,6 +30,7 @@ from freetoken_infra.core.manifest import MANIFEST_NAME
 from freetoken_infra.core.pyinfra_internals import connection_lost
 from freetoken_infra.core.records import RunRecords, first_line, lost_line, record
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.text import printable, printable_block
 
 GATE_SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "health_gate.py"
 GATE_SCRIPT_PATH = GATE_SCRIPT
@@ -237,7 +238,8 @@ def _gate_once(
 
 def _journal(host, elevation: Mapping[str, Any]) -> str:
     _, journal = _run(host, f"journalctl -u {ENGINE_UNIT} -n {JOURNAL_LINES} --no-pager -o cat", elevation)
-    return "\n".join("    " + line for line in journal.output_lines) or "    (no journal lines)"
+    # Engine text: escaped, so its lines cannot drive the operator's terminal (issue 20, item 10).
+    return "\n".join("    " + printable(line) for line in journal.output_lines) or "    (no journal lines)"
 
 
 def _keep_result(host, result: Mapping[str, Any], path: str | None, elevation: Mapping[str, Any]) -> None:
@@ -361,7 +363,8 @@ def _run_gate(
     journal_text = _journal(host, elevation)
     phase = result.get("phase") or "health"
     failure = (
-        f"host {host.name}: the health gate failed in the {phase} phase: {result.get('error')}\n"
+        f"host {host.name}: the health gate failed in the {printable(phase)} phase: "
+        f"{printable_block(result.get('error'))}\n"
         f"  what to do: {_REMEDY.get(phase, _REMEDY['health'])}\n"
         f"  last {JOURNAL_LINES} lines of `journalctl -u {ENGINE_UNIT}`:\n{journal_text}"
     )
@@ -370,11 +373,13 @@ def _run_gate(
         raise OperationError(failure)
 
     # Blue-green: the previous version's environment is still there; switch back to it.
-    reason = f"{new} failed the health gate in the {phase} phase: {first_line(result.get('error'))}"
+    reason = (
+        f"{new} failed the health gate in the {printable(phase)} phase: {printable(first_line(result.get('error')))}"
+    )
     click.echo(f"{host.print_prefix}{reason}; rolling back to {rollback_to}", err=True)
     switched, output = _run(host, rollback_command(settings, rollback_to), elevation)
     if not switched:
-        error = "switching back failed: " + " / ".join(output.output_lines[-5:])
+        error = "switching back failed: " + " / ".join(printable(line) for line in output.output_lines[-5:])
         record(
             host.name,
             gate=result,
@@ -415,9 +420,9 @@ def _run_gate(
         )
     raise OperationError(
         f"host {host.name}: rollback to {rollback_to} failed too: the health gate failed in the "
-        f"{again.get('phase') or 'health'} phase: {again.get('error')}\n"
+        f"{printable(again.get('phase') or 'health')} phase: {printable_block(again.get('error'))}\n"
         f"  last {JOURNAL_LINES} lines of `journalctl -u {ENGINE_UNIT}`:\n{_journal(host, elevation)}\n"
-        f"  first failure ({new}): {first_line(result.get('error'))}"
+        f"  first failure ({new}): {printable(first_line(result.get('error')))}"
     )
 
 
@@ -597,13 +602,14 @@ def format_gate_report(results: Mapping[str, Mapping[str, Any]], floor_tps: floa
         rows.append(
             (name, health, _seconds(r.get("load_wait_s")), tps_text, f"{floor:g}" if floor is not None else "-", note)
         )
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
     def fmt(row):
         return "  ".join(f"{str(c):<{w}}" for c, w in zip(row, widths, strict=False)).rstrip()
 
+    shown = [tuple(printable(c) for c in row) for row in rows]  # the notes hold the engine's text
+    widths = [max(len(str(row[i])) for row in [header, *shown]) for i in range(len(header))]
     lines = ["== health gate ==", fmt(header), "-" * (sum(widths) + 2 * (len(widths) - 1))]
-    lines += [fmt(row) for row in rows]
+    lines += [fmt(row) for row in shown]
     serving = len(rows) - failed - stopped - cut
     summary = f"{len(rows)} host(s): {serving} serving, {below} below the decode floor, {failed} failed"
     summary += f", {stopped} stopped before the gate" if stopped else ""

@@ -25,11 +25,15 @@ import click
 from pyinfra import host as current_host
 from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File
-from pyinfra.operations import files, systemd
+from pyinfra.operations import apt, files, systemd
 
 from facts.model_manifest import ModelManifest
 from freetoken_infra.core.layout import (
+    CACHE_NGINX_CONF,
+    CACHE_NGINX_PACKAGE,
+    CACHE_RUN_DIR,
     CACHE_SCRIPT,
     CACHE_UNIT,
     FETCH_SCRIPT,
@@ -40,6 +44,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.text import printable
 
 TOKEN_CREDENTIAL = "hub-token"
 JOURNAL_LINES = 20
@@ -209,43 +214,131 @@ def cache_bind_address(settings: Settings, host_name: str, ssh_hostname: str | N
     return str(found[0][4][0])
 
 
-def cache_unit(settings: Settings, bind: str) -> str:
-    """Text of ``freetoken-model-cache.service``: the verified model, read-only, to the LAN, on
-    ``bind`` only. A gated repository (``hub_token_file``) makes it ask every client for the key
-    derived from the hub token, handed over as a credential like the fetcher's."""
-    argv = [
-        "/usr/bin/python3",
-        CACHE_SCRIPT,
-        "--dir",
-        settings.model_dir,
-        "--bind",
-        bind,
-        "--port",
-        str(settings.model_cache_port),
+def cache_listen(bind: str, port: int) -> str:
+    """nginx's ``listen`` address: an IPv6 literal in brackets."""
+    return f"[{bind}]:{port}" if ":" in bind else f"{bind}:{port}"
+
+
+def cache_nginx_conf(settings: Settings, bind: str) -> str:
+    """``model-cache-nginx.conf``: Debian's nginx as the LAN model cache, on ``bind`` only.
+
+    nginx's master runs as root only to read this file and the generated includes (the gated
+    cache's key map is root's, 0600) and to bind; its workers serve as the service user, which
+    only reads the model. Which files it serves comes from the downloader's manifest
+    (``model_cache.py files``); a link planted in the model tree is never followed
+    (``disable_symlinks on``). Slow or idle clients cost a connection, never a worker (issue 20,
+    item 7): a request's line and headers must arrive within 10 s, an idle kept-alive connection
+    is closed after 10 s, a client that stops reading after 30 s.
+    """
+    run = CACHE_RUN_DIR
+    gated = bool(settings.hub_token_file)
+    user = settings.service_user
+    lines = [
+        "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
+        f"# The LAN model cache ({CACHE_UNIT}): the verified model {settings.model_repo}, read-only.",
+        "daemon off;",
+        "worker_processes 2;",
+        "worker_rlimit_nofile 16384;",
+        f"pid {run}/nginx.pid;",
+        f"user {user} {user};",
+        "error_log stderr warn;",
+        "events {",
+        "    worker_connections 4096;",
+        "}",
+        "http {",
+        "    server_tokens off;",
+        "    types { }",
+        "    default_type application/octet-stream;",
+        "    charset off;",
+        "    sendfile on;",
+        "    tcp_nopush on;",
+        "    disable_symlinks on;",
+        "    client_header_timeout 10s;",
+        "    client_body_timeout 10s;",
+        "    client_max_body_size 1k;",
+        "    send_timeout 30s;",
+        "    keepalive_timeout 10s;",
+        "    reset_timedout_connection on;",
+        "    limit_conn_zone $binary_remote_addr zone=per_client:1m;",
+        "    limit_conn per_client 32;",
+        "    limit_conn_status 429;",
+        # No access log: the journal gets nginx's errors (stderr); a request line is never logged.
+        "    access_log off;",
+        # Debian's defaults lie under /var/lib/nginx, read-only to this unit.
+        *(f"    {kind}_temp_path {run}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")),
     ]
+    if gated:
+        # The key (64 hex digits) is longer than a default map bucket holds.
+        lines += ["    map_hash_bucket_size 128;", f"    include {run}/token.conf;"]
+    lines += [
+        "    server {",
+        f"        listen {cache_listen(bind, settings.model_cache_port)};",
+        "        server_name _;",
+        "        default_type application/json;",
+    ]
+    if gated:
+        lines += [
+            "        if ($cache_token_ok = 0) {",
+            '            return 401 \'{"error": "this cache serves a gated repository: send X-FreeToken-Cache-Token"}\\n\';',
+            "        }",
+        ]
+    lines += [
+        "        location / {",
+        '            return 404 \'{"error": "not a verified file of the model this cache holds"}\\n\';',
+        "        }",
+        f"        include {run}/files.conf;",
+        "    }",
+        "}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def cache_unit(settings: Settings, bind: str) -> str:
+    """Text of ``freetoken-model-cache.service``: Debian's nginx with ``cache_nginx_conf``, the
+    verified model, read-only, to the LAN, on ``bind`` only (the address is in the
+    configuration). A gated repository (``hub_token_file``) makes it ask every client for the
+    key derived from the hub token: the token comes as a credential, root derives the key map
+    into the unit's runtime folder (0700, the file 0600), and nginx's master reads it at start;
+    no secret is in an argument or a world-readable file."""
+    run = CACHE_RUN_DIR
+    user = shlex.quote(settings.service_user)
+    # The manifest lies in a folder the downloader writes: read by the service user, never root.
+    files = (
+        f"setpriv --reuid={user} --regid={user} --clear-groups -- /usr/bin/python3 -I {CACHE_SCRIPT} files "
+        f"--dir {shlex.quote(settings.model_dir)} > {run}/files.conf.new && mv -f {run}/files.conf.new {run}/files.conf"
+    )
+    pre = [f"ExecStartPre=/bin/sh -c {unit_word(files)}"]
     token_lines = []
     if settings.hub_token_file:
-        source = unit_word(settings.hub_token_file, variables=False)
-        token_lines = [f"LoadCredential={TOKEN_CREDENTIAL}:{source}"]
-        argv_text = unit_command(argv) + f" --token-file %d/{TOKEN_CREDENTIAL}"
-    else:
-        argv_text = unit_command(argv)
+        token_lines = [f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}"]
+        # %d: systemd's credentials folder (root's); every other word is one of our constants.
+        token = f"umask 077 && /usr/bin/python3 -I {CACHE_SCRIPT} token %d/{TOKEN_CREDENTIAL} > {run}/token.conf"
+        pre.insert(0, f'ExecStartPre=/bin/sh -c "{token}"')
     return "\n".join(
         [
             "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
             "[Unit]",
-            f"Description=LAN cache of the verified model {settings.model_repo} for the fleet",
+            f"Description=LAN cache of the verified model {settings.model_repo} for the fleet (nginx)",
             "Wants=network-online.target",
             "After=network-online.target",
             "",
             "[Service]",
-            f"User={settings.service_user}",
-            f"Group={settings.service_user}",
+            # The master stays root (it reads the key map and re-reads on reload); its workers
+            # run as the service user (``user`` in the configuration).
+            f"RuntimeDirectory={run.rsplit('/', 1)[1]}",
+            "RuntimeDirectoryMode=0700",
             *token_lines,
-            "ExecStart=" + argv_text,
+            *pre,
+            f"ExecStart=/usr/sbin/nginx -e stderr -c {CACHE_NGINX_CONF}",
+            # A new revision verified: serve its files (the deploy reloads after a fetch).
+            f"ExecReload=/bin/sh -c {unit_word(files)}",
+            "ExecReload=/bin/kill -HUP $MAINPID",
             "Restart=on-failure",
             "RestartSec=5",
+            "LimitNOFILE=16384",
             "SyslogIdentifier=freetoken-model-cache",
+            "CapabilityBoundingSet=CAP_CHOWN CAP_SETUID CAP_SETGID CAP_KILL",
             "NoNewPrivileges=yes",
             "PrivateTmp=yes",
             "ProtectSystem=strict",
@@ -373,15 +466,20 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
 @operation()
 def model_cache(settings: Settings, present: bool = True, bind: str | None = None):
     """
-    Serve this host's verified model to the rest of the fleet: ``model_cache.py`` (only files
-    the manifest vouches for, with HTTP Range) as ``freetoken-model-cache.service`` on
-    ``settings.model_cache_port``, enabled and running. Yields nothing when it already is.
-    Install the downloader first (``model_fetcher``: it uploads ``manifest.py``).
+    Serve this host's verified model to the rest of the fleet: Debian's nginx (``nginx``, from
+    the host's apt sources) as ``freetoken-model-cache.service`` on ``settings.model_cache_port``
+    with ``cache_nginx_conf``, serving only the files the downloader's manifest vouches for
+    (``model_cache.py files``), with HTTP Range; enabled and running. Yields nothing when it
+    already is. Install the downloader first (``model_fetcher``: it uploads ``manifest.py``).
+
+    Debian's own ``nginx.service`` is masked before the package is installed, so it never starts
+    on every interface; an nginx the host had before is left as it was (ours is a second
+    instance with its own configuration).
 
     + settings: the cache host's ``Settings`` (``model_dir``, ``model_cache_port``,
-      ``service_user``)
+      ``service_user``, ``hub_token_file``)
     + present: ``False`` stops, disables and removes the cache (a host that is no longer the
-      fleet's cache host); nothing is yielded when it is not there
+      fleet's cache host; the nginx package stays); nothing is yielded when it is not there
     + bind: the address to listen on (default ``cache_bind_address``: ``model_cache_bind``, else
       the address the fleet reaches this host by)
 
@@ -401,39 +499,52 @@ def model_cache(settings: Settings, present: bool = True, bind: str | None = Non
         # batch); the whole-system unit list would cost each host a `systemctl show --all`.
         if current_host.get_fact(File, path=unit_path):
             yield from systemd.service._inner(service=CACHE_UNIT, running=False, enabled=False)
-            yield from files.file._inner(path=unit_path, present=False)
-            yield from files.file._inner(path=CACHE_SCRIPT, present=False)
+            for path in (unit_path, CACHE_NGINX_CONF, CACHE_SCRIPT):
+                yield from files.file._inner(path=path, present=False)
             yield from systemd.daemon_reload._inner()
         return
-    script_commands = list(
-        files.put._inner(
-            src=_LOCAL_CACHE_SCRIPT,
-            dest=CACHE_SCRIPT,
-            user="root",
-            group="root",
-            mode="644",
-            add_deploy_dir=False,
-        )
-    )
+    if CACHE_NGINX_PACKAGE not in (current_host.get_fact(DebPackages) or {}):
+        # Masked first: the package's postinst starts only an enabled unit, so Debian's default
+        # site never listens on every interface, not even for a moment.
+        yield from files.link._inner(path=f"{UNIT_DIR}/nginx.service", target="/dev/null")
+        yield from systemd.daemon_reload._inner()
+        yield from apt.update._inner()
+        yield from apt.packages._inner(packages=[CACHE_NGINX_PACKAGE], no_recommends=True)
     bind = bind or cache_bind_address(settings, current_host.name, current_host.data.get("ssh_hostname"))
-    unit_commands = list(
-        files.put._inner(
-            src=StringIO(cache_unit(settings, bind)),
-            dest=unit_path,
-            user="root",
-            group="root",
-            mode="644",
+    changed = []
+    for src, dest in (
+        (_LOCAL_CACHE_SCRIPT, CACHE_SCRIPT),
+        (StringIO(cache_nginx_conf(settings, bind)), CACHE_NGINX_CONF),
+        (StringIO(cache_unit(settings, bind)), unit_path),
+    ):
+        commands = list(
+            files.put._inner(src=src, dest=dest, user="root", group="root", mode="644", add_deploy_dir=False)
         )
-    )
-    yield from script_commands
-    yield from unit_commands
+        changed.append(bool(commands))
+        yield from commands
     yield from systemd.service._inner(
         service=CACHE_UNIT,
         running=True,
         enabled=True,
-        restarted=bool(script_commands or unit_commands),
-        daemon_reload=bool(unit_commands),
+        restarted=any(changed),
+        daemon_reload=changed[-1],
     )
+
+
+@operation()
+def model_cache_reload():
+    """
+    Make the LAN cache serve what the downloader verified since it started: rebuild its list of
+    files from the manifest and reload nginx (transfers in flight finish on the old workers).
+    The deploy runs it after ``model_present`` changed the cache host's model.
+
+    **Example:**
+
+    .. code:: python
+
+        model_cache_reload(name="Model: LAN cache serves the newly verified files", _sudo=True)
+    """
+    yield StringCommand("systemctl", "reload-or-restart", CACHE_UNIT)
 
 
 # --------------------------------------------------------------------------- waiting
@@ -459,15 +570,16 @@ def _duration(seconds: float | None) -> str:
 
 
 def format_progress(status: Mapping[str, Any]) -> str:
-    """One progress line from the fetcher's status file."""
-    state = status.get("state") or "?"
+    """One progress line from the fetcher's status file (the service user writes it: its text
+    is escaped, issue 20 item 10)."""
+    state = printable(status.get("state") or "?")
     done, total = status.get("bytes_done") or 0, status.get("bytes_total") or 0
     pct = f"{100.0 * done / total:.1f} %" if total else "-"
     line = f"model {state}: {_human(done)} of {_human(total)} ({pct})"
     if state == "downloading":
         line += f", {_human(status.get('rate_bps') or 0)}/s, {_duration(status.get('eta_s'))} left"
     if status.get("current_file"):
-        line += f", {status['current_file']}"
+        line += f", {printable(status['current_file'])}"
     return line
 
 
@@ -523,7 +635,9 @@ def wait_for_fetch(
         )
     ok, output = host.run_shell_command(start, **elevation)
     if not ok:
-        raise OperationError(f"host {host.name}: cannot start {FETCH_UNIT}: " + " ".join(output.output_lines[-3:]))
+        raise OperationError(
+            f"host {host.name}: cannot start {FETCH_UNIT}: " + " ".join(printable(x) for x in output.output_lines[-3:])
+        )
     click.echo(
         f"{host.print_prefix}model: fetching {settings.model_repo}@{settings.model_revision} into "
         f"{settings.model_dir} ({FETCH_UNIT}; it keeps running if this session drops)",
@@ -561,14 +675,14 @@ def wait_for_fetch(
         f"journalctl -u {FETCH_UNIT} -n {JOURNAL_LINES} --no-pager -o cat",
         **elevation,
     )
-    journal_text = "\n".join("    " + line for line in journal.output_lines) or "    (no journal lines)"
+    journal_text = "\n".join("    " + printable(line) for line in journal.output_lines) or "    (no journal lines)"
     exit_status = unit.get("ExecMainStatus", "?")
     what = "refused" if status and status.get("state") == "refused" else "failed"
     error = (status or {}).get(
         "error"
     ) or f"the unit ended with {unit.get('Result', '?')} (exit {exit_status}) before writing a status"
     raise OperationError(
-        f"host {host.name}: the model download {what}: {error}\n"
+        f"host {host.name}: the model download {what}: {printable(error)}\n"
         f"  last {JOURNAL_LINES} lines of `journalctl -u {FETCH_UNIT}`:\n{journal_text}"
     )
 

@@ -35,6 +35,12 @@ GATE_SCRIPT = f"{LIB_DIR}/health_gate.py"
 GUARD_SCRIPT = f"{LIB_DIR}/guard.py"
 FETCH_SCRIPT = f"{LIB_DIR}/fetch_model.py"
 CACHE_SCRIPT = f"{LIB_DIR}/model_cache.py"
+# The LAN model cache is Debian's nginx with our configuration (operations/model.py): root's,
+# outside every tree a less-trusted user writes; what it generates at each start (the served
+# files, the gated cache's key map) lies in the unit's own runtime folder, root's and 0700.
+CACHE_NGINX_PACKAGE = "nginx"
+CACHE_NGINX_CONF = f"{LIB_DIR}/model-cache-nginx.conf"
+CACHE_RUN_DIR = "/run/freetoken-model-cache"
 QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
 MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
 HOST_LOCK_SCRIPT = f"{LIB_DIR}/host_lock.py"

@@ -273,12 +273,16 @@ def _safe_name(name: object) -> bool:
     return all(p not in ("", ".", "..") for p in parts) and parts[0] not in (PARTIAL_DIR, MANIFEST)
 
 
+def _hex(value: object, length: int) -> bool:
+    return isinstance(value, str) and len(value) == length and all(c in "0123456789abcdef" for c in value)
+
+
 def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[str, list[RemoteFile]]:
     base = endpoint.rstrip("/")
     rev = urllib.parse.quote(revision, safe="")
     info = http.get_json(f"{base}/api/models/{repo}/revision/{rev}?blobs=true")
     commit = info.get("sha")
-    if not isinstance(commit, str) or len(commit) != 40:
+    if not _hex(commit, 40):
         raise Failed(f"{base}: the hub did not resolve revision {revision!r} to a commit sha")
     siblings = info.get("siblings") or []
     entries: dict[str, dict] = {}
@@ -301,9 +305,17 @@ def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[
     for name, e in sorted(entries.items()):
         if not _safe_name(name):
             raise Failed(f"the hub listed an unsafe file name {name!r}; refusing to write it")
-        if not isinstance(e["size"], int) or not (e["sha256"] or e["oid"]):
+        if not (e["sha256"] or e["oid"]):
             raise Failed(f"the hub listing has no size/hash for {name}; cannot verify it")
-        files.append(RemoteFile(name, e["size"], e["sha256"], None if e["sha256"] else e["oid"]))
+        # A negative size would cancel others in the disk check and leave a manifest that never
+        # covers (issue 20, item 11); a bool is an int to Python, JSON's true is no size.
+        size = e["size"]
+        if type(size) is not int or size < 0:
+            raise Failed(f"the hub listed {name} with the size {size!r}, not a byte count; refusing the listing")
+        sha256, oid = e["sha256"], None if e["sha256"] else e["oid"]
+        if sha256 is not None and not _hex(sha256, 64) or oid is not None and not _hex(oid, 40):
+            raise Failed(f"the hub listed {name} with a malformed hash; refusing the listing")
+        files.append(RemoteFile(name, size, sha256, oid))
     if not files:
         raise Failed(f"{repo}@{revision} lists no files")
     return commit, files

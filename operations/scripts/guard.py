@@ -8,8 +8,9 @@ swaps with 16.9 GB of experts resident in RAM grinds the whole workstation to a 
 Each run:
   * samples /proc/meminfo and ``nvidia-smi`` (missing or failing nvidia-smi: no GPU samples);
   * reads the engine unit's journal since the previous run, looking for the engine's own record
-    of a CUDA OOM (its ERROR record of a backend death by OOM; never OOM text anywhere, which
-    a prompt or a reply can carry);
+    of a CUDA OOM (its ERROR record of a backend death by OOM, or the dying worker's traceback
+    right before the record of its death; never OOM text anywhere, which a prompt or a reply
+    can carry: ``find_ooms``);
   * if swap used > --swap-limit-gb or the engine recorded an OOM, and the engine is running:
     ``systemctl stop`` it, print one ``freetoken-guard: stopped ...`` line (the journal, under
     systemd) and write the tripped state file (read by the doctor, cleared by the deploy when it
@@ -51,18 +52,33 @@ GB = 1024**3
 #    (name freetoken-TP<rank>-scheduler, launch.py) having printed its traceback to stderr.
 #  * PyTorch's allocator raises torch.OutOfMemoryError "CUDA out of memory. Tried to allocate
 #    ..." (c10/cuda/CUDACachingAllocator.cpp); a raw CUDA allocation failure is RuntimeError
-#    "CUDA error: out of memory".
+#    "CUDA error: out of memory" up to torch 2.10 and torch.AcceleratorError "CUDA error: out of
+#    memory" since (pytorch/pytorch#152023; captured on an H200 with torch 2.11, its message
+#    continuing on further lines: tests/fixtures/real/torch-2.11-cuda-oom-h200.txt). The
+#    supervisor names the type without its module ("AcceleratorError: CUDA error: out of memory").
 ENGINE_ERROR_RE = re.compile(
     r"\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d(?:\|pid=\d+)?\|FrontendAPI(?:\|core\|rank=\d+)?\]\x1b\[0m "
     r"\x1b\[31mERROR   \x1b\[0m (?P<message>.*)"
 )
+# Any record of the engine's logger, any level and tag: what follows it up to the next record or
+# worker traceback is that record's message (a prompt, a reply), never a traceback of its own.
+ENGINE_RECORD_RE = re.compile(r"\x1b\[1m\[\d{4}-\d\d-\d\d\|\d\d:\d\d:\d\d[^\]\x1b]*\]\x1b\[0m ")
 TORCH_OOM = (
     r"(?:torch\.(?:cuda\.)?)?OutOfMemoryError: CUDA out of memory\. "
+    r"|(?:torch\.)?AcceleratorError: CUDA error: out of memory$"
     r"|RuntimeError: CUDA error: out of memory|RuntimeError: CUDA out of memory\. "
 )
 LOAD_OOM_RE = re.compile(rf"Backend supervisor: (?P<oom>(?:{TORCH_OOM}).*)")
-WORKER_DIED_RE = re.compile(r"Backend supervisor: backend worker freetoken-TP[0-9]+-scheduler\b.* exited\b")
-# The last line of a Python traceback starts the line (column 0, "torch.OutOfMemoryError: ...").
+WORKER = r"freetoken-TP[0-9]+-scheduler"
+WORKER_DIED_RE = re.compile(rf"Backend supervisor: backend worker (?P<worker>{WORKER})\b.* exited\b.*")
+# A worker's uncaught exception as multiprocessing prints it to stderr: "Process <name>:", then
+# Python's traceback, whose last exception line starts the line (column 0).
+WORKER_TRACEBACK_RE = re.compile(rf"Process (?P<worker>{WORKER}):")
+TRACEBACK_START = "Traceback (most recent call last):"
+TRACEBACK_CHAINS = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
 # PyTorch before 1.13 raised the allocator's OOM as RuntimeError (tests/fixtures/real).
 TRACEBACK_OOM_RE = re.compile(rf"(?:{TORCH_OOM}).*")
 # The supervisor polls its workers every second; a traceback older than this whose death record
@@ -183,23 +199,70 @@ def engine_message(line: str) -> str | None:
     return m.group("message") if m else None
 
 
-def find_ooms(lines: list, pending: str | None = None) -> tuple[list, str | None]:
+class WorkerTraceback:
+    """One worker's traceback block, line by line: ``Process <worker>:``, Python's traceback
+    (frames, chained exceptions), its last exception line and that exception's further lines."""
+
+    def __init__(self, worker: str):
+        self.worker = worker
+        self.state = "header"  # then "frames", then "exception" (the last line seen was one)
+        self.exception: str | None = None
+
+    def feed(self, line: str) -> bool:
+        """Take the next line; False when it cannot belong to this block (nothing counts then)."""
+        if self.state == "header":
+            self.state = "frames" if line == TRACEBACK_START else "broken"
+        elif not line.strip():
+            pass  # the blank line after a message, or before a chained exception
+        elif line == TRACEBACK_START or line in TRACEBACK_CHAINS:
+            self.state = "frames"
+        elif self.state == "frames" and not line.startswith(" "):
+            self.exception, self.state = line, "exception"
+        # else: a frame ("  File ...", its code) or a further line of the exception's message
+        return self.state != "broken"
+
+    @property
+    def oom(self) -> str | None:
+        last = self.exception if self.state == "exception" else None
+        return last.strip() if last and TRACEBACK_OOM_RE.fullmatch(last) else None
+
+
+def find_ooms(lines: list, pending: dict | None = None) -> tuple[list, dict | None]:
     """The engine's out-of-memory failures among journal lines, oldest first, as text for the
-    reason, and a traceback OOM still waiting for its worker's death record (to carry to the next
-    run). A traceback line alone stops nothing: request text or model output the engine logs can
-    hold any line; only the engine's ERROR record that the worker died makes it the engine's."""
+    reason, and a worker's OOM traceback still waiting for its death record (carried to the next
+    run as ``{"worker", "line"}``).
+
+    A death counts as an OOM only by the engine's own records: the supervisor's ERROR record of
+    a death during load that names the OOM, or, once serving (the record then says only "backend
+    worker <name> exited"), that worker's own traceback block ending in the OOM right before the
+    record, with no other record of the engine between them. An OOM-shaped line anywhere else
+    (a prompt, a reply, any record's message and its further lines) is text: it is never held
+    for a later death (issue 20, item 8)."""
     found = []
-    for line in lines:
-        message = engine_message(line)
-        if message is not None:
+    block: WorkerTraceback | None = None
+    for raw in lines:
+        line = raw.rstrip("\r\n")
+        if ENGINE_RECORD_RE.match(line):
+            if block is not None:  # a traceback ends where the engine's next record begins
+                pending = {"worker": block.worker, "line": block.oom} if block.oom else None
+                block = None
+            message = engine_message(line) or ""
+            died = WORKER_DIED_RE.fullmatch(message)
             load = LOAD_OOM_RE.fullmatch(message)
             if load:
                 found.append(load.group("oom"))
-            elif pending and WORKER_DIED_RE.match(message):
-                found.append(f"{pending} ({message[len('Backend supervisor: ') :]})")
-                pending = None
-        elif TRACEBACK_OOM_RE.fullmatch(line.rstrip("\r\n")):
-            pending = line.strip()
+            elif died and pending and pending.get("worker") == died.group("worker"):
+                found.append(f"{pending['line']} ({message[len('Backend supervisor: ') :]})")
+            pending = None  # whatever this record is, a traceback before it is no longer the last word
+            continue
+        start = WORKER_TRACEBACK_RE.fullmatch(line)
+        if start:
+            block = WorkerTraceback(start.group("worker"))
+            pending = None
+        elif block is not None and not block.feed(line):
+            block = None
+    if block is not None:  # the death record may come in the next run
+        pending = {"worker": block.worker, "line": block.oom} if block.oom else None
     return found, pending
 
 
@@ -226,15 +289,16 @@ def scan_journal(unit: str, position_file: str, now: float) -> tuple[list, dict]
     fresh = (
         isinstance(carried, dict)
         and isinstance(carried.get("line"), str)
+        and isinstance(carried.get("worker"), str)
         and isinstance(carried.get("time"), (int, float))
         and now - carried["time"] <= PENDING_OOM_S
     )
-    before = carried["line"] if fresh else None
+    before = {"worker": carried["worker"], "line": carried["line"]} if fresh else None
     found, pending = find_ooms(records, before)
     keep = None
     if pending is not None:
         kept_since = carried["time"] if fresh and pending == before else now
-        keep = {"line": pending, "time": kept_since}
+        keep = {**pending, "time": kept_since}
     return found, {"cursor": cursor, "time": now, "pending_oom": keep}
 
 

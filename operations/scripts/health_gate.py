@@ -69,6 +69,33 @@ _NUMBER = re.compile(r"-?\d+")
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+# freetoken_infra/core/text.py ``printable``, copied: this script runs alone on the target (the
+# deploy uploads it by itself; tests/verify sends it as one file). A test keeps the two the same.
+_FORMAT_CONTROLS = frozenset(
+    [0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C, 0xFEFF]
+)
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: object) -> str:
+    """Untrusted text with every control character written as a visible escape (issue 20)."""
+    text = text if isinstance(text, str) else str(text)
+    if text.isprintable():
+        return text
+    out = []
+    for c in text:
+        o = ord(c)
+        if c in _NAMED:
+            out.append(_NAMED[c])
+        elif o < 0x20 or 0x7F <= o <= 0x9F:
+            out.append(f"\\x{o:02x}")
+        elif o in _FORMAT_CONTROLS:
+            out.append(f"\\u{o:04x}")
+        else:
+            out.append(c)
+    return "".join(out)
+
+
 class GateFailure(Exception):
     """A phase failed; the message says why (never contains the key)."""
 
@@ -155,7 +182,8 @@ class Gate:
         self.version: str | None = None  # the engine's version from /health once ok
 
     def say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
+        # The engine's phase, version, model and message reach the operator's terminal.
+        print(printable(line), file=self.out, flush=True)
 
     # ------------------------------------------------------------------ phase 1
     def wait_healthy(self) -> float:

@@ -268,13 +268,104 @@ def test_text_the_engine_logs_for_requests_and_replies_stops_nothing(target):
     assert proc.returncode == 0, proc.stderr
     assert "stop freetoken.service" not in target.calls("systemctl")
     assert not target.state_file.exists() and proc.stdout == ""
-    # A traceback line seen long ago (no death record within the window) is forgotten.
+    # Nothing the engine logged is held for a later death (issue 20, item 8).
+    position = target.state_file.parent / "guard-journal.json"
+    assert json.loads(position.read_text())["pending_oom"] is None
+    target.journal.write_text(WORKER_DIED)
+    target.run()
+    assert "stop freetoken.service" not in target.calls("systemctl")
+
+
+def test_an_oom_traceback_seen_long_ago_is_forgotten(target):
+    target.journal.write_text(worker_traceback(OOM_LINES[0]))
+    target.run()
     position = target.state_file.parent / "guard-journal.json"
     saved = json.loads(position.read_text())
-    assert saved["pending_oom"]["line"] == "RuntimeError: CUDA error: out of memory"
+    assert saved["pending_oom"]["line"] == OOM_LINES[0] and saved["pending_oom"]["worker"] == "freetoken-TP0-scheduler"
     saved["pending_oom"]["time"] -= 600
     position.write_text(json.dumps(saved))
     target.journal.write_text(WORKER_DIED)
+    target.run()
+    assert "stop freetoken.service" not in target.calls("systemctl")
+
+
+# The real texts of a CUDA OOM in torch 2.11 on an H200 (tests/fixtures/real/README.md): the
+# uncaught torch.AcceleratorError's traceback (its message goes on for four more lines), and the
+# text of the caching allocator's torch.OutOfMemoryError.
+H200 = (FIXTURES / "torch-2.11-cuda-oom-h200.txt").read_text().splitlines()
+H200_TRACEBACK = H200[H200.index("Traceback (most recent call last):") :][:8]  # to the blank line
+H200_ALLOCATOR_TEXT = next(line for line in H200 if line.startswith("FIRST_OOM_TEXT ")).split(" ", 1)[1]
+H200_ACCELERATOR_TEXT = json.loads(next(line for line in H200 if line.startswith("TEXT ")).split(" ", 1)[1])
+
+
+def test_the_h200_fixture_is_what_these_tests_read():
+    assert H200_TRACEBACK[2] == "torch.AcceleratorError: CUDA error: out of memory" and H200_TRACEBACK[-1] == ""
+    assert H200_ACCELERATOR_TEXT.startswith("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'")
+    assert H200_ALLOCATOR_TEXT.startswith("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total capacity")
+
+
+def test_a_worker_dying_of_torch_2_11s_accelerator_oom_stops_the_engine(target):
+    """Issue 20, item 8: the traceback's end as torch 2.11 prints it (the scheduler worker's, as
+    multiprocessing frames it), then the supervisor's record of that worker's death."""
+    block = "Process freetoken-TP0-scheduler:\n" + "\n".join(H200_TRACEBACK) + "\n"
+    target.journal.write_text(block + WORKER_DIED)
+    proc = target.run()
+    assert "stop freetoken.service" in target.calls("systemctl"), proc.stdout
+    reason = json.loads(target.state_file.read_text())["reason"]
+    assert "torch.AcceleratorError: CUDA error: out of memory" in reason and "exited" in reason
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [f"AcceleratorError: {H200_ACCELERATOR_TEXT}", f"OutOfMemoryError: {H200_ALLOCATOR_TEXT}"],
+    ids=["AcceleratorError", "OutOfMemoryError"],
+)
+def test_the_supervisors_record_of_torch_2_11s_oom_during_load_stops_the_engine(target, reason):
+    """server/launch.py pushes "<type name>: <str(exc)>"; the AcceleratorError's text goes on
+    over four more lines, which the journal holds as lines of their own."""
+    target.journal.write_text(record("ERROR", f"Backend supervisor: {reason.rstrip()}"))
+    proc = target.run()
+    assert "stop freetoken.service" in target.calls("systemctl"), proc.stdout
+    assert reason.split("\n")[0][:40] in json.loads(target.state_file.read_text())["reason"]
+
+
+@pytest.mark.parametrize(
+    "logged",
+    [
+        # a reply the engine logs (WARNING "Failed to parse JSON part: <model output>"), its
+        # newlines kept: the OOM line is a line of that record's message
+        record("WARNING", "Failed to parse JSON part: here is my log:") + OOM_LINES[0] + "\n",
+        record("WARNING", "Failed to parse JSON part: see") + "\n".join(H200_TRACEBACK) + "\n",
+        record("DEBUG", "Received generate request {'text': '") + "Traceback (most recent call last):\n"
+        '  File "x", line 1\ntorch.AcceleratorError: CUDA error: out of memory\n\'}\n',
+        # a worker's OOM traceback that another of the engine's records follows: not its last word
+        worker_traceback(OOM_LINES[0]) + record("INFO", "Prefill batch: 1 request"),
+    ],
+    ids=["logged-allocator-line", "logged-accelerator-traceback", "logged-request", "not-the-last-word"],
+)
+@pytest.mark.parametrize("runs", [1, 2])
+def test_a_logged_oom_followed_by_an_unrelated_death_is_not_an_oom_stop(target, logged, runs):
+    """Issue 20, item 8 (the attack): OOM-shaped text the engine only logged, then a scheduler
+    worker dies of something else (killed: no traceback of its own), in the same guard run or the
+    next one. The old guard held the line for 120 s and pinned it on that death."""
+    died = record("ERROR", "Backend supervisor: backend worker freetoken-TP0-scheduler exited")
+    if runs == 1:
+        target.journal.write_text(logged + died)
+        target.run()
+    else:
+        target.journal.write_text(logged)
+        target.run()
+        target.journal.write_text(died)
+        target.run()
+    assert "stop freetoken.service" not in target.calls("systemctl")
+    assert not target.state_file.exists()
+
+
+def test_another_workers_death_is_not_pinned_on_an_oom_traceback(target):
+    target.journal.write_text(
+        worker_traceback(OOM_LINES[0])
+        + record("ERROR", "Backend supervisor: backend worker freetoken-TP1-scheduler exited")
+    )
     target.run()
     assert "stop freetoken.service" not in target.calls("systemctl")
 

@@ -320,15 +320,24 @@ def test_nvcc_banner(name):
 @pytest.mark.parametrize("name", OOM_FILES)
 def test_guard_reads_a_real_oom_traceback_line_as_the_engine_s_oom_once_its_worker_died(name):
     """The first line is a traceback's last line as PyTorch prints it; the guard stops the engine
-    for it only together with the engine's own record that the worker died (issue 13)."""
+    for it only as the end of the worker's own traceback, together with the engine's own record
+    that this worker died (issues 13 and 20); the line alone is text."""
     oom_line = read(name).decode("utf-8").splitlines()[0]
     died = (
         "\x1b[1m[2026-01-01|00:00:00|FrontendAPI]\x1b[0m \x1b[31mERROR   \x1b[0m "
         "Backend supervisor: backend worker freetoken-TP0-scheduler exited"
     )
-    found, pending = guard.find_ooms([oom_line])
-    assert (found, pending) == ([], oom_line.strip())
-    found, pending = guard.find_ooms([oom_line, died])
+    block = [
+        "Process freetoken-TP0-scheduler:",
+        "Traceback (most recent call last):",
+        '  File "freetoken/scheduler/scheduler.py", line 318, in run_forever',
+        "    data = self.overlap_loop(data)",
+        oom_line,
+    ]
+    assert guard.find_ooms([oom_line, died]) == ([], None)
+    found, pending = guard.find_ooms(block)
+    assert found == [] and pending == {"worker": "freetoken-TP0-scheduler", "line": oom_line.strip()}
+    found, pending = guard.find_ooms([*block, died])
     assert len(found) == 1 and found[0].startswith(oom_line.strip()) and pending is None
 
 

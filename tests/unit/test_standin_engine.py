@@ -312,6 +312,27 @@ def test_fault_switches_oom_then_crash(engines, tmp_path, model):
     assert e.logs()[1].rstrip().splitlines()[-1].startswith("RuntimeError: CUDA error")
 
 
+def test_fault_oom_in_torch_2_11s_accelerator_shape_is_what_the_guard_stops_for(engines, tmp_path, model):
+    """Both shapes are producible: ``"shape": "accelerator"`` ends the worker's traceback in
+    torch 2.11's AcceleratorError (tests/fixtures/real/torch-2.11-cuda-oom-h200.txt); the guard's
+    reader (operations/scripts/guard.py, find_ooms) finds an OOM death in the stand-in's output."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "operations" / "scripts"))
+    try:
+        import guard
+    finally:
+        sys.path.pop(0)
+    e = start(engines, tmp_path, model, config={"load_seconds": 0.2})
+    e.wait_bound()
+    e.wait_status("ok")
+    assert e.call("/_standin/fault", {"kind": "oom", "shape": "accelerator"})[0] == 200
+    stdout, stderr = e.logs()
+    assert "\ntorch.AcceleratorError: CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'" in stderr
+    # The journal's order: the worker's traceback (stderr), then the supervisor's record (stdout).
+    died = [line for line in stdout.splitlines() if "Backend supervisor: backend worker" in line]
+    found, _ = guard.find_ooms(stderr.splitlines() + died)
+    assert found and found[-1].startswith("torch.AcceleratorError: CUDA error: out of memory"), found
+
+
 def test_fault_exit_turns_health_error_then_exits(engines, tmp_path, model):
     e = start(engines, tmp_path, model, config={"load_seconds": 0.2, "error_exit_delay_s": 1, "fatal_exit": "code"})
     e.wait_bound()

@@ -1,223 +1,188 @@
-"""Issue 13, boundary 5: the LAN model cache is a well-behaved network service.
+"""Issue 13 boundary 5 and issue 20 item 7: the LAN model cache is Debian's nginx, configured by us.
 
-model_cache.py runs as the cache host runs it (a subprocess, system-style interpreter, loopback
-only) and is attacked the way anyone on the LAN could: idle connections by the hundred, control
-characters in the request line, requests for a gated repository without the key.
+What nginx does with slow and idle clients, Range requests and links is tested where nginx runs,
+on the simulated cache host (tests/fleet/test_model.py). Here: what we hand it. The list of
+served files is written by model_cache.py (run as the target runs it: a subprocess, the system-
+style interpreter) from a manifest the download user writes, so it is attacked with a hostile
+manifest and planted links; the key map of a gated cache and the unit are checked for secrets.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from freetoken_infra.core.layout import CACHE_NGINX_CONF, CACHE_RUN_DIR, CACHE_SCRIPT
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
-from operations.model import cache_bind_address, cache_unit
-from tests.loopback import free_port, wait_listening
+from operations.model import cache_bind_address, cache_nginx_conf, cache_unit
+from tests.fleet.standins import hub_repos
 from tests.unit.test_fetch_model import (  # noqa: F401 - fixtures
     ROOT,
     SHARD1,
+    SHARD2,
     SUPPORTED,
     TOKEN,
-    Hub,
     _clean_env,
-    assert_complete,
     complete_model,
     fetch,
     fresh,
     hub,
     model_bytes,
     repos,
-    resolve,
     script_dir,
 )
 
-
-class Cache:
-    """model_cache.py on a free loopback port, with its stderr (the journal) kept."""
-
-    def __init__(self, script_dir: Path, model_dir: Path, *extra: str):
-        shutil.copy(ROOT / "operations" / "scripts" / "model_cache.py", script_dir / "model_cache.py")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = model_dir.parent / f"cache-{self.port}.log"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                str(script_dir / "model_cache.py"),
-                "--dir",
-                str(model_dir),
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                *extra,
-            ],
-            cwd="/",
-            env=_clean_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=self.log.open("w"),
-        )
-        wait_listening(self.port, self.proc, "model_cache.py", self.log)
-
-    def raw(self, request: bytes, timeout: float = 30) -> bytes:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
-            s.sendall(request)
-            chunks = []
-            while True:
-                block = s.recv(65536)
-                if not block:
-                    return b"".join(chunks)
-                chunks.append(block)
-
-    def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        answer = self.raw(f"GET {path} HTTP/1.1\r\nHost: cache\r\n{extra}\r\n".encode())
-        head, _, body = answer.partition(b"\r\n\r\n")
-        return int(head.split(b" ", 2)[1]), body
-
-    def threads(self) -> int:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+COMMIT = hub_repos.REPOS[SUPPORTED]["sha"]
+MANIFEST = ".freetoken-manifest.json"
 
 
-def test_200_idle_connections_do_not_stop_it_answering_nor_take_a_worker_each(script_dir, complete_model):
-    cache = Cache(script_dir, complete_model, "--workers", "4")
-    idle = []
-    try:
-        for _ in range(200):
-            idle.append(socket.create_connection(("127.0.0.1", cache.port), timeout=10))
-        idle[0].sendall(b"GET /hea")  # one more client stuck half-way through its request line
-        want = (complete_model / SHARD1).read_bytes()
-        for _ in range(3):
-            status, body = cache.get(resolve(SHARD1))
-            assert status == 200 and body == want
-        # Waiting connections hold no thread: the pool (4) and the selector thread, not 200.
-        assert cache.threads() <= 4 + 2, cache.threads()
-        assert cache.proc.poll() is None
-    finally:
-        for conn in idle:
-            conn.close()
-        cache.close()
+def model_cache(script_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    shutil.copy(ROOT / "operations" / "scripts" / "model_cache.py", script_dir / "model_cache.py")
+    return subprocess.run(
+        [sys.executable, "-I", str(script_dir / "model_cache.py"), *args],
+        cwd="/",
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
-def test_an_idle_connection_is_closed_after_the_idle_timeout(script_dir, complete_model):
-    cache = Cache(script_dir, complete_model, "--idle-timeout-s", "1")
-    try:
-        with socket.create_connection(("127.0.0.1", cache.port), timeout=20) as conn:
-            assert conn.recv(1) == b""  # closed by the server (a hung server raises a timeout)
-    finally:
-        cache.close()
+def served(conf: str) -> dict[str, str]:
+    """URI -> file of every exact location in a files list (each one checked for its form)."""
+    out = {}
+    for uri, path in re.findall(
+        r'^location = "([^"]*)" \{\n    default_type [^\n]*\n    alias "([^"]*)";\n\}$', conf, re.M
+    ):
+        out[uri] = path
+    return out
 
 
-def test_more_waiting_connections_than_the_limit_close_the_oldest(script_dir, complete_model):
-    cache = Cache(script_dir, complete_model, "--max-connections", "5")
-    try:
-        first = socket.create_connection(("127.0.0.1", cache.port), timeout=20)
-        others = [socket.create_connection(("127.0.0.1", cache.port), timeout=20) for _ in range(5)]
-        assert first.recv(1) == b""
-        assert cache.get("/health")[0] == 200
-        for conn in [first, *others]:
-            conn.close()
-    finally:
-        cache.close()
+def health(conf: str) -> dict:
+    body = re.search(r"^    return 200 '(.*)';$", conf, re.M)
+    assert body, conf
+    return json.loads(body.group(1).replace("\\n", "\n"))
 
 
-def test_a_connection_closed_by_its_client_as_it_is_evicted_does_not_stop_the_cache(script_dir, complete_model):
-    """At the limit, each new connection evicts the oldest waiting one; when that one's client
-    closed it in the same moment, its stale event must not be served (it stopped the cache)."""
-    cache = Cache(script_dir, complete_model, "--max-connections", "1")
-    try:
-        previous = socket.create_connection(("127.0.0.1", cache.port), timeout=20)
-        for _ in range(1000):
-            conn = socket.create_connection(("127.0.0.1", cache.port), timeout=20)
-            previous.close()
-            previous = conn
-        previous.close()
-        assert cache.get("/health")[0] == 200
-        assert cache.proc.poll() is None, cache.log.read_text()[-2000:]
-    finally:
-        cache.close()
+# Every line model_cache.py may write: anything else would be nginx configuration of someone's
+# choosing (a name from the manifest ending a string, a block or a directive).
+_LINE = re.compile(
+    r"#[^\n]*|location = /health \{|    default_type application/(json|octet-stream);|    return 200 \'\{[^\'\\$;]*\}\\n\';"
+    r'|location = "/[A-Za-z0-9._+\-=,@/]+" \{|    alias "/[A-Za-z0-9._+\-=,@/]+";|\}'
+)
 
 
-def test_log_lines_escape_control_characters(script_dir, complete_model):
-    cache = Cache(script_dir, complete_model)
-    try:
-        cache.raw(b"GET /\x1b[31mred\x07/\x85x HTTP/1.0\r\n\r\n")
-        cache.raw(b"GET /a\rforged HTTP/1.0\r\n\r\n")
-    finally:
-        cache.close()
-    log = cache.log.read_bytes()
-    assert b"\x1b" not in log and b"\x07" not in log and b"\r" not in log, log
-    assert b"\\x1b[31mred\\x07" in log, log
-    # one line per request (and the start line): nothing split a record
-    assert all(line.startswith((b"model_cache: ", b"127.0.0.1 ")) for line in log.splitlines()), log
+def assert_only_our_forms(conf: str) -> None:
+    for line in conf.splitlines():
+        assert _LINE.fullmatch(line), line
 
 
-def _gated_cache(script_dir: Path, model_dir: Path, tmp_path: Path) -> tuple[Cache, Path]:
-    token_file = tmp_path / "hub-token"
-    token_file.write_text(TOKEN + "\n")
-    os.chmod(token_file, 0o600)
-    return Cache(script_dir, model_dir, "--token-file", str(token_file)), token_file
+def test_the_list_names_every_verified_file_under_the_commit_and_the_revision(script_dir, repos, complete_model):
+    run = model_cache(script_dir, "files", "--dir", str(complete_model))
+    assert run.returncode == 0, run.stderr
+    assert_only_our_forms(run.stdout)
+    names = model_bytes(repos)
+    want = {f"/{SUPPORTED}/resolve/{rev}/{n}": f"{complete_model}/{n}" for rev in (COMMIT, "main") for n in names}
+    assert served(run.stdout) == want
+    assert health(run.stdout) == {
+        "repo": SUPPORTED,
+        "commit": COMMIT,
+        "revision": "main",
+        "complete": True,
+        "files": len(names),
+    }
 
 
-def test_a_gated_cache_serves_nobody_without_the_key(script_dir, complete_model, tmp_path):
+def test_a_hostile_manifest_and_planted_links_do_not_reach_nginx(script_dir, complete_model, tmp_path):
+    """The download user writes the model folder and its manifest: it lists names that would end
+    nginx's string or block (a quote, ``$``, ``;``, ``}``, a newline), its own partial files and
+    manifest, a path out of the folder, and swaps a verified file for a link to a secret with the
+    same size and mtime. None of it is served; the verified files still are."""
+    secret = tmp_path / "engine-key"
+    secret.write_text("x" * 10)
+    manifest = json.loads((complete_model / MANIFEST).read_text())
+    victim = complete_model / SHARD2
+    st = victim.stat()
+    victim.unlink()
+    victim.symlink_to(secret)
+    os.utime(secret, ns=(st.st_atime_ns, st.st_mtime_ns))
+    manifest["files"][SHARD2] = {**manifest["files"][SHARD2], "size": 10, "mtime_ns": st.st_mtime_ns}
+    hostile = [
+        'a" { return 200 "pwned"; } location = "/x',
+        "b$uri",
+        "c;d",
+        "e}",
+        "f\nlocation /",
+        ".partial/x.part",
+        MANIFEST,
+        "../../etc/passwd",
+        "g/../../h",
+        "i\\x",
+    ]
+    for name in hostile:
+        manifest["files"][name] = {"size": 1, "mtime_ns": 1, "sha256": "0" * 64}
+    (complete_model / MANIFEST).write_text(json.dumps(manifest))
+    run = model_cache(script_dir, "files", "--dir", str(complete_model))
+    assert run.returncode == 0, run.stderr
+    assert_only_our_forms(run.stdout)
+    files = {uri.rsplit("/", 1)[1] for uri in served(run.stdout)}
+    assert SHARD1 in files and SHARD2 not in files
+    assert not any(name.rsplit("/", 1)[-1] in files for name in hostile)
+    assert health(run.stdout)["complete"] is False
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("repo", 'o/n"; }'), ("repo", "o/n/x"), ("commit", "main$x"), ("revision", "ma in"), ("revision", "a/b")],
+)
+def test_a_hostile_repo_or_revision_in_the_manifest_is_not_served_under(script_dir, complete_model, field, value):
+    manifest = json.loads((complete_model / MANIFEST).read_text())
+    manifest[field] = value
+    (complete_model / MANIFEST).write_text(json.dumps(manifest))
+    run = model_cache(script_dir, "files", "--dir", str(complete_model))
+    assert run.returncode == 0, run.stderr
+    assert_only_our_forms(run.stdout)
+    assert value not in run.stdout
+    if field == "revision":  # the commit still names the same verified files
+        assert all(f"/resolve/{COMMIT}/" in uri for uri in served(run.stdout))
+
+
+def test_an_empty_or_missing_model_serves_only_health(script_dir, tmp_path):
+    run = model_cache(script_dir, "files", "--dir", str(tmp_path / "none"))
+    assert run.returncode == 0, run.stderr
+    assert served(run.stdout) == {} and health(run.stdout)["complete"] is False
+
+
+def test_the_key_map_holds_the_derived_key_never_the_token(script_dir, tmp_path):
     sys.path.insert(0, str(ROOT / "operations" / "scripts"))
     try:
         import fetch_model
-        import model_cache
+        import model_cache as cache_script
     finally:
         sys.path.pop(0)
-    key = model_cache.cache_token(TOKEN)
+    key = cache_script.cache_token(TOKEN)
     assert key == fetch_model.cache_token(TOKEN) and TOKEN not in key
-    cache, _ = _gated_cache(script_dir, complete_model, tmp_path)
-    try:
-        for headers in (
-            None,
-            {"X-FreeToken-Cache-Token": "guess"},
-            {"Authorization": f"Bearer {TOKEN}"},
-            {"X-FreeToken-Cache-Token": TOKEN},
-        ):
-            for path in (resolve(SHARD1), "/health"):
-                assert cache.get(path, headers)[0] == 401, (path, headers)
-        status, body = cache.get(resolve(SHARD1), {"X-FreeToken-Cache-Token": key})
-        assert status == 200 and body == (complete_model / SHARD1).read_bytes()
-    finally:
-        cache.close()
-    assert TOKEN not in cache.log.read_text() and key not in cache.log.read_text()
-
-
-def test_a_fetcher_with_the_hub_token_reads_a_gated_cache(script_dir, repos, complete_model, tmp_path):
-    """The fleet's hosts all hold the hub token: they get every byte from the gated cache and
-    the upstream hub serves nothing but the listing."""
-    cache, token_file = _gated_cache(script_dir, complete_model, tmp_path)
-    gated = Hub(repos, token_file=token_file)
-    try:
-        run = fetch(script_dir, gated.url, tmp_path / "host2", "--token-file", str(token_file), "--source", cache.url)
-        assert run.rc == 0, run.stderr
-        assert_complete(tmp_path / "host2", repos)
-        assert gated.stats()["bytes_sent"] == 0, gated.stats()
-        # Without the token the same source answers 401 to everything: nothing from the cache.
-        denied = fetch(script_dir, gated.url, tmp_path / "host3", "--source", cache.url)
-        assert denied.rc != 0
-        assert not (tmp_path / "host3" / SHARD1).exists()
-    finally:
-        gated.close()
-        cache.close()
+    credential = tmp_path / "hub-token"
+    credential.write_text(TOKEN + "\n")
+    run = model_cache(script_dir, "token", str(credential))
+    assert run.returncode == 0, run.stderr
+    assert TOKEN not in run.stdout
+    assert run.stdout.splitlines()[1:] == [
+        "map $http_x_freetoken_cache_token $cache_token_ok {",
+        "    default 0;",
+        f'    "{key}" 1;',
+        "}",
+    ]
+    credential.write_text("\n")
+    empty = model_cache(script_dir, "token", str(credential))
+    assert empty.returncode != 0 and "is empty" in empty.stderr and empty.stdout == ""
 
 
 # --------------------------------------------------------------------------- the unit
@@ -231,31 +196,50 @@ def test_the_unit_binds_where_the_fleet_reaches_the_host_never_everywhere():
     assert cache_bind_address(s, "ws1", "localhost") in ("127.0.0.1", "::1")
     pinned = Settings(model_cache_host="ws1", model_cache_bind="192.168.1.20")
     assert cache_bind_address(pinned, "ws1", "10.213.0.11") == "192.168.1.20"
+    conf = cache_nginx_conf(s, "10.213.0.11")
+    assert re.findall(r"^\s*listen .*$", conf, re.M) == ["        listen 10.213.0.11:8090;"]
+    assert "listen [fd00::11]:8090;" in cache_nginx_conf(s, "fd00::11")
     unit = cache_unit(s, "10.213.0.11")
-    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
-    assert "--bind 10.213.0.11 " in exec_start and "0.0.0.0" not in unit
-    assert "LoadCredential" not in unit and "--token-file" not in unit
+    assert f"ExecStart=/usr/sbin/nginx -e stderr -c {CACHE_NGINX_CONF}" in unit.splitlines()
+    assert "LoadCredential" not in unit and " token " not in unit and "cache_token_ok" not in conf
 
 
-def test_a_gated_repositorys_cache_unit_gets_the_token_as_a_credential_never_in_argv():
+def test_nginx_is_told_to_cut_slow_clients_and_never_follow_links():
+    conf = cache_nginx_conf(Settings(model_cache_host="ws1", service_user="freetoken"), "10.213.0.11")
+    for line in (
+        "user freetoken freetoken;",  # workers: the service user, which only reads the model
+        "disable_symlinks on;",
+        "client_header_timeout 10s;",
+        "keepalive_timeout 10s;",
+        "send_timeout 30s;",
+        "worker_connections 4096;",
+        "limit_conn per_client 32;",
+        "sendfile on;",
+        f"include {CACHE_RUN_DIR}/files.conf;",
+    ):
+        assert re.search(rf"^\s*{re.escape(line)}$", conf, re.M), line
+
+
+def test_a_gated_repositorys_cache_gets_the_token_as_a_credential_and_its_key_in_a_root_only_file():
     s = Settings(model_cache_host="ws1", hub_token_file="/etc/freetoken/hub-token")
-    unit = cache_unit(s, "10.213.0.11")
-    assert "LoadCredential=hub-token:/etc/freetoken/hub-token" in unit.splitlines()
-    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
-    assert exec_start.endswith(" --token-file %d/hub-token")
+    unit = cache_unit(s, "10.213.0.11").splitlines()
+    assert "LoadCredential=hub-token:/etc/freetoken/hub-token" in unit
+    assert f"RuntimeDirectory={CACHE_RUN_DIR.rsplit('/', 1)[1]}" in unit and "RuntimeDirectoryMode=0700" in unit
+    token_line = next(line for line in unit if " token " in line)
+    assert token_line == (
+        'ExecStartPre=/bin/sh -c "umask 077 && /usr/bin/python3 -I '
+        f'{CACHE_SCRIPT} token %d/hub-token > {CACHE_RUN_DIR}/token.conf"'
+    )
+    assert not any(line.startswith("User=") for line in unit)  # the master reads it as root
+    # The model folder is read by the service user, never by root.
+    files_line = next(line for line in unit if line.startswith("ExecStartPre=") and " files " in line)
+    assert "setpriv --reuid=freetoken --regid=freetoken --clear-groups -- /usr/bin/python3 -I" in files_line
+    conf = cache_nginx_conf(s, "10.213.0.11")
+    assert f"include {CACHE_RUN_DIR}/token.conf;" in conf and "if ($cache_token_ok = 0) {" in conf
+    assert "hub-token" not in conf
 
 
 @pytest.mark.parametrize("bad", ["every", "10.0.0.1; id", "10.0.0.300"])
 def test_the_bind_setting_is_an_address(bad):
     with pytest.raises(SettingsError, match="model_cache_bind"):
         build_settings("ws1", {"model_cache_bind": bad})
-
-
-def test_health_still_answers_for_an_ungated_cache(script_dir, repos, complete_model):
-    cache = Cache(script_dir, complete_model)
-    try:
-        status, body = cache.get("/health")
-        assert status == 200 and json.loads(body)["files"] == len(model_bytes(repos))
-    finally:
-        cache.close()
-    assert SUPPORTED

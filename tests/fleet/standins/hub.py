@@ -29,7 +29,9 @@ written by ``hub_repos.py`` over the same HTTP endpoints, headers and error form
 Switches for fault tests and benchmarks (same server, under ``/_standin/``):
   ``POST /_standin/cut`` ``{"after_bytes": N, "times": 1}`` - the next ``times`` file transfers
   close the connection after N body bytes; ``POST /_standin/throttle`` ``{"bytes_per_s": N}``
-  (0 = unlimited) - pace file bodies; ``GET /_standin/stats`` -> ``{"bytes_sent", "by_file":
+  (0 = unlimited) - pace file bodies; ``POST /_standin/listing`` ``{"sizes": {"file": N}}`` - a
+  hostile listing: the API (siblings and tree) lists these sizes (negative, a float, a string)
+  instead of the files' real ones; ``GET /_standin/stats`` -> ``{"bytes_sent", "by_file":
   {"repo/file": bytes}, "requests"}``; ``POST /_standin/reset`` clears stats and switches.
 
 One log line per request goes to stderr (never the Authorization header or token).
@@ -132,6 +134,11 @@ class State:
             self.cut_after: int | None = None
             self.cut_times = 0
             self.bytes_per_s = 0.0
+            self.listed_sizes: dict[str, object] = {}  # a hostile listing's sizes, by file name
+
+    def listed_size(self, name: str, real: int) -> object:
+        with self.lock:
+            return self.listed_sizes.get(name, real)
 
     def take_cut(self) -> int | None:
         with self.lock:
@@ -252,10 +259,11 @@ class Handler(BaseHTTPRequestHandler):
             entry = repo.files[name]
             sib = {"rfilename": name}
             if blobs:
-                sib["size"] = entry.size
+                size = self.state.listed_size(name, entry.size)
+                sib["size"] = size
                 sib["blobId"] = entry.oid
                 if entry.is_lfs:
-                    sib["lfs"] = {"sha256": entry.sha256, "size": entry.size, "pointerSize": entry.pointer_size}
+                    sib["lfs"] = {"sha256": entry.sha256, "size": size, "pointerSize": entry.pointer_size}
             siblings.append(sib)
         used = sum(e.size for e in repo.files.values())
         info = {
@@ -297,9 +305,10 @@ class Handler(BaseHTTPRequestHandler):
                     out.append({"type": "directory", "oid": git_blob_sha1(d.encode()), "size": 0, "path": d})
                 continue
             entry = repo.files[name]
-            item = {"type": "file", "oid": entry.oid, "size": entry.size, "path": name}
+            size = self.state.listed_size(name, entry.size)
+            item = {"type": "file", "oid": entry.oid, "size": size, "path": name}
             if entry.is_lfs:
-                item["lfs"] = {"oid": entry.sha256, "size": entry.size, "pointerSize": entry.pointer_size}
+                item["lfs"] = {"oid": entry.sha256, "size": size, "pointerSize": entry.pointer_size}
             out.append(item)
         if prefix and not out:
             return self._error(404, "EntryNotFound", f"{prefix} does not exist", head=head)
@@ -415,6 +424,13 @@ class Handler(BaseHTTPRequestHandler):
                 with st.lock:
                     st.bytes_per_s = max(0.0, bps)
                 return self._send_json(200, {"ok": True, "bytes_per_s": st.bytes_per_s})
+            if path == "/_standin/listing":
+                sizes = body["sizes"]
+                if not isinstance(sizes, dict):
+                    raise ValueError("sizes must be an object of file name -> listed size")
+                with st.lock:
+                    st.listed_sizes = dict(sizes)
+                return self._send_json(200, {"ok": True, "sizes": sizes})
         except (KeyError, ValueError, TypeError) as exc:
             return self._error(400, None, f"bad request: {exc}")
         self._error(404, None, "Not Found")

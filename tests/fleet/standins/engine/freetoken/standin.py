@@ -44,7 +44,8 @@ Fault switches: ``POST /_standin/fault`` ``{"kind": "crash"|"exit"|"oom"|"swap"|
 clients only; API key required when one is set): crash = the process dies at once with a worker
 traceback and exit code 1 (no health error); exit = backend death: health error, then exit
 after the delay; oom = a scheduler worker dies of CUDA OOM while serving: its traceback (the field
-report's OOM line, naming the host's GPU: config ``gpu_total_mib``, ``gpu_free_mib``) on stderr,
+report's OOM line, naming the host's GPU: config ``gpu_total_mib``, ``gpu_free_mib``; with
+``"shape": "accelerator"`` torch 2.11's ``torch.AcceleratorError: CUDA error: out of memory``) on stderr,
 then the backend death as for exit (ERROR "Backend supervisor: backend worker ... exited"); swap
 (``"mib_per_s"`` optional, default config ``swap_mib_per_s``) = the host's swap use grows at that
 pace up to SwapTotal for as long as this process lives and falls back when it ends, as a real
@@ -98,6 +99,18 @@ OOM_LINE = (
     "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
     "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+
+# torch >= 2.11 raises a raw CUDA allocation failure as torch.AcceleratorError; its message goes
+# on over four lines (captured on an H200: tests/fixtures/real/torch-2.11-cuda-oom-h200.txt).
+ACCELERATOR_OOM = (
+    "torch.AcceleratorError: CUDA error: out of memory\n"
+    "Search for `cudaErrorMemoryAllocation' in "
+    "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below "
+    "might be incorrect.\n"
+    "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
 )
 
 
@@ -413,19 +426,24 @@ class Engine:
             self.worker_traceback(exc)
         os._exit(1)
 
-    def oom(self) -> None:
+    def oom(self, shape: str = "allocator") -> None:
         """A CUDA OOM in the scheduler worker while serving, as the real 0.2.1 shows it: the
         worker (multiprocessing, name freetoken-TP0-scheduler; Scheduler.run_forever catches
         nothing) prints its traceback to stderr and dies; the API server's supervisor logs
         ERROR "Backend supervisor: backend worker <name> exited", /health turns error and the
-        process stops after the grace (server/supervisor.py, server/api_server.py)."""
+        process stops after the grace (server/supervisor.py, server/api_server.py). ``shape``:
+        "allocator" ends the traceback in the caching allocator's torch.OutOfMemoryError (the
+        field report's line), "accelerator" in torch 2.11's raw allocation failure,
+        torch.AcceleratorError, with the four further lines of its message (ACCELERATOR_OOM)."""
+        if shape == "accelerator":
+            last = ACCELERATOR_OOM
+        else:
+            last = OOM_LINE.format(total_gib=self.cfg["gpu_total_mib"] / 1024, free_gib=self.cfg["gpu_free_mib"] / 1024)
         sys.stderr.write(
             "Process freetoken-TP0-scheduler:\n"
             "Traceback (most recent call last):\n"
             '  File "freetoken/moe/offload.py", line 412, in _alloc_slot\n'
-            "    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)\n"
-            + OOM_LINE.format(total_gib=self.cfg["gpu_total_mib"] / 1024, free_gib=self.cfg["gpu_free_mib"] / 1024)
-            + "\n"
+            "    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)\n" + last + "\n"
         )
         sys.stderr.flush()
         self.backend_died("backend worker freetoken-TP0-scheduler exited")
@@ -593,7 +611,7 @@ class Handler(BaseHTTPRequestHandler):
                 f"backend worker freetoken-TP0-scheduler (pid {os.getpid() + 1}) exited unexpectedly with code -9"
             )
         elif kind == "oom":
-            self.engine.oom()
+            self.engine.oom("accelerator" if body.get("shape") == "accelerator" else "allocator")
         elif kind == "wrong":
             self.engine.cfg["wrong_answers"] = True
         self._json(200, {"ok": True, "kind": kind})
