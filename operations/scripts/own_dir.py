@@ -71,7 +71,7 @@ def _set(fd: int, shown: str, uid: int, gid: int, mode: int, changes: list[str])
         changes.append(f"{shown}: mode {now:o} -> {mode:o}")
 
 
-def ensure(path: str, uid: int, gid: int, mode: int, reclaim: set[int], changes: list[str]) -> int:
+def ensure(path: str, uid: int, gid: int, mode: int, reclaim: tuple[set[int], set[int]], changes: list[str]) -> int:
     """The leaf's descriptor, after every component is in place (see the module's text)."""
     parts = [p for p in path.split("/") if p]
     if not path.startswith("/") or not parts or any(p in (".", "..") for p in parts):
@@ -97,8 +97,10 @@ def ensure(path: str, uid: int, gid: int, mode: int, reclaim: set[int], changes:
         elif created:
             changes.append(f"{shown}: created")
             _set(fd, shown, 0, 0, 0o755, [])
-        elif os.fstat(fd).st_uid in reclaim:
-            _set(fd, shown, 0, 0, 0o755, changes)
+        else:
+            st = os.fstat(fd)
+            if st.st_uid in reclaim[0] or st.st_gid in reclaim[1]:
+                _set(fd, shown, 0, 0, 0o755, changes)
     return fd
 
 
@@ -146,16 +148,22 @@ def main(argv: list[str] | None = None) -> int:
         return NEED_ROOT
     uid = pwd.getpwnam(args.owner).pw_uid
     gid = grp.getgrnam(args.group).gr_gid
-    reclaim = set()
+    # A reclaimed user's folders, and folders of its own group (an earlier layout set both).
+    uids, gids = set(), set()
     for name in args.reclaim:
         try:
-            reclaim.add(pwd.getpwnam(name).pw_uid)
+            uids.add(pwd.getpwnam(name).pw_uid)
         except KeyError:
             pass
-    reclaim.discard(0)
+        try:
+            gids.add(grp.getgrnam(name).gr_gid)
+        except KeyError:
+            pass
+    uids.discard(0)
+    gids.discard(0)
     changes: list[str] = []
     try:
-        fd = ensure(args.path, uid, gid, int(args.mode, 8), reclaim, changes)
+        fd = ensure(args.path, uid, gid, int(args.mode, 8), (uids, gids), changes)
     except Refused as exc:
         print(f"own_dir.py: {exc}", file=sys.stderr)
         return REFUSED
