@@ -305,7 +305,8 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
     Install the model downloader: ``fetch_model.py`` and ``quant.py`` under
     ``/usr/local/lib/freetoken/``, its own user (``fetch_user``), the model and status folders
     owned by that user (made without following links; what an earlier layout left owned by the
-    engine's user is re-owned, not downloaded again), and ``freetoken-model-fetch.service`` (oneshot, not enabled: ``model_present`` starts it).
+    engine's user is re-owned, not downloaded again), and ``freetoken-model-fetch.service``
+    (oneshot, not enabled: ``model_present`` starts it).
     Yields nothing when all of it is in place.
 
     + settings: the host's ``Settings``; uses ``model_repo``, ``model_revision``, ``model_dir``,
