@@ -225,6 +225,8 @@ def test_an_old_layout_host_migrates_without_a_download_and_a_swap_at_the_worst_
     finally:
         sim_fleet.run(HOST, "systemctl stop ft-attacker.service; systemctl reset-failed ft-attacker.service")
     attacker = sim_fleet.run(HOST, "journalctl -u ft-attacker --no-pager -o cat | tail -3").stdout
+    print(f"the attacker: {attacker.strip()!r}; the run exited {run.returncode}")
+    assert "swapped" in attacker or "swap refused" in attacker, f"the attacker never saw root's fact read: {attacker}"
     assert stat(sim_fleet, TARGET_DIR) == before == ["root", "root", "700"], (
         f"root re-owned the link's target\n{attacker}"
     )
