@@ -255,8 +255,10 @@ PLANTED_MARK = "/etc/ft-planted-keyring"
 
 def test_a_keyring_package_planted_in_the_engines_cache_is_never_installed(sim_fleet, converged):
     """Item 9: the old step installed whatever file was at PLANTED_DEB (skipping the download)."""
+    # (the old deploy left its own download there, root's, in the engine's folder: the engine's
+    # user cannot write that file, but may remove it and put its own in its place)
     build = (
-        f"d=$(mktemp -d) && mkdir -p $d/pkg/DEBIAN $d/pkg/etc && echo planted > $d/pkg{PLANTED_MARK} && "
+        f"rm -f {PLANTED_DEB} && d=$(mktemp -d) && mkdir -p $d/pkg/DEBIAN $d/pkg/etc && echo planted > $d/pkg{PLANTED_MARK} && "
         "printf 'Package: cuda-keyring\\nVersion: 9.9-1\\nArchitecture: all\\nMaintainer: x <x@x>\\n"
         "Description: planted\\n' > $d/pkg/DEBIAN/control && "
         f"dpkg-deb --root-owner-group --build $d/pkg {PLANTED_DEB} >/dev/null && rm -rf $d"
