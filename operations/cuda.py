@@ -28,6 +28,19 @@ def sources_line(settings: Settings) -> str:
     return f"deb [signed-by={CUDA_KEYRING}] {settings.cuda_repo_url} /\n"
 
 
+def keyring_install_command(settings: Settings) -> str:
+    """Download NVIDIA's keyring package into a fresh root-only folder (``mktemp -d``: 0700,
+    a new random name), install it and remove the folder, whatever happened. Never a fixed path
+    another user can write (the engine's cache was one: a file already there was installed
+    as it was, issue 20 item 9), and never a file from an earlier run."""
+    url = shlex.quote(str(settings.cuda_keyring_url))
+    return (
+        "d=$(umask 077 && mktemp -d) && "
+        f'{{ curl -fsSL --retry 3 -o "$d/cuda-keyring.deb" -- {url} && dpkg -i "$d/cuda-keyring.deb"; '
+        'rc=$?; rm -rf -- "$d"; exit $rc; }'
+    )
+
+
 def pin_text() -> str:
     return (
         "# freetoken-infra: inside WSL the Windows NVIDIA driver is the driver; a Linux\n"
@@ -78,10 +91,7 @@ def repository(settings: Settings):
     installed = host.get_fact(DebPackages) or {}
     changed = False
     if "cuda-keyring" not in installed:
-        deb = "/var/cache/freetoken/cuda-keyring.deb"
-        yield from files.directory._inner(path="/var/cache/freetoken")
-        yield from files.download._inner(src=str(settings.cuda_keyring_url), dest=deb)
-        yield f"dpkg -i {shlex.quote(deb)}"
+        yield keyring_install_command(settings)
         changed = True
     sources = host.get_fact(AptSourceFiles) or {}
     for path, content in sources.items():

@@ -19,13 +19,13 @@ import shlex
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.files import File
-from pyinfra.operations import files, server
+from pyinfra.operations import files
 
-from facts.account import Account
 from facts.engine import EngineInstall
 from facts.files import FileText
 from freetoken_infra.core.layout import DEPLOY_STATE_DIR, DEPLOY_STATE_MODE, HostLayout
 from freetoken_infra.core.settings import Settings
+from operations import ownership
 
 PIP_CONF_MODE = "600"
 
@@ -57,36 +57,28 @@ def previous_version(installed, settings: Settings) -> str | None:
     return None
 
 
-SERVICE_SHELL = "/usr/sbin/nologin"
-
-
 @operation()
 def service_user(settings: Settings):
     """
-    The engine's system user and its directories: state (model, kernel caches) owned
-    by it, configuration and root's own state (``DEPLOY_STATE_DIR``: the gate's last result,
-    the guard's state) owned by root, so that nothing root writes sits where the engine can
-    plant a link.
+    The engine's system user and the folders root keeps: ``cache_dir`` (the only folder the
+    engine writes: its kernel caches, ``HOME`` and working directory) owned by it; ``state_dir``
+    (where the model lives, written by the download's own user), ``config_dir`` and root's own
+    state (``DEPLOY_STATE_DIR``) owned by root. Every folder is made by ``own_dir.py``, which
+    follows no link; a folder above one of them that an earlier layout gave to the engine's
+    user goes back to root.
 
-    + settings: the host's Settings (service_user, state_dir, cache_dir, config_dir)
+    + settings: the host's Settings (service_user, fetch_user, state_dir, cache_dir, config_dir)
     """
-    # pyinfra's server.user reads every account (its Users fact runs lastlog for each): asked
-    # only when this one is missing or differs in what it manages here.
-    account = host.get_fact(Account, account=settings.service_user)
-    if account is None or (account["home"], account["shell"]) != (settings.state_dir, SERVICE_SHELL):
-        yield from server.user._inner(
-            user=settings.service_user,
-            system=True,
-            home=settings.state_dir,
-            shell=SERVICE_SHELL,
-            ensure_home=False,
-        )
-    for path in (settings.state_dir, settings.cache_dir, settings.model_dir.rsplit("/", 1)[0]):
-        yield from files.directory._inner(
-            path=path, user=settings.service_user, group=settings.service_user, mode="755"
-        )
-    yield from files.directory._inner(path=settings.config_dir, user="root", group="root", mode="755")
-    yield from files.directory._inner(path=DEPLOY_STATE_DIR, user="root", group="root", mode=DEPLOY_STATE_MODE)
+    # Its passwd home stays state_dir (usermod refuses to move the home of a user with running
+    # processes); the unit's environment sets HOME to cache_dir, the folder it may write.
+    yield from ownership.system_account(settings.service_user, home=settings.state_dir)
+    yield from ownership.upload_script()
+    reclaim = (settings.service_user, settings.fetch_user)
+    user = settings.service_user
+    yield from ownership.owned_dir(settings.state_dir, "root", "root", "755", reclaim)
+    yield from ownership.owned_dir(settings.cache_dir, user, user, "755", reclaim)
+    yield from ownership.owned_dir(settings.config_dir, "root", "root", "755", reclaim)
+    yield from ownership.owned_dir(DEPLOY_STATE_DIR, "root", "root", DEPLOY_STATE_MODE, reclaim)
 
 
 @operation()

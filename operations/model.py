@@ -2,7 +2,8 @@
 The model: a verified, resumable download into ``settings.model_dir``.
 
 The download runs on the target as ``freetoken-model-fetch.service`` (a oneshot running
-``scripts/fetch_model.py`` as the service user), never as a command of the SSH session: a
+``scripts/fetch_model.py`` as its own user, ``fetch_user``, who alone writes the model: the
+engine's user only reads it), never as a command of the SSH session: a
 22 GB fetch must outlive the connection that started it (field report, pitfall 4A), and a
 re-run of the deploy simply waits on the same unit. The script refuses an unsupported
 quantisation (pitfall 2) and a full disk before any weight byte, resumes with HTTP Range,
@@ -45,6 +46,7 @@ from freetoken_infra.core.layout import (
 )
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.text import printable
+from operations import ownership
 
 TOKEN_CREDENTIAL = "hub-token"
 JOURNAL_LINES = 20
@@ -79,7 +81,7 @@ _REFUSAL_EXIT_CODES = (3, 4)
 
 
 def fetch_status_dir(settings: Settings) -> str:
-    """Owned by the service user: the fetcher rewrites its status file there atomically."""
+    """Owned by ``fetch_user``: the fetcher rewrites its status file there atomically."""
     return HostLayout.of(settings).fetch_status_dir
 
 
@@ -92,12 +94,12 @@ def reverify_request_file(settings: Settings) -> str:
     return HostLayout.of(settings).reverify_request_file
 
 
-def as_service_user(settings: Settings, *argv: str) -> str:
-    """A shell command running ``argv`` as the service user, not as root: what root does in a
-    folder the service user owns (touch the re-verify request, read or remove the fetcher's
-    status) must not follow a link that user planted there to a file of its choosing.
+def as_fetch_user(settings: Settings, *argv: str) -> str:
+    """A shell command running ``argv`` as the download's user, not as root: what root does in a
+    folder that user owns (touch the re-verify request, read or remove the fetcher's status)
+    must not follow a link planted there to a file of its choosing.
     ``setpriv`` (util-linux) changes the ids without a PAM session or a login shell."""
-    user = shlex.quote(settings.service_user)
+    user = shlex.quote(settings.fetch_user)
     return " ".join([f"setpriv --reuid={user} --regid={user} --clear-groups --", *(shlex.quote(a) for a in argv)])
 
 
@@ -302,11 +304,13 @@ def cache_unit(settings: Settings, bind: str) -> str:
     into the unit's runtime folder (0700, the file 0600), and nginx's master reads it at start;
     no secret is in an argument or a world-readable file."""
     run = CACHE_RUN_DIR
-    user = shlex.quote(settings.service_user)
-    # The manifest lies in a folder the downloader writes: read by the service user, never root.
+    # The manifest lies in a folder the downloader writes: read by the download's user, never
+    # root. Not by the engine's user either: what this prints is configuration nginx's master
+    # (root) parses, and a process of the engine's user could be traced and made to print
+    # something else.
     files = (
-        f"setpriv --reuid={user} --regid={user} --clear-groups -- /usr/bin/python3 -I {CACHE_SCRIPT} files "
-        f"--dir {shlex.quote(settings.model_dir)} > {run}/files.conf.new && mv -f {run}/files.conf.new {run}/files.conf"
+        as_fetch_user(settings, "/usr/bin/python3", "-I", CACHE_SCRIPT, "files", "--dir", settings.model_dir)
+        + f" > {run}/files.conf.new && mv -f {run}/files.conf.new {run}/files.conf"
     )
     pre = [f"ExecStartPre=/bin/sh -c {unit_word(files)}"]
     token_lines = []
@@ -363,8 +367,10 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
         "",
         "[Service]",
         "Type=oneshot",
-        f"User={settings.service_user}",
-        f"Group={settings.service_user}",
+        # Its own user: the only one that writes the model; the engine's user only reads it.
+        f"User={settings.fetch_user}",
+        f"Group={settings.fetch_user}",
+        "UMask=0022",
     ]
     if settings.hub_token_file:
         # systemd hands the service a private copy of the root-only token file (%d is the
@@ -391,6 +397,9 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
         "PrivateTmp=yes",
         "ProtectSystem=strict",
         "ProtectHome=read-only",
+        # It downloads from the network: it sees no other user's processes (root's commands).
+        "ProtectProc=invisible",
+        "ProcSubset=pid",
         f"ReadWritePaths={unit_word(settings.model_dir, variables=False)} "
         f"{unit_word(fetch_status_dir(settings), variables=False)}",
         "",
@@ -402,14 +411,17 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
 def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
     """
     Install the model downloader: ``fetch_model.py`` and ``quant.py`` under
-    ``/usr/local/lib/freetoken/``, the model and status folders owned by the service user, and
-    ``freetoken-model-fetch.service`` (oneshot, not enabled: ``model_present`` starts it).
+    ``/usr/local/lib/freetoken/``, its own user (``fetch_user``), the model and status folders
+    owned by that user (made without following links; what an earlier layout left owned by the
+    engine's user is re-owned, not downloaded again), and ``freetoken-model-fetch.service``
+    (oneshot, not enabled: ``model_present`` starts it).
     Yields nothing when all of it is in place.
 
     + settings: the host's ``Settings``; uses ``model_repo``, ``model_revision``, ``model_dir``,
       ``hub_endpoint`` (a mirror works), ``hub_token_file`` (a root-only file on the target,
       handed to the unit through ``LoadCredential=``), ``hub_disable_xet``, ``disk_margin_gb``,
-      ``service_user`` (must exist) and ``state_dir`` (status file in ``state_dir/model-fetch/``)
+      ``fetch_user`` (created here), ``service_user`` (whose files from an earlier layout are
+      re-owned) and ``state_dir`` (status file in ``state_dir/model-fetch/``)
     + sources: LAN caches speaking the hub's endpoints, tried before ``hub_endpoint``; their
       bytes are verified against the upstream listing, so a wrong cache cannot poison a host
 
@@ -435,9 +447,12 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
             mode="644",
             add_deploy_dir=False,
         )
-    user = settings.service_user
-    yield from files.directory._inner(path=settings.model_dir, user=user, group=user, mode="755")
-    yield from files.directory._inner(path=fetch_status_dir(settings), user=user, group=user, mode="755")
+    user = settings.fetch_user
+    yield from ownership.system_account(user, home=settings.state_dir)
+    yield from ownership.upload_script()
+    reclaim = (settings.service_user, user)
+    for path in (settings.model_dir, fetch_status_dir(settings)):
+        yield from ownership.owned_dir(path, user, user, "755", reclaim, adopt_from=settings.service_user)
 
     env_file = fetch_env_path(settings)
     if endpoint_has_credentials(settings):  # read by systemd as root, before the unit's User=
@@ -588,7 +603,7 @@ def _probe_command(settings: Settings) -> str:
     return (
         f"systemctl show {FETCH_UNIT} -p ActiveState -p Result -p ExecMainStatus; "
         f"echo jobs=$(systemctl list-jobs --no-legend {FETCH_UNIT} 2>/dev/null | wc -l); "
-        f"{as_service_user(settings, 'cat', fetch_status_file(settings))} 2>/dev/null || true"
+        f"{as_fetch_user(settings, 'cat', fetch_status_file(settings))} 2>/dev/null || true"
     )
 
 
@@ -622,7 +637,7 @@ def wait_for_fetch(
     status_file = fetch_status_file(settings)
     # A finished earlier run's status must not be read as this run's result.
     start = (
-        f"systemctl is-active -q {FETCH_UNIT} || {as_service_user(settings, 'rm', '-f', status_file)}; "
+        f"systemctl is-active -q {FETCH_UNIT} || {as_fetch_user(settings, 'rm', '-f', status_file)}; "
         f"systemctl start --no-block {FETCH_UNIT}"
     )
     if settings.model_reverify:
@@ -630,8 +645,7 @@ def wait_for_fetch(
         # it is never followed.
         request = reverify_request_file(settings)
         start = (
-            f"{as_service_user(settings, 'rm', '-f', request)} && "
-            f"{as_service_user(settings, 'touch', request)} && {start}"
+            f"{as_fetch_user(settings, 'rm', '-f', request)} && {as_fetch_user(settings, 'touch', request)} && {start}"
         )
     ok, output = host.run_shell_command(start, **elevation)
     if not ok:

@@ -39,6 +39,9 @@ def engine_environment(settings: Settings) -> str:
     """The service's environment (no secrets: the key has its own file)."""
     cache = settings.cache_dir
     values = {
+        # Its only writable folder (the passwd home, state_dir, is root's): CUDA's JIT cache
+        # (~/.nv) and anything else that writes under HOME land there.
+        "HOME": cache,
         "CUDA_HOME": settings.cuda_home,
         "PATH": f"{HostLayout.of(settings).engine_active_link}/bin:{settings.cuda_home}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         # Persistent kernel caches turn a 2-3 minute cold start into ~34 s.
@@ -56,7 +59,8 @@ def engine_environment(settings: Settings) -> str:
 
 def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
     """The unit file, from settings and the launch plan."""
-    model_home = settings.model_dir.startswith("/home/")
+    # The model is read under /home too; the engine's own folder must stay visible to be written.
+    model_home = any(p.startswith("/home/") for p in (settings.model_dir, settings.cache_dir))
     # No '-': a missing key file must stop the start (fail closed), never start an engine that
     # answers without authentication. Only api_key_source = "none" runs without a key.
     key_line = "" if settings.api_key_source == "none" else f"EnvironmentFile={key_path(settings)}\n"
@@ -70,7 +74,7 @@ Wants=network-online.target
 Type=simple
 User={settings.service_user}
 Group={settings.service_user}
-WorkingDirectory={settings.state_dir}
+WorkingDirectory={settings.cache_dir}
 EnvironmentFile={env_path(settings)}
 {key_line}# The engine never starts on a model whose download did not verify (complete, and every
 # file as it was when its hash was checked).
@@ -84,12 +88,16 @@ RestartSec=5
 # Cold start: experts 45 s + CUDA graphs 42 s + warm-up 16 s, up to 3 min on first JIT.
 TimeoutStartSec={settings.start_timeout_s}
 TimeoutStopSec=30
-# Hardening: a dedicated user, no privilege gain, read-only system, and only the
-# GPU's paravirtual device (/dev/dxg) among devices.
+# Hardening: a dedicated user, no privilege gain, read-only system (the model too: it belongs
+# to the download's user), its caches the only folder it writes, no sight of other users'
+# processes (root's commands), and only the GPU's paravirtual device (/dev/dxg) among devices.
+# No ProcSubset=pid: torch and the engine read /proc/meminfo and /proc/cpuinfo (system-wide, not
+# per-process files), which it would hide.
 NoNewPrivileges=yes
 ProtectSystem=strict
 ProtectHome={"read-only" if model_home else "yes"}
-ReadWritePaths={unit_word(settings.state_dir, variables=False)} {unit_word(settings.cache_dir, variables=False)}
+ReadWritePaths={unit_word(settings.cache_dir, variables=False)}
+ProtectProc=invisible
 PrivateTmp=yes
 DevicePolicy=closed
 DeviceAllow=/dev/dxg rw

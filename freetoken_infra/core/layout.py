@@ -4,9 +4,13 @@ One home for every name and path the deploy, the facts, the rules, the verify su
 tests use on a target, derived once from a host's ``Settings`` (``HostLayout.of(settings)``).
 Core: imports nothing of ours but the settings.
 
-Ownership (the trust model in the README): ``state_dir`` and everything under it belongs to
-the service user (the engine's unit may write there), so root never writes, reads or sources a
-path under it; what root keeps for itself lives in ``deploy_state_dir`` (root-owned, outside
+Ownership (the trust model in the README): the engine's service user writes only ``cache_dir``
+(its kernel caches and working directory); the model and the download's status belong to the
+download's own user (``fetch_user``), so the engine only reads the model; ``state_dir`` and every
+folder above those leaves is root's (a setting under a folder root did not create gets only its
+leaf). Root creates and re-owns these folders without following links
+(``scripts/own_dir.py``) and never writes, reads or sources a path inside a less-trusted
+user's folder; what root keeps for itself lives in ``deploy_state_dir`` (root-owned, outside
 every unit's ``ReadWritePaths``).
 """
 
@@ -44,6 +48,7 @@ CACHE_RUN_DIR = "/run/freetoken-model-cache"
 QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
 MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
 HOST_LOCK_SCRIPT = f"{LIB_DIR}/host_lock.py"
+OWN_DIR_SCRIPT = f"{LIB_DIR}/own_dir.py"  # root makes and re-owns folders without following links
 
 # Root's own state on the target: never inside the service user's state_dir and outside every
 # unit's ReadWritePaths except the root guard's. Owned by root, mode DEPLOY_STATE_MODE (what is
@@ -165,11 +170,11 @@ class HostLayout:
         """node_exporter's ``--collector.textfile.directory``: the folder of ``guard_textfile``."""
         return self.guard_textfile.rsplit("/", 1)[0]
 
-    # --- under state_dir (owned by the service user): root touches these only as that user --
+    # --- under state_dir, owned by the download's user: root touches these only as that user --
 
     @property
     def fetch_status_dir(self) -> str:
-        """Owned by the service user: the fetcher rewrites its status file there atomically."""
+        """Owned by ``fetch_user``: the fetcher rewrites its status file there atomically."""
         return f"{self.state_dir}/model-fetch"
 
     @property

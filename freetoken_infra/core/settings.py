@@ -25,7 +25,9 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from freetoken_infra.core.hardware import HARDWARE_PROFILES
 
@@ -226,13 +228,15 @@ class Settings(BaseModel):
 
     # --- service, paths, guard, thresholds -------------------------------------
     service_user: str = "freetoken"
-    """System user the engine runs as."""
+    """System user the engine runs as; it writes only `cache_dir` and reads the model."""
+    fetch_user: str = "freetoken-fetch"
+    """System user the model download runs as; it alone writes `model_dir` (the engine only reads it)."""
     state_dir: str = "/var/lib/freetoken"
-    """The engine's state (owned by service_user)."""
+    """Root-owned home of the model and the download status (`model-fetch/`, owned by fetch_user)."""
     config_dir: str = "/etc/freetoken"
     """Root-owned configuration: the key and environment files."""
     cache_dir: str = "/var/cache/freetoken"
-    """Persistent kernel caches of the engine (a cold start of minutes becomes ~34 s)."""
+    """The engine's only writable folder (owned by service_user): its kernel caches (a cold start of minutes becomes ~34 s) and working directory."""
     start_timeout_s: int = Field(300, ge=30, le=3600)
     """How long systemd waits for the engine to start."""
     health_timeout_s: int = Field(600, ge=10, le=7200)
@@ -419,12 +423,30 @@ class Settings(BaseModel):
                 raise ValueError(f"{name!r} pulls in a Linux NVIDIA driver, which must never be installed inside WSL")
         return v
 
-    @field_validator("service_user")
+    @field_validator("service_user", "fetch_user")
     @classmethod
     def _user(cls, v: str) -> str:
         if not _USER_RE.fullmatch(v) or v == "root":
             raise ValueError("must be a non-root system user name such as 'freetoken'")
         return v
+
+    @model_validator(mode="after")
+    def _trust_layout(self) -> Settings:
+        # Checks across fields, each reported on the field to change (one line naming it).
+        problem = layout_problem(self)
+        if problem is not None:
+            field, message = problem
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("value_error", message),
+                        loc=(field,),
+                        input=getattr(self, field),
+                    )
+                ],
+            )
+        return self
 
     @field_validator("model_expert_ram_gb")
     @classmethod
@@ -462,6 +484,49 @@ class Settings(BaseModel):
         if self.wslconfig_networking_mode:
             values["networkingMode"] = self.wslconfig_networking_mode
         return values
+
+
+def _inside(path: str, tree: str) -> bool:
+    """``path`` is ``tree`` or below it (both normalised by ``_abs_path``)."""
+    return path == tree or path.startswith(tree.rstrip("/") + "/")
+
+
+def layout_problem(s: Settings) -> tuple[str, str] | None:
+    """The first (field, message) that breaks the trust layout (README, "Security model"), or
+    None. Root creates and re-owns the folders the settings name; it must never do so inside a
+    tree a less-trusted user writes (the engine's ``cache_dir``, the download's ``model_dir``),
+    where that user could swap a folder for a link between root's look and root's act."""
+    if s.fetch_user == s.service_user:
+        return "fetch_user", "must differ from service_user: the engine must not be able to write the model it serves"
+    user_trees = {
+        "cache_dir": (s.cache_dir, "the engine's user"),
+        "model_dir": (s.model_dir, "the download's user"),
+    }
+    roots = {
+        "model_dir": s.model_dir,
+        "cache_dir": s.cache_dir,
+        "state_dir": s.state_dir,
+        "config_dir": s.config_dir,
+        "engine_base_dir": s.engine_base_dir,
+        "cuda_home": s.cuda_home,
+        **({"hub_token_file": s.hub_token_file} if s.hub_token_file else {}),
+    }
+    for field, path in roots.items():
+        for tree_field, (tree, who) in user_trees.items():
+            if tree_field != field and _inside(path, tree):
+                return field, (
+                    f"is inside {tree_field} ({tree}), which {who} writes: root would create and own "
+                    f"folders where that user can swap them for links; choose a path outside it"
+                )
+    status_dir = f"{s.state_dir}/model-fetch"
+    for field in ("model_dir", "cache_dir"):
+        path = roots[field]
+        if _inside(path, status_dir) or _inside(s.state_dir, path):
+            return field, (
+                f"overlaps state_dir ({s.state_dir}): it must be outside state_dir/model-fetch and "
+                "must not contain state_dir"
+            )
+    return None
 
 
 # Keys pyinfra itself reads from host data: connector settings and global

@@ -8,7 +8,7 @@ worker). This script holds no HTTP code. It runs ON THE CACHE HOST under the sys
 ``python3`` from the unit's ``ExecStartPre=``/``ExecReload=`` lines and prints one include file
 on stdout, which the unit writes into its runtime folder (root's, 0700):
 
-``files --dir MODEL_DIR`` (run as the service user, which only reads the model: what it prints
+``files --dir MODEL_DIR`` (run as the download's user, never root nor the engine's user: what it prints
 is data read from a folder the downloader writes, never a path root opens)
     one exact ``location`` per file the downloader's manifest vouches for now (a regular file
     with the size and mtime it had when its sha256 was verified; ``manifest.py``, uploaded

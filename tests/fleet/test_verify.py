@@ -279,6 +279,12 @@ def _breaks() -> list[Break]:
             f"python3 -c {shlex.quote(MODEL_FLIP)} {SAVE} {DEFAULTS.model_dir}",
         ),
         Break(
+            "the model writable by the engine",
+            frozenset({"test_the_model_is_read_only_to_the_engine"}),
+            f"chown {DEFAULTS.service_user} {DEFAULTS.model_dir}",
+            f"chown {DEFAULTS.fetch_user} {DEFAULTS.model_dir}",
+        ),
+        Break(
             "the API on every address",
             frozenset({"test_api_listens_only_on_the_configured_address_and_port"}),
             f"cp -p {UNIT_PATH} {SAVE}/ && sed -i 's/--host 127.0.0.1/--host 0.0.0.0/' {UNIT_PATH} && "

@@ -469,7 +469,7 @@ def test_status_file_is_rewritten_while_waiting(script_dir, fresh, repos, tmp_pa
 # --------------------------------------------------------------------------- the operations' pure parts
 
 
-def test_fetch_unit_runs_as_service_user_with_token_as_credential(tmp_path):
+def test_fetch_unit_runs_as_the_fetch_user_with_token_as_credential(tmp_path):
     from freetoken_infra.core.settings import Settings
     from operations.model import fetch_unit
 
@@ -488,7 +488,8 @@ def test_fetch_unit_runs_as_service_user_with_token_as_credential(tmp_path):
     assert "--status-file /var/lib/freetoken/model-fetch/status.json" in exec_line
     for line in (
         "Type=oneshot",
-        "User=freetoken",
+        "User=freetoken-fetch",
+        "ProtectProc=invisible",
         "Environment=HF_HUB_DISABLE_XET=1",
         "LoadCredential=hub-token:/etc/freetoken/hub-token",
         "TimeoutStartSec=infinity",
@@ -582,10 +583,10 @@ def test_wait_follows_the_unit_and_reports_refusal_with_host_and_error(capsys):
     )
     result = wait_for_fetch(None, host, Settings(), {"_sudo": True}, poll_s=0.6)
     assert result["state"] == "done"
-    # The stale status goes as the service user: root never follows a link planted in its folder.
+    # The stale status goes as the download's user: root never follows a link planted in its folder.
     assert host.commands[0][0].startswith(
         "systemctl is-active -q freetoken-model-fetch.service || "
-        "setpriv --reuid=freetoken --regid=freetoken --clear-groups -- rm -f "
+        "setpriv --reuid=freetoken-fetch --regid=freetoken-fetch --clear-groups -- rm -f "
     )
     assert "systemctl start --no-block freetoken-model-fetch.service" in host.commands[0][0]
     assert all(kw == {"_sudo": True} for _, kw in host.commands)

@@ -231,9 +231,11 @@ def test_a_gated_repositorys_cache_gets_the_token_as_a_credential_and_its_key_in
         f'{CACHE_SCRIPT} token %d/hub-token > {CACHE_RUN_DIR}/token.conf"'
     )
     assert not any(line.startswith("User=") for line in unit)  # the master reads it as root
-    # The model folder is read by the service user, never by root.
+    # The model folder is read by the download's user: never by root, and never by the engine's
+    # user, whose processes could be traced into printing the configuration root's nginx parses.
     files_line = next(line for line in unit if line.startswith("ExecStartPre=") and " files " in line)
-    assert "setpriv --reuid=freetoken --regid=freetoken --clear-groups -- /usr/bin/python3 -I" in files_line
+    assert "setpriv --reuid=freetoken-fetch --regid=freetoken-fetch --clear-groups -- /usr/bin/python3 -I" in files_line
+    assert "--reuid=freetoken " not in files_line
     conf = cache_nginx_conf(s, "10.213.0.11")
     assert f"include {CACHE_RUN_DIR}/token.conf;" in conf and "if ($cache_token_ok = 0) {" in conf
     assert "hub-token" not in conf

@@ -185,6 +185,32 @@ def test_model_files_match_the_verified_manifest(host, facts, settings):
     assert hashed["files"] > 0 and not hashed["bad"], f"{settings.model_dir}: " + "; ".join(hashed["bad"])
 
 
+def test_the_model_is_read_only_to_the_engine(host, settings):
+    """The engine's user can change nothing in the model or on the way to it (README, "Security
+    model"): the model belongs to the download's user, the folders above it to root or to whoever
+    owned them before, none writable by the engine's user."""
+    user, parts = settings.service_user, [p for p in settings.model_dir.split("/") if p]
+    wrong = []
+    for i in range(len(parts)):
+        path = "/" + "/".join(parts[: i + 1])
+        f = host.file(path)
+        if not f.exists:
+            wrong.append(f"{path} missing")
+        elif f.is_symlink:
+            wrong.append(f"{path} is a symbolic link")
+        elif f.user == user or (f.group == user and f.mode & 0o020) or f.mode & 0o002:
+            wrong.append(f"{path} is {f.mode:o} {f.user}:{f.group} (writable by {user})")
+    leaf = host.file(settings.model_dir)
+    if leaf.exists and leaf.user != settings.fetch_user:
+        wrong.append(f"{settings.model_dir} belongs to {leaf.user} (want {settings.fetch_user})")
+    found = host.run(
+        "find -P %s '(' -user %s -o -group %s -perm -g+w -o -perm -o+w ')' -print -quit", settings.model_dir, user, user
+    )
+    if found.stdout.strip():
+        wrong.append(f"{found.stdout.strip()} is writable by {user}")
+    assert not wrong, "; ".join(wrong)
+
+
 # --------------------------------------------------------------------------- the service
 
 
