@@ -114,6 +114,7 @@ ARGUMENT_SHAPES: dict[str, Callable[[Any], bool]] = {
     "user_mode": lambda v: v is False,
     "machine": lambda v: v is None,
     "user_name": lambda v: v is None,
+    "adopt_from": lambda v: v is None or _name(v),  # facts.ownership: an account's name
 }
 # The pyinfra facts the deploy's operations read (files.*, server.user/group, systemd.service,
 # apt): reads of a path, a program's name or unit names. Not Command, not any fact that runs

@@ -333,3 +333,26 @@ def test_the_allow_list_takes_what_a_real_run_learns_and_nothing_that_runs_a_com
         ("os:system", {}),
     ]:
         assert batch.allowed(fact, kwargs) is not None, (fact, kwargs)
+
+
+def test_every_argument_of_our_own_facts_has_a_shape_in_the_allow_list():
+    """A fact of ours whose argument has no shape is never learned: every no-op run would read it
+    in a round trip of its own (the allow-list and a new fact must grow together)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from pyinfra.api import FactBase
+
+    import facts
+    from facts.batch import ARGUMENT_SHAPES
+
+    missing = []
+    for info in pkgutil.iter_modules(facts.__path__):
+        module = importlib.import_module(f"facts.{info.name}")
+        for cls in vars(module).values():
+            if isinstance(cls, type) and issubclass(cls, FactBase) and cls.__module__ == module.__name__:
+                for name in list(inspect.signature(cls.command).parameters)[1:]:
+                    if name not in ARGUMENT_SHAPES:
+                        missing.append(f"{module.__name__}:{cls.__name__}({name})")
+    assert not missing, missing
