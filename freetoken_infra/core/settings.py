@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from freetoken_infra.core import redact
 from freetoken_infra.core.hardware import HARDWARE_PROFILES
 
 if TYPE_CHECKING:
@@ -545,8 +546,13 @@ class SettingsError(Exception):
         super().__init__(f"{len(problems)} invalid setting(s); nothing was changed:\n  " + "\n  ".join(problems))
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
+def _short(value: Any, key: str = "") -> str:
+    """A value as an error line shows it: never a secret (a password in a URL, a Bearer token, or
+    anything under an unknown secret-like ``key`` such as a mistyped ``hub_token``; our own
+    settings hold no secret themselves, only where one is)."""
+    if key and redact.SECRET_NAME.search(key):
+        return redact.MASK
+    text = redact.mask_text(repr(value))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -562,7 +568,7 @@ def build_settings(host_name: str, data: dict[str, Any]) -> Settings:
         if key not in known:
             guess = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean '{guess[0]}'?" if guess else "; see group_data/all.py for the settings"
-            problems.append(f"host {host_name}: unknown setting '{key}' = {_short(value)}{hint}")
+            problems.append(f"host {host_name}: unknown setting '{key}' = {_short(value, key)}{hint}")
             continue
         ours[key] = value
     try:

@@ -105,10 +105,19 @@ def test_malformed_table_has_at_least_eight_cases():
     assert len(MALFORMED) >= 8
 
 
-def test_secret_values_are_not_echoed_for_api_key_source_files():
-    # The key source names where the key is, never the key itself.
-    s = build_settings("ws1", {"api_key_source": "file:/home/dev/.config/freetoken/key"})
-    assert s.api_key_source.startswith("file:")
+def test_an_error_line_echoes_no_secret_it_was_given():
+    # A password in an index URL that is invalid for another reason (here: not http or https).
+    with pytest.raises(SettingsError) as exc:
+        build_settings("ws1", {"pip_index_url": "ftp://builder:hunter2-pw@mirror.lan/simple"})
+    assert "pip_index_url" in str(exc.value) and "hunter2-pw" not in str(exc.value), exc.value
+    # A secret under an unknown secret-like name (a token put in the inventory): named, value masked.
+    with pytest.raises(SettingsError) as exc:
+        build_settings("ws1", {"hf_token": "hf_live_secret_123456"})
+    assert "'hf_token'" in str(exc.value) and "hf_live_secret_123456" not in str(exc.value), exc.value
+    # Values that only say where a secret is stay readable, so the line still helps.
+    with pytest.raises(SettingsError) as exc:
+        build_settings("ws1", {"api_key_source": "file:relative/key"})
+    assert "file:relative/key" in str(exc.value)
 
 
 def test_launch_overrides_are_validated():
