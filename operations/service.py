@@ -18,13 +18,12 @@ from pyinfra.operations import files
 from facts.files import FileText
 from freetoken_infra.core import redact
 from freetoken_infra.core.launch import LaunchPlan, engine_command
-from freetoken_infra.core.layout import ENGINE_UNIT, UNIT_DIR, HostLayout
+from freetoken_infra.core.layout import ENGINE_UNIT, KEY_VAR, UNIT_DIR, HostLayout
 from freetoken_infra.core.settings import Settings
 from operations import preview
 from operations.model import check_argv, unit_command, unit_word
 
 UNIT_PATH = f"{UNIT_DIR}/{ENGINE_UNIT}"
-KEY_VAR = "FREETOKEN_API_KEY"
 
 
 def env_path(settings: Settings) -> str:

@@ -2,10 +2,11 @@
 
 pyinfra's public API has no hook for some things we need: reading many facts in one round
 trip (facts/batch.py: how pyinfra normalises a fact call, and the Host methods that run
-something), validating the inventory and the settings before the CLI connects (config.py: the CLI's
-inventory loader and connect step), telling pyinfra's own host data keys from ours (settings: the connectors'
-``data_meta``), masking secrets in the ``--diff`` of files operations (``mask_file_diffs``) and
-a private upload folder for sudo runs (``use_upload_dir``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
+something), validating the inventory and the settings before the CLI connects (config.py: the
+CLI's inventory loader and connect step), telling pyinfra's own host data keys from ours
+(settings: the connectors' ``data_meta``), masking secrets in the ``--diff`` of files operations
+(``mask_file_diffs``), a private upload folder for sudo runs (``use_upload_dir``) and an
+operation's privilege arguments for its callbacks (``current_op_elevation``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
 every one against the installed pyinfra and fails naming the internal when a release changes
 it. pyproject.toml allows only the pyinfra releases those tests passed on.
 """
@@ -212,6 +213,43 @@ def _check_context_proxy() -> None:
     assert callable(getattr(context.host, "_get_module", None))
 
 
+# An operation's privilege arguments (``_sudo=True`` ...). A python callback of the operation
+# (``FunctionCommand``) does not inherit them, so its own commands get them handed over.
+ELEVATION_ARGUMENTS = (
+    "_sudo",
+    "_sudo_user",
+    "_use_sudo_login",
+    "_sudo_password",
+    "_preserve_sudo_env",
+    "_su_user",
+    "_use_su_login",
+    "_preserve_su_env",
+    "_su_shell",
+    "_su_password",
+    "_doas",
+    "_doas_user",
+    "_dzdo",
+    "_dzdo_user",
+)
+
+
+def current_op_elevation(host: Any) -> dict[str, Any]:
+    """The privilege arguments of the operation ``host`` is executing now, set ones only:
+    pyinfra keeps the running operation's global arguments on ``Host.current_op_global_arguments``."""
+    arguments = dict(getattr(host, "current_op_global_arguments", None) or {})
+    return {k: arguments[k] for k in ELEVATION_ARGUMENTS if arguments.get(k)}
+
+
+def _check_current_op_arguments() -> None:
+    import importlib
+
+    # The module, not the decorator that pyinfra.api re-exports under the same name.
+    operation_module = importlib.import_module("pyinfra.api.operation")
+    assert "host.current_op_global_arguments = global_arguments" in inspect.getsource(operation_module)
+    assert "current_op_global_arguments" in inspect.get_annotations(host_class())
+    assert set(ELEVATION_ARGUMENTS) <= connector_argument_keys()
+
+
 # name -> a check that raises AssertionError (or ImportError/AttributeError) when a pyinfra
 # release changed that internal.
 INTERNALS: dict[str, Callable[[], None]] = {
@@ -223,4 +261,5 @@ INTERNALS: dict[str, Callable[[], None]] = {
     "pyinfra.connectors.ssh.SSHConnector.client (a paramiko SSHClient)": _check_ssh_client,
     "pyinfra.operations.files.generate_color_diff (the --diff formatter, imported by name)": _check_file_diff,
     "host data _temp_dir -> the _temp_dir global argument -> files.put's upload temp file": _check_upload_dir,
+    "pyinfra.api.host.Host.current_op_global_arguments (the running operation's arguments)": _check_current_op_arguments,
 }
