@@ -6,7 +6,8 @@ something), validating the inventory and the settings before the CLI connects (c
 CLI's inventory loader and connect step), telling pyinfra's own host data keys from ours
 (settings: the connectors' ``data_meta``), masking secrets in the ``--diff`` of files operations
 (``mask_file_diffs``), a private upload folder for sudo runs (``use_upload_dir``) and an
-operation's privilege arguments for its callbacks (``current_op_elevation``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
+operation's privilege arguments for its callbacks (``current_op_elevation``), and the CLI's
+inventory loader for the CLIs that read an inventory (``load_inventory``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
 every one against the installed pyinfra and fails naming the internal when a release changes
 it. pyproject.toml allows only the pyinfra releases those tests passed on.
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pyinfra.api import Inventory
     from pyinfra.api.host import Host
     from pyinfra.api.state import State
 
@@ -213,6 +215,37 @@ def _check_context_proxy() -> None:
     assert callable(getattr(context.host, "_get_module", None))
 
 
+class InventoryLoadError(Exception):
+    """An inventory file that did not load; the message says why."""
+
+
+def load_inventory(path: str, data: dict[str, Any] | None = None) -> Inventory:
+    """The inventory file ``path`` loaded as the pyinfra CLI loads it (its ``group_data/``, and
+    ``data`` as its ``--data``), for the CLIs that read an inventory without running a deploy
+    (the rollout, the fleet's drain/ready/status). The CLI's loader records the file's name on
+    the current State, so it runs under a State of its own."""
+    import os
+
+    from pyinfra.api import State
+    from pyinfra.context import ctx_state
+    from pyinfra_cli.inventory import make_inventory
+
+    try:
+        with ctx_state.use(State()):
+            inventory: Inventory = make_inventory(path, cwd=os.getcwd(), override_data=data or None)
+    except SystemExit as exc:  # an inventory module may refuse, e.g. inventories/sim.py
+        raise InventoryLoadError(str(exc)) from None
+    except Exception as exc:
+        raise InventoryLoadError(f"cannot load the inventory: {exc}") from None
+    return inventory
+
+
+def _check_load_inventory() -> None:
+    from pyinfra_cli.inventory import make_inventory
+
+    assert {"inventory", "cwd", "override_data"} <= set(_params(make_inventory))
+
+
 # An operation's privilege arguments (``_sudo=True`` ...). A python callback of the operation
 # (``FunctionCommand``) does not inherit them, so its own commands get them handed over.
 ELEVATION_ARGUMENTS = (
@@ -262,4 +295,5 @@ INTERNALS: dict[str, Callable[[], None]] = {
     "pyinfra.operations.files.generate_color_diff (the --diff formatter, imported by name)": _check_file_diff,
     "host data _temp_dir -> the _temp_dir global argument -> files.put's upload temp file": _check_upload_dir,
     "pyinfra.api.host.Host.current_op_global_arguments (the running operation's arguments)": _check_current_op_arguments,
+    "pyinfra_cli.inventory.make_inventory(inventory, cwd=, override_data=) under its own State": _check_load_inventory,
 }
