@@ -27,7 +27,12 @@ from pyinfra.operations import files
 from facts.files import FileText
 from freetoken_infra.core.layout import ENGINE_UNIT, GATE_RECORD_FILE, GATE_SCRIPT, HostLayout
 from freetoken_infra.core.manifest import MANIFEST_NAME
-from freetoken_infra.core.pyinfra_internals import connection_lost, current_op_elevation
+from freetoken_infra.core.pyinfra_internals import (
+    active_host_names,
+    connection_lost,
+    current_op_elevation,
+    reached_host_names,
+)
 from freetoken_infra.core.records import RunRecords, first_line, lost_line, record
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.text import printable, printable_block
@@ -519,8 +524,8 @@ def _json_or_none(text: str | None) -> dict[str, Any] | None:
 def print_gate_report(run: RunRecords, state) -> None:
     """The health gate table, printed when every host of the run is done (pyinfra disconnects
     from each host last, failed ones included)."""
-    hosts = sorted(h.name for h in state.activated_hosts)
-    click.echo("\n" + format_gate_report(gate_rows(run, hosts, {h.name for h in state.active_hosts})), err=True)
+    hosts = sorted(reached_host_names(state))
+    click.echo("\n" + format_gate_report(gate_rows(run, hosts, active_host_names(state))), err=True)
 
 
 def gate_rows(run: RunRecords, hosts: list[str], active: set[str]) -> dict[str, dict[str, Any]]:

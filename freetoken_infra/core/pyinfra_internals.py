@@ -6,8 +6,9 @@ something), validating the inventory and the settings before the CLI connects (c
 CLI's inventory loader and connect step), telling pyinfra's own host data keys from ours
 (settings: the connectors' ``data_meta``), masking secrets in the ``--diff`` of files operations
 (``mask_file_diffs``), a private upload folder for sudo runs (``use_upload_dir``) and an
-operation's privilege arguments for its callbacks (``current_op_elevation``), and the CLI's
-inventory loader for the CLIs that read an inventory (``load_inventory``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
+operation's privilege arguments for its callbacks (``current_op_elevation``), the CLI's
+inventory loader for the CLIs that read an inventory (``load_inventory``), and what the
+run's State says of its hosts and operations (``reached_host_names`` ...). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
 every one against the installed pyinfra and fails naming the internal when a release changes
 it. pyproject.toml allows only the pyinfra releases those tests passed on.
 """
@@ -246,6 +247,59 @@ def _check_load_inventory() -> None:
     assert {"inventory", "cwd", "override_data"} <= set(_params(make_inventory))
 
 
+# --- the run's hosts and operations, as pyinfra's State keeps them ------------------------
+
+
+def reached_host_names(state: State) -> set[str]:
+    """Hosts pyinfra connected to in this run (``State.activated_hosts``), failed ones included."""
+    return {h.name for h in state.activated_hosts}
+
+
+def is_active(state: State, host: Any) -> bool:
+    """Whether ``host`` is still in the run: not failed (``State.active_hosts``). Not
+    ``host in state.failed_hosts``: the deploy fails hosts through pyinfra's context proxies,
+    which that set keeps and which cannot be compared outside the deploy's context."""
+    return host in state.active_hosts
+
+
+def active_host_names(state: State) -> set[str]:
+    """Hosts still in the run (``State.active_hosts``): reached and not failed."""
+    return {h.name for h in state.active_hosts}
+
+
+def changed_operations(state: State, host: Any) -> int:
+    """How many of ``host``'s operations ran to the end and changed something (``State.ops``)."""
+    return sum(
+        1
+        for op_data in state.ops.get(host, {}).values()
+        if op_data.operation_meta.is_complete() and op_data.operation_meta.did_change()
+    )
+
+
+def diff_enabled(state: State) -> bool:
+    """pyinfra's ``--diff`` (``Config.DIFF``), which makes files operations print their diff."""
+    return bool(getattr(state.config, "DIFF", False))
+
+
+def set_diff(state: State, enabled: bool) -> None:
+    state.config.DIFF = enabled
+
+
+def _check_state() -> None:
+    from pyinfra.api import Config, Inventory, State
+    from pyinfra.api.operation import OperationMeta
+
+    inventory = Inventory((["ws-check"], {}))  # type: ignore[no-untyped-call]
+    state = State(inventory, Config())  # type: ignore[no-untyped-call]
+    host = inventory.get_host("ws-check")
+    assert state.activated_hosts == set() and state.active_hosts == set() and state.ops == {host: {}}
+    state.activate_host(host)
+    assert reached_host_names(state) == active_host_names(state) == {"ws-check"} and is_active(state, host)
+    assert changed_operations(state, host) == 0
+    assert callable(OperationMeta.is_complete) and callable(OperationMeta.did_change)
+    assert hasattr(Config(), "DIFF")  # type: ignore[no-untyped-call]
+
+
 # An operation's privilege arguments (``_sudo=True`` ...). A python callback of the operation
 # (``FunctionCommand``) does not inherit them, so its own commands get them handed over.
 ELEVATION_ARGUMENTS = (
@@ -296,4 +350,5 @@ INTERNALS: dict[str, Callable[[], None]] = {
     "host data _temp_dir -> the _temp_dir global argument -> files.put's upload temp file": _check_upload_dir,
     "pyinfra.api.host.Host.current_op_global_arguments (the running operation's arguments)": _check_current_op_arguments,
     "pyinfra_cli.inventory.make_inventory(inventory, cwd=, override_data=) under its own State": _check_load_inventory,
+    "State.activated_hosts / active_hosts / ops[host][...].operation_meta, Config.DIFF": _check_state,
 }
