@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import shlex
 import statistics
@@ -251,11 +250,9 @@ class Run:
         return "?" if total is None else total[1]
 
     def hosts(self) -> list[str]:
+        from freetoken_infra.core.settings import natural_key
+
         return sorted({c["host"] for c in self.calls}, key=natural_key)
-
-
-def natural_key(name: str) -> list:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def run_pyinfra(

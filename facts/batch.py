@@ -632,7 +632,7 @@ class _Forget(BaseStateCallback):
         memo = _memos.get((id(state), host.name))
         # Not `host in state.failed_hosts`: pyinfra keeps the deploy's context proxies there,
         # which cannot be compared outside the deploy's context; a failed host left active_hosts.
-        if memo is None or not memo.asked or host not in state.active_hosts:
+        if memo is None or not memo.asked or not pyinfra_internals.is_active(state, host):
             return
         if memo.learned != memo.asked:
             memo.learned = list(memo.asked)

@@ -197,16 +197,12 @@ class Fleet:
 
     @classmethod
     def from_inventory(cls, inventory: str, data: dict | None = None) -> Fleet:
-        from pyinfra.api import State
-        from pyinfra.context import ctx_state
-        from pyinfra_cli.inventory import make_inventory
-
+        from freetoken_infra.core.pyinfra_internals import InventoryLoadError, load_inventory
         from freetoken_infra.core.settings import SettingsError, validate_inventory
 
         try:
-            with ctx_state.use(State()):
-                inv = make_inventory(inventory, cwd=os.getcwd(), override_data=data or None)
-        except SystemExit as exc:
+            inv = load_inventory(inventory, data)
+        except InventoryLoadError as exc:
             raise FleetError(f"{inventory}: {exc}") from None
         try:
             settings = validate_inventory(inv)

@@ -27,6 +27,7 @@ from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, W
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import rules
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, WSLCONFIG_NAME, HostLayout
+from freetoken_infra.core.pyinfra_internals import reached_host_names
 from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
 from freetoken_infra.core.text import printable
@@ -153,7 +154,7 @@ def _maybe_print_summary(state, run: RunRecords) -> None:
     pyinfra connected to. A host of the run it could not connect to never gets here, so it is
     listed as unreachable instead of holding the summary back.
     """
-    reached = {h.name for h in state.activated_hosts}
+    reached = reached_host_names(state)
     if run.summary_printed or not reached or not reached <= set(run.preflight):
         return
     run.summary_printed = True

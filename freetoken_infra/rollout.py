@@ -55,6 +55,7 @@ from typing import Any, TextIO
 
 from freetoken_infra.core.records import RECORD_ENV, read_records
 from freetoken_infra.core.redact import redact_command
+from freetoken_infra.core.settings import natural_key
 from freetoken_infra.fleet import GATEWAY_GROUP, Fleet, FleetError
 from freetoken_infra.report import (
     RESULT_FAILED,
@@ -97,10 +98,6 @@ def batch_size(size: str, total: int) -> int:
     if size.endswith("%"):
         return max(1, math.ceil(total * int(size[:-1]) / 100))
     return int(size)
-
-
-def natural_key(name: str):
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def plan_batches(hosts: Sequence[str], sizes: Sequence[str], canary: Sequence[str] = ()) -> list[list[str]]:
@@ -189,20 +186,13 @@ def parse_data(items: Sequence[str]) -> dict:
 def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[str]:
     """Host names of the inventory (as the pyinfra CLI loads it, group_data included), after
     validating every host's settings; RolloutError naming host and field otherwise."""
-    from pyinfra.api import State
-    from pyinfra.context import ctx_state
-    from pyinfra_cli.inventory import make_inventory
-
+    from freetoken_infra.core.pyinfra_internals import InventoryLoadError, load_inventory
     from freetoken_infra.core.settings import SettingsError, validate_inventory
 
     try:
-        # The CLI's loader runs the inventory file under a state (it records the file's name).
-        with ctx_state.use(State()):
-            inv = make_inventory(inventory, cwd=os.getcwd(), override_data=data or None)
-    except SystemExit as exc:  # an inventory module may refuse, e.g. inventories/sim.py
+        inv = load_inventory(inventory, data)
+    except InventoryLoadError as exc:
         raise RolloutError(f"{inventory}: {exc}") from None
-    except Exception as exc:
-        raise RolloutError(f"{inventory}: cannot load the inventory: {exc}") from None
     try:
         settings = validate_inventory(inv)
     except SettingsError as exc:

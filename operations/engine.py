@@ -44,19 +44,6 @@ def pip_conf(settings: Settings) -> str:
     return "\n".join(lines) + "\n"
 
 
-def previous_version(installed, settings: Settings) -> str | None:
-    """The version to roll back to if this run's version fails the health gate: the one the
-    ``active`` link points at now, when its environment holds that engine and it is not the
-    version being deployed (None on a first install or a re-run of the same version).
-
-    + installed: the ``EngineInstall`` fact (``EngineInstallInfo``)
-    """
-    active = installed.active
-    if active and active != settings.engine_version and installed.versions.get(active) == active:
-        return active
-    return None
-
-
 @operation()
 def service_user(settings: Settings):
     """

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import ipaddress
-import os
 import re
 import shlex
 import ssl
@@ -44,7 +43,7 @@ from freetoken_infra.core.layout import (
     SESSION_HEADER,
     HostLayout,
 )
-from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.settings import ControllerSourceError, Settings, read_controller_source
 from operations import preview
 from operations.firewall import FirewallError, fleet_address
 from operations.node_exporter import listen_address, scrape_address
@@ -131,19 +130,10 @@ def _natural(name: str) -> list:
 
 def read_source(source: str, what: str) -> str:
     """The text a `file:` / `env:` source names on the controller."""
-    kind, _, ref = source.partition(":")
-    if kind == "file":
-        try:
-            with open(ref, encoding="utf-8") as f:
-                return f.read()
-        except OSError as exc:
-            raise GatewayError(f"{what} {source}: {exc.strerror}") from None
-    if kind == "env":
-        value = os.environ.get(ref)
-        if value is None:
-            raise GatewayError(f"{what} {source}: the variable is not set on the controller")
-        return value
-    raise GatewayError(f"{what} {source!r}: expected file:/path or env:VARIABLE")
+    try:
+        return read_controller_source(source)
+    except ControllerSourceError as exc:
+        raise GatewayError(f"{what} {source}: {exc}") from None
 
 
 def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, Settings]) -> str | None:

@@ -27,7 +27,12 @@ from pyinfra.operations import files
 from facts.files import FileText
 from freetoken_infra.core.layout import ENGINE_UNIT, GATE_RECORD_FILE, GATE_SCRIPT, HostLayout
 from freetoken_infra.core.manifest import MANIFEST_NAME
-from freetoken_infra.core.pyinfra_internals import connection_lost
+from freetoken_infra.core.pyinfra_internals import (
+    active_host_names,
+    connection_lost,
+    current_op_elevation,
+    reached_host_names,
+)
 from freetoken_infra.core.records import RunRecords, first_line, lost_line, record
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.text import printable, printable_block
@@ -38,24 +43,6 @@ JOURNAL_LINES = 30
 # Time the chat and the stream may take once /health says ok (cold first requests compile
 # kernels), on top of settings.health_timeout_s.
 INFERENCE_MARGIN_S = 300
-# The operation's privilege arguments (``_sudo=True`` ...) also apply to the gate's own commands:
-# a python callback does not inherit them, so they are handed over explicitly.
-_ELEVATION_ARGS = (
-    "_sudo",
-    "_sudo_user",
-    "_use_sudo_login",
-    "_sudo_password",
-    "_preserve_sudo_env",
-    "_su_user",
-    "_use_su_login",
-    "_preserve_su_env",
-    "_su_shell",
-    "_su_password",
-    "_doas",
-    "_doas_user",
-    "_dzdo",
-    "_dzdo_user",
-)
 
 _REMEDY = {
     "health": "see the engine's journal below; `systemctl status freetoken` and "
@@ -518,8 +505,7 @@ def _health_gate(
         mode="755",
         add_deploy_dir=False,
     )
-    global_arguments: dict[str, Any] = dict(current_host.current_op_global_arguments or {})
-    elevation = {k: global_arguments[k] for k in _ELEVATION_ARGS if global_arguments.get(k)}
+    elevation = current_op_elevation(current_host)
     yield FunctionCommand(
         run_gate,
         (settings, key_file, script_path, elevation),
@@ -538,8 +524,8 @@ def _json_or_none(text: str | None) -> dict[str, Any] | None:
 def print_gate_report(run: RunRecords, state) -> None:
     """The health gate table, printed when every host of the run is done (pyinfra disconnects
     from each host last, failed ones included)."""
-    hosts = sorted(h.name for h in state.activated_hosts)
-    click.echo("\n" + format_gate_report(gate_rows(run, hosts, {h.name for h in state.active_hosts})), err=True)
+    hosts = sorted(reached_host_names(state))
+    click.echo("\n" + format_gate_report(gate_rows(run, hosts, active_host_names(state))), err=True)
 
 
 def gate_rows(run: RunRecords, hosts: list[str], active: set[str]) -> dict[str, dict[str, Any]]:

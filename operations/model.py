@@ -44,6 +44,7 @@ from freetoken_infra.core.layout import (
     UNIT_DIR,
     HostLayout,
 )
+from freetoken_infra.core.pyinfra_internals import current_op_elevation
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.text import printable
 from operations import ownership
@@ -56,28 +57,6 @@ _LOCAL_SCRIPT = os.path.join(_HERE, "scripts", "fetch_model.py")
 _LOCAL_QUANT = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "core", "quant.py")
 _LOCAL_MANIFEST = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "core", "manifest.py")
 _LOCAL_CACHE_SCRIPT = os.path.join(_HERE, "scripts", "model_cache.py")
-
-# The operation's privilege arguments also apply to the callback's commands (a python
-# callback does not inherit them).
-_ELEVATION_ARGS = (
-    "_sudo",
-    "_sudo_user",
-    "_use_sudo_login",
-    "_sudo_password",
-    "_preserve_sudo_env",
-    "_su_user",
-    "_use_su_login",
-    "_preserve_su_env",
-    "_su_shell",
-    "_su_password",
-    "_doas",
-    "_doas_user",
-    "_dzdo",
-    "_dzdo_user",
-)
-
-# fetch_model.py's exit codes that are refusals, not failures: restarting cannot help.
-_REFUSAL_EXIT_CODES = (3, 4)
 
 
 def fetch_status_dir(settings: Settings) -> str:
@@ -739,6 +718,5 @@ def model_present(settings: Settings, wait: bool = True, timeout_s: int = 12 * 3
     if not wait:
         yield StringCommand("systemctl", "start", "--no-block", FETCH_UNIT)
         return
-    global_arguments: dict[str, Any] = dict(current_host.current_op_global_arguments or {})
-    elevation = {k: global_arguments[k] for k in _ELEVATION_ARGS if global_arguments.get(k)}
+    elevation = current_op_elevation(current_host)
     yield FunctionCommand(wait_for_fetch, (settings, elevation), {"timeout_s": timeout_s})

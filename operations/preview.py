@@ -1,7 +1,7 @@
 """What ``pyinfra --dry --diff`` shows of our managed files, where pyinfra's own ``files.put``
 diff cannot be used as it is.
 
-pyinfra's ``--diff`` (``config.DIFF``) makes ``files.put`` print ``Will modify PATH`` and a
+pyinfra's ``--diff`` makes ``files.put`` print ``Will modify PATH`` and a
 unified diff of the file on the host against the new text. Two of our files must not go
 through that as it is:
 
@@ -37,7 +37,7 @@ pyinfra_internals.mask_file_diffs(redact.mask_lines)
 
 
 def diff_wanted() -> bool:
-    return bool(getattr(state.config, "DIFF", False))
+    return pyinfra_internals.diff_enabled(state)
 
 
 def _env_pairs(text: str | None) -> dict[str, str]:
@@ -102,7 +102,7 @@ def log_env_diff(path: str, current: str | None, desired: str) -> None:
 
 
 class _DiffHold:
-    """Hold pyinfra's ``config.DIFF`` off while any put of ours runs (gevent greenlets of other
+    """Hold pyinfra's ``--diff`` off while any put of ours runs (gevent greenlets of other
     hosts may run in between: a count, so the last one out restores it)."""
 
     depth = 0
@@ -110,14 +110,14 @@ class _DiffHold:
 
     def __enter__(self) -> None:
         if _DiffHold.depth == 0:
-            _DiffHold.saved = bool(state.config.DIFF)
-            state.config.DIFF = False
+            _DiffHold.saved = pyinfra_internals.diff_enabled(state)
+            pyinfra_internals.set_diff(state, False)
         _DiffHold.depth += 1
 
     def __exit__(self, *exc: Any) -> None:
         _DiffHold.depth -= 1
         if _DiffHold.depth == 0:
-            state.config.DIFF = _DiffHold.saved
+            pyinfra_internals.set_diff(state, _DiffHold.saved)
 
 
 def put_without_pyinfra_diff(**put_args: Any) -> Generator[Any, None, None]:

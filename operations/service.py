@@ -6,7 +6,6 @@ so it depends on no `wsl.exe` session - pitfall 4A).
 from __future__ import annotations
 
 import io
-import os
 import shlex
 
 from pyinfra import host
@@ -18,13 +17,12 @@ from pyinfra.operations import files
 from facts.files import FileText
 from freetoken_infra.core import redact
 from freetoken_infra.core.launch import LaunchPlan, engine_command
-from freetoken_infra.core.layout import ENGINE_UNIT, UNIT_DIR, HostLayout
-from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.layout import ENGINE_UNIT, KEY_VAR, UNIT_DIR, HostLayout
+from freetoken_infra.core.settings import ControllerSourceError, Settings, controller_key
 from operations import preview
 from operations.model import check_argv, unit_command, unit_word
 
 UNIT_PATH = f"{UNIT_DIR}/{ENGINE_UNIT}"
-KEY_VAR = "FREETOKEN_API_KEY"
 
 
 def env_path(settings: Settings) -> str:
@@ -114,17 +112,10 @@ WantedBy=multi-user.target
 
 def key_from_controller(settings: Settings) -> str:
     """Read a key named by `api_key_source` on the controller (file: or env:)."""
-    kind, _, ref = settings.api_key_source.partition(":")
-    if kind == "file":
-        try:
-            with open(ref, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as exc:
-            raise OperationError(f"{host.name}: api_key_source {settings.api_key_source}: {exc.strerror}") from None
-    else:
-        key = os.environ.get(ref, "").strip()
-    if not key or "\n" in key:
-        raise OperationError(f"{host.name}: api_key_source {settings.api_key_source} gives an empty or multi-line key")
+    try:
+        key = controller_key(settings.api_key_source)
+    except ControllerSourceError as exc:
+        raise OperationError(f"{host.name}: api_key_source {settings.api_key_source}: {exc}") from None
     redact.remember(key)  # masked in every diff and line of this run, whatever file it lands in
     return key
 

@@ -190,7 +190,6 @@ class HostLayout:
 # --- the fleet's gateway (deploys/gateway.py): HAProxy from the distribution ---------------
 # Hosts of this inventory group run the gateway; every host with `runs_engine` is a backend.
 GATEWAY_GROUP = "gateway"
-GATEWAY_UNIT = "haproxy.service"
 GATEWAY_CONFIG = "/etc/haproxy/haproxy.cfg"
 # 0600 root: HAProxy reads both while still root (at start and on every reload).
 GATEWAY_KEYS_MAP = "/etc/haproxy/freetoken-gateway-keys.map"  # client key -> client label

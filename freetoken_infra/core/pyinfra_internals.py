@@ -2,10 +2,13 @@
 
 pyinfra's public API has no hook for some things we need: reading many facts in one round
 trip (facts/batch.py: how pyinfra normalises a fact call, and the Host methods that run
-something), validating the inventory and the settings before the CLI connects (config.py: the CLI's
-inventory loader and connect step), telling pyinfra's own host data keys from ours (settings: the connectors'
-``data_meta``), masking secrets in the ``--diff`` of files operations (``mask_file_diffs``) and
-a private upload folder for sudo runs (``use_upload_dir``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
+something), validating the inventory and the settings before the CLI connects (config.py: the
+CLI's inventory loader and connect step), telling pyinfra's own host data keys from ours
+(settings: the connectors' ``data_meta``), masking secrets in the ``--diff`` of files operations
+(``mask_file_diffs``), a private upload folder for sudo runs (``use_upload_dir``) and an
+operation's privilege arguments for its callbacks (``current_op_elevation``), the CLI's
+inventory loader for the CLIs that read an inventory (``load_inventory``), and what the
+run's State says of its hosts and operations (``reached_host_names`` ...). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
 every one against the installed pyinfra and fails naming the internal when a release changes
 it. pyproject.toml allows only the pyinfra releases those tests passed on.
 """
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pyinfra.api import Inventory
     from pyinfra.api.host import Host
     from pyinfra.api.state import State
 
@@ -212,6 +216,127 @@ def _check_context_proxy() -> None:
     assert callable(getattr(context.host, "_get_module", None))
 
 
+class InventoryLoadError(Exception):
+    """An inventory file that did not load; the message says why."""
+
+
+def load_inventory(path: str, data: dict[str, Any] | None = None) -> Inventory:
+    """The inventory file ``path`` loaded as the pyinfra CLI loads it (its ``group_data/``, and
+    ``data`` as its ``--data``), for the CLIs that read an inventory without running a deploy
+    (the rollout, the fleet's drain/ready/status). The CLI's loader records the file's name on
+    the current State, so it runs under a State of its own."""
+    import os
+
+    from pyinfra.api import State
+    from pyinfra.context import ctx_state
+    from pyinfra_cli.inventory import make_inventory
+
+    try:
+        with ctx_state.use(State()):
+            inventory: Inventory = make_inventory(path, cwd=os.getcwd(), override_data=data or None)
+    except SystemExit as exc:  # an inventory module may refuse, e.g. inventories/sim.py
+        raise InventoryLoadError(str(exc)) from None
+    except Exception as exc:
+        raise InventoryLoadError(f"cannot load the inventory: {exc}") from None
+    return inventory
+
+
+def _check_load_inventory() -> None:
+    from pyinfra_cli.inventory import make_inventory
+
+    assert {"inventory", "cwd", "override_data"} <= set(_params(make_inventory))
+
+
+# --- the run's hosts and operations, as pyinfra's State keeps them ------------------------
+
+
+def reached_host_names(state: State) -> set[str]:
+    """Hosts pyinfra connected to in this run (``State.activated_hosts``), failed ones included."""
+    return {h.name for h in state.activated_hosts}
+
+
+def is_active(state: State, host: Any) -> bool:
+    """Whether ``host`` is still in the run: not failed (``State.active_hosts``). Not
+    ``host in state.failed_hosts``: the deploy fails hosts through pyinfra's context proxies,
+    which that set keeps and which cannot be compared outside the deploy's context."""
+    return host in state.active_hosts
+
+
+def active_host_names(state: State) -> set[str]:
+    """Hosts still in the run (``State.active_hosts``): reached and not failed."""
+    return {h.name for h in state.active_hosts}
+
+
+def changed_operations(state: State, host: Any) -> int:
+    """How many of ``host``'s operations ran to the end and changed something (``State.ops``)."""
+    return sum(
+        1
+        for op_data in state.ops.get(host, {}).values()
+        if op_data.operation_meta.is_complete() and op_data.operation_meta.did_change()
+    )
+
+
+def diff_enabled(state: State) -> bool:
+    """pyinfra's ``--diff`` (``Config.DIFF``), which makes files operations print their diff."""
+    return bool(getattr(state.config, "DIFF", False))
+
+
+def set_diff(state: State, enabled: bool) -> None:
+    state.config.DIFF = enabled
+
+
+def _check_state() -> None:
+    from pyinfra.api import Config, Inventory, State
+    from pyinfra.api.operation import OperationMeta
+
+    inventory = Inventory((["ws-check"], {}))  # type: ignore[no-untyped-call]
+    state = State(inventory, Config())  # type: ignore[no-untyped-call]
+    host = inventory.get_host("ws-check")
+    assert state.activated_hosts == set() and state.active_hosts == set() and state.ops == {host: {}}
+    state.activate_host(host)
+    assert reached_host_names(state) == active_host_names(state) == {"ws-check"} and is_active(state, host)
+    assert changed_operations(state, host) == 0
+    assert callable(OperationMeta.is_complete) and callable(OperationMeta.did_change)
+    assert hasattr(Config(), "DIFF")  # type: ignore[no-untyped-call]
+
+
+# An operation's privilege arguments (``_sudo=True`` ...). A python callback of the operation
+# (``FunctionCommand``) does not inherit them, so its own commands get them handed over.
+ELEVATION_ARGUMENTS = (
+    "_sudo",
+    "_sudo_user",
+    "_use_sudo_login",
+    "_sudo_password",
+    "_preserve_sudo_env",
+    "_su_user",
+    "_use_su_login",
+    "_preserve_su_env",
+    "_su_shell",
+    "_su_password",
+    "_doas",
+    "_doas_user",
+    "_dzdo",
+    "_dzdo_user",
+)
+
+
+def current_op_elevation(host: Any) -> dict[str, Any]:
+    """The privilege arguments of the operation ``host`` is executing now, set ones only:
+    pyinfra keeps the running operation's global arguments on ``Host.current_op_global_arguments``."""
+    arguments = dict(getattr(host, "current_op_global_arguments", None) or {})
+    return {k: arguments[k] for k in ELEVATION_ARGUMENTS if arguments.get(k)}
+
+
+def _check_current_op_arguments() -> None:
+    import importlib
+
+    # The module, not the decorator that pyinfra.api re-exports under the same name.
+    operation_module = importlib.import_module("pyinfra.api.operation")
+    assert "host.current_op_global_arguments = global_arguments" in inspect.getsource(operation_module)
+    assert "current_op_global_arguments" in inspect.get_annotations(host_class())
+    assert set(ELEVATION_ARGUMENTS) <= connector_argument_keys()
+
+
 # name -> a check that raises AssertionError (or ImportError/AttributeError) when a pyinfra
 # release changed that internal.
 INTERNALS: dict[str, Callable[[], None]] = {
@@ -223,4 +348,7 @@ INTERNALS: dict[str, Callable[[], None]] = {
     "pyinfra.connectors.ssh.SSHConnector.client (a paramiko SSHClient)": _check_ssh_client,
     "pyinfra.operations.files.generate_color_diff (the --diff formatter, imported by name)": _check_file_diff,
     "host data _temp_dir -> the _temp_dir global argument -> files.put's upload temp file": _check_upload_dir,
+    "pyinfra.api.host.Host.current_op_global_arguments (the running operation's arguments)": _check_current_op_arguments,
+    "pyinfra_cli.inventory.make_inventory(inventory, cwd=, override_data=) under its own State": _check_load_inventory,
+    "State.activated_hosts / active_hosts / ops[host][...].operation_meta, Config.DIFF": _check_state,
 }

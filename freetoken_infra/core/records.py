@@ -20,7 +20,7 @@ from typing import Any
 import click
 from pyinfra.api.state import BaseStateCallback
 
-from freetoken_infra.core.pyinfra_internals import connection_lost
+from freetoken_infra.core.pyinfra_internals import changed_operations, connection_lost, is_active, reached_host_names
 
 RECORD_ENV = "FREETOKEN_RUN_RECORD"
 
@@ -136,15 +136,9 @@ class RunRecords(BaseStateCallback):
 
     def host_disconnect(self, state: Any, host: Any) -> None:  # type: ignore[override]
         if self.preflight:
-            changes = 0
-            for op_data in state.ops.get(host, {}).values():
-                meta = op_data.operation_meta
-                if meta.is_complete() and meta.did_change():
-                    changes += 1
-            # Not `host in state.failed_hosts`: the preflight fails hosts through pyinfra's
-            # context proxy, which cannot be compared outside the deploy's context.
-            record(host.name, finished={"failed": host not in state.active_hosts, "changes": changes})
+            changes = changed_operations(state, host)
+            record(host.name, finished={"failed": not is_active(state, host), "changes": changes})
         self.done.add(host.name)
-        if {h.name for h in state.activated_hosts} <= self.done:
+        if reached_host_names(state) <= self.done:
             for report in self.at_end:
                 report(self, state)

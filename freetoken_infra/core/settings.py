@@ -601,27 +601,54 @@ def settings_for(host: Host) -> Settings:
     return build_settings(host.name, host.data.dict())  # type: ignore[no-untyped-call]
 
 
-def controller_key_problem(source: str) -> str | None:
-    """What is wrong with the API key ``api_key_source`` names on the controller, or None when
-    it gives a usable key (``generate`` and ``none`` need nothing here). The key itself is never
-    part of the answer."""
+def natural_key(name: str) -> list[int | str]:
+    """Sort key of host names in the order a person reads them: ws2 before ws10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+class ControllerSourceError(Exception):
+    """A ``file:`` / ``env:`` source that gives nothing on the controller; the message says why
+    (never the value)."""
+
+
+def read_controller_source(source: str) -> str:
+    """The text a ``file:/path`` or ``env:VARIABLE`` setting names on the controller (an API key,
+    the gateway's client keys): the one reader of such settings."""
     kind, _, ref = source.partition(":")
     if kind == "file":
         try:
             with open(ref, encoding="utf-8") as handle:
-                key = handle.read().strip()
+                return handle.read()
         except FileNotFoundError:
-            return "the file does not exist on the controller"
+            raise ControllerSourceError("the file does not exist on the controller") from None
         except (OSError, UnicodeDecodeError) as exc:
-            return f"the file cannot be read on the controller ({getattr(exc, 'strerror', None) or exc})"
-    elif kind == "env":
+            reason = getattr(exc, "strerror", None) or exc
+            raise ControllerSourceError(f"the file cannot be read on the controller ({reason})") from None
+    if kind == "env":
         if ref not in os.environ:
-            return f"the variable {ref} is not set on the controller"
-        key = os.environ[ref].strip()
-    else:
-        return None
+            raise ControllerSourceError(f"the variable {ref} is not set on the controller")
+        return os.environ[ref]
+    raise ControllerSourceError("expected file:/path or env:VARIABLE")
+
+
+def controller_key(source: str) -> str:
+    """The one-line key ``source`` (``file:`` / ``env:``) gives on the controller."""
+    key = read_controller_source(source).strip()
     if not key or "\n" in key:
-        return "it gives an empty or multi-line key"
+        raise ControllerSourceError("it gives an empty or multi-line key")
+    return key
+
+
+def controller_key_problem(source: str) -> str | None:
+    """What is wrong with the API key ``api_key_source`` names on the controller, or None when
+    it gives a usable key (``generate`` and ``none`` need nothing here). The key itself is never
+    part of the answer."""
+    if source.partition(":")[0] not in ("file", "env"):
+        return None
+    try:
+        controller_key(source)
+    except ControllerSourceError as exc:
+        return str(exc)
     return None
 
 

@@ -38,7 +38,9 @@ def test_a_changed_internal_fails_naming_it(monkeypatch):
 
 
 def test_no_other_module_touches_a_pyinfra_internal():
-    """Private pyinfra names (`pyinfra... _x`) and Host patching appear only in the internals module."""
+    """Private pyinfra names (`pyinfra... _x`), Host patching, the running operation's arguments, the
+    State's host sets and operations, Config.DIFF and the CLI's inventory loader appear only in the
+    internals module."""
     import re
     from pathlib import Path
 
@@ -54,7 +56,11 @@ def test_no_other_module_touches_a_pyinfra_internal():
         if path.name == "pyinfra_internals.py":
             continue
         text = path.read_text(encoding="utf-8")
-        if re.search(r"from pyinfra[\w.]* import _\w|pyinfra_cli\.cli\.|Host\.\w+ = |setattr\(Host", text):
+        if re.search(
+            r"from pyinfra[\w.]* import _\w|pyinfra_cli\.cli\.|Host\.\w+ = |setattr\(Host"
+            r"|current_op_global_arguments|\.activated_hosts|state\.ops\b|config\.DIFF|pyinfra_cli\.inventory",
+            text,
+        ):
             offenders.append(str(path.relative_to(root)))
     assert not offenders, offenders
 

@@ -35,7 +35,7 @@ from freetoken_infra.rollout import (
     pyinfra_argv,
     select_hosts,
 )
-from operations import engine
+from operations import health
 from operations.health import rollback_command, run_gate
 from tests.loopback import free_port, wait_listening
 from tests.unit.test_run_records import run_state
@@ -347,13 +347,14 @@ def test_restart_pending_command_on_this_machine(tmp_path):
 
 
 # ---------------------------------------------------------------------------- rollback
-def test_previous_version_only_for_an_installed_other_version():
+def test_the_rollback_target_is_only_an_installed_other_version():
+    # The deploy's one rollback decision (operations/health.py), on the engine fact's real type.
     s = Settings(engine_version="0.2.3")
     info = lambda active, versions: EngineInstallInfo("/opt/freetoken", versions, active)  # noqa: E731
-    assert engine.previous_version(info("0.2.1", {"0.2.1": "0.2.1", "0.2.3": "0.2.3"}), s) == "0.2.1"
-    assert engine.previous_version(info("0.2.3", {"0.2.3": "0.2.3"}), s) is None  # same version
-    assert engine.previous_version(info(None, {}), s) is None  # first install
-    assert engine.previous_version(info("0.2.1", {"0.2.1": None}), s) is None  # broken venv
+    assert health.rollback_target(info("0.2.1", {"0.2.1": "0.2.1", "0.2.3": "0.2.3"}), s, None) == "0.2.1"
+    assert health.rollback_target(info("0.2.3", {"0.2.3": "0.2.3"}), s, None) is None  # same version
+    assert health.rollback_target(info(None, {}), s, None) is None  # first install
+    assert health.rollback_target(info("0.2.1", {"0.2.1": None}), s, None) is None  # broken venv
 
 
 class Engine:

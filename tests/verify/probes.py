@@ -21,8 +21,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken_infra.core.layout import KEY_VAR
 from operations.health import GATE_SCRIPT_SOURCE, gate_command, parse_gate_output
-from operations.service import KEY_VAR
 
 
 class ProbeError(AssertionError):
