@@ -35,7 +35,8 @@ def parse_proc_version(text: str | None) -> WslKernelInfo:
     release = match.group(1) if match else ""
     # WSL2's real kernels say "microsoft" in lower case: "6.6.87.2-microsoft-standard-WSL2", and
     # before 5.10 without the suffix: "4.19.128-microsoft-standard". WSL1's fake kernel says it
-    # with a capital M: "4.4.0-19041-Microsoft (Microsoft@Microsoft.com)" (wsl2-gpu.md).
+    # with a capital M: "4.4.0-19041-Microsoft (Microsoft@Microsoft.com)" (fixtures in
+    # tests/fixtures/real/proc-version-*.txt; their README says which are published captures).
     if "wsl2" in raw.lower() or "microsoft" in release or "microsoft-standard" in raw:
         kind: Literal["wsl2", "wsl1", "none"] = "wsl2"
     elif "microsoft" in raw.lower():

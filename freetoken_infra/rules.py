@@ -43,8 +43,8 @@ Status = Literal["pass", "warn", "block"]
 
 GiB = 1024**3
 GB = 1000**3
-MIN_COMPUTE = (8, 0)  # freetoken.md: Ampere or newer
-REQUIRED_NVCC_MAJOR = 13  # freetoken.md: nvcc's major must equal torch's CUDA major
+MIN_COMPUTE = (8, 0)  # README, The engine: Ampere or newer
+REQUIRED_NVCC_MAJOR = 13  # README, The engine: nvcc's major must equal torch's CUDA major
 SYSTEMD_ON = {"systemd": "true"}  # /etc/wsl.conf [boot]: systemd as PID 1 (the engine is a unit)
 RESTART_REMEDY = f"{RESTART_MESSAGE}, then re-run the deploy"
 

@@ -1,8 +1,9 @@
 """The Windows side of a workstation: `%UserProfile%\\.wslconfig`, `/etc/wsl.conf`,
 and the optional scheduled task that starts the distro after a Windows reboot.
 
-Neither file applies until `wsl.exe --shutdown` (wsl2-gpu.md), so the deploy
-reports "restart required" whenever `ini_values` changes one of them.
+Neither file applies until `wsl.exe --shutdown` (Microsoft's WSL configuration docs: the
+8-second rule), so the deploy reports "restart required" whenever `ini_values` changes one of
+them.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ _REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-
 # split words), env files and the Windows side, so one conservative set: letters, digits and
 # `._+-` per component. No `..` or `.` component; `//` and a trailing `/` are normalised away.
 _PATH_COMPONENT_RE = re.compile(r"[A-Za-z0-9._+-]+")
-# wsl2-gpu.md: inside WSL the Windows driver is the driver; these packages would
+# NVIDIA's CUDA on WSL guide: inside WSL the Windows driver is the driver; these packages would
 # install a Linux one (`cuda` and `cuda-X-Y` depend on cuda-drivers). The same globs
 # become the deploy's apt pin (priority -1) and the settings check below.
 # Named one by one rather than `nvidia-*`, which would also block tools a WSL user may

@@ -6,7 +6,7 @@ Runs ON THE TARGET under the system ``python3`` (3.10+), as a systemd oneshot un
 only, plus ``quant.py`` (freetoken_infra/core/quant.py, uploaded beside this file) so the decision
 "can FreeToken run this checkpoint" is the same code as in the preflight rules.
 
-Why not huggingface_hub: >= 1.31 no longer resumes partial downloads (wsl2-gpu.md), and a
+Why not huggingface_hub: >= 1.31 no longer resumes partial downloads (huggingface_hub#4196), and a
 22 GB fetch that dies at 90 % must not start over. Here every file goes to
 ``DEST/.partial/<name>.part``, continues with an HTTP Range request from the partial's size,
 is verified against the hub's listing (sha256 for LFS files, the git blob sha1 for small

@@ -1,6 +1,6 @@
 """The simulated fleet: real Debian hosts (systemd as PID 1, sshd) in systemd-nspawn containers,
 each in its own network namespace on one bridge, dressed up as Windows+WSL2 workstations with an
-NVIDIA GPU by the stand-ins in tests/fleet/standins/ (recipe: the brief's test-hosts.md).
+NVIDIA GPU by the stand-ins in tests/fleet/standins/ (README, Testing).
 
     up(n)    build/reuse the base root fs, start the bridge services and n hosts, write state.json
     down()   stop everything by the PIDs recorded in state.json, remove netns/links/host copies

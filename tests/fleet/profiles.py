@@ -9,7 +9,7 @@ profiles in turn: ws4 is dressed like ws1, ws5 like ws2, ws6 like ws1, and so on
 Each repeat keeps its own name, address and GPU UUID; ws3 (refused at preflight) is not repeated,
 so a big fleet is ws3 plus serving hosts of both hardware classes.
 
-The values are taken from the field report (docs: /work/shared brief field-report.md): ws1 is the
+The values are taken from the field report (README, The pitfalls it checks): ws1 is the
 report's machine, ws3 is the report's "fake OOM" (pitfall 4B: old WSL, WDDM allocation lock).
 """
 
