@@ -27,11 +27,12 @@ import os
 
 import click
 from pyinfra.api.exceptions import PyinfraError
-from pyinfra_cli.exceptions import CliError, UnexpectedExternalError
 
 from freetoken_infra.core import pyinfra_internals, redact
 from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import SettingsError, validate_inventory
+
+CliError, UnexpectedExternalError = pyinfra_internals.cli_errors()
 
 
 def _validate_then_connect(connect_all):
@@ -48,9 +49,9 @@ def _validate_then_connect(connect_all):
             # pyinfra's "No hosts remaining!" when it could connect to none of the run's hosts
             # (PCs that are off): say so plainly; its own wording, "pyinfra error in
             # .../config.py line N", reads like a crash of ours. Nothing was done on any host.
-            if state.active_hosts:
+            if pyinfra_internals.active_host_names(state):
                 raise
-            names = sorted(h.name for h in state.failed_hosts)
+            names = sorted(pyinfra_internals.failed_host_names(state))
             click.echo(
                 f"\n--> no host could be reached ({', '.join(names)}; pyinfra's errors are above); "
                 "nothing was done on any host",

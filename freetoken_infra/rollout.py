@@ -178,9 +178,11 @@ def parse_data(items: Sequence[str]) -> dict:
         pairs.append((key, value))
     if not pairs:
         return {}
-    from pyinfra_cli.util import parse_cli_arg  # after the checks: it patches this process (gevent)
+    from freetoken_infra.core.pyinfra_internals import (
+        parse_cli_value,
+    )  # after the checks: it patches this process (gevent)
 
-    return {key: parse_cli_arg(value) for key, value in pairs}
+    return {key: parse_cli_value(value) for key, value in pairs}
 
 
 def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[str]:

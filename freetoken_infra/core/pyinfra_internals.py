@@ -7,7 +7,8 @@ CLI's inventory loader and connect step), telling pyinfra's own host data keys f
 (settings: the connectors' ``data_meta``), masking secrets in the ``--diff`` of files operations
 (``mask_file_diffs``), a private upload folder for sudo runs (``use_upload_dir``) and an
 operation's privilege arguments for its callbacks (``current_op_elevation``), the CLI's
-inventory loader for the CLIs that read an inventory (``load_inventory``), and what the
+inventory loader for the CLIs that read an inventory (``load_inventory``), the CLI's own
+errors (``cli_errors``) and ``--data`` value parsing (``parse_cli_value``), and what the
 run's State says of its hosts and operations (``reached_host_names`` ...). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
 every one against the installed pyinfra and fails naming the internal when a release changes
 it. pyproject.toml allows only the pyinfra releases those tests passed on.
@@ -267,6 +268,12 @@ def active_host_names(state: State) -> set[str]:
     return {h.name for h in state.active_hosts}
 
 
+def failed_host_names(state: State) -> set[str]:
+    """Hosts pyinfra failed in this run (``State.failed_hosts``): could not connect, or an
+    operation or the deploy failed them."""
+    return {h.name for h in state.failed_hosts}
+
+
 def changed_operations(state: State, host: Any) -> int:
     """How many of ``host``'s operations ran to the end and changed something (``State.ops``)."""
     return sum(
@@ -289,15 +296,62 @@ def _check_state() -> None:
     from pyinfra.api import Config, Inventory, State
     from pyinfra.api.operation import OperationMeta
 
-    inventory = Inventory((["ws-check"], {}))  # type: ignore[no-untyped-call]
+    inventory = Inventory((["ws-check", "ws-other"], {}))  # type: ignore[no-untyped-call]
     state = State(inventory, Config())  # type: ignore[no-untyped-call]
-    host = inventory.get_host("ws-check")
-    assert state.activated_hosts == set() and state.active_hosts == set() and state.ops == {host: {}}
+    host, other = inventory.get_host("ws-check"), inventory.get_host("ws-other")
+    assert state.activated_hosts == set() and state.active_hosts == set() and state.ops == {host: {}, other: {}}
     state.activate_host(host)
     assert reached_host_names(state) == active_host_names(state) == {"ws-check"} and is_active(state, host)
+    state.activate_host(other)
+    state.fail_hosts({other})  # type: ignore[no-untyped-call]
+    assert failed_host_names(state) == {"ws-other"} and active_host_names(state) == {"ws-check"}
     assert changed_operations(state, host) == 0
     assert callable(OperationMeta.is_complete) and callable(OperationMeta.did_change)
     assert hasattr(Config(), "DIFF")  # type: ignore[no-untyped-call]
+
+
+# --- the CLI's own errors and value parsing --------------------------------------------------
+
+
+def cli_errors() -> tuple[Any, Any]:
+    """``(CliError, UnexpectedExternalError)`` of pyinfra's CLI: the first is printed as its
+    message alone (no traceback) with exit status 1; the second is what the CLI raises for an
+    exception in a file it executes (an inventory), with ``.filename`` and ``.exception``."""
+    from pyinfra_cli.exceptions import CliError, UnexpectedExternalError
+
+    return CliError, UnexpectedExternalError
+
+
+def _check_cli_errors() -> None:
+    import click
+
+    cli_error, external = cli_errors()
+    assert issubclass(cli_error, click.ClickException) and cli_error("x").message == "x"
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        wrapped = external(exc, "inventory.py")
+    assert wrapped.filename == "inventory.py" and isinstance(wrapped.exception, ValueError)
+
+
+def parse_cli_value(value: str) -> Any:
+    """A ``--data KEY=VALUE`` value as pyinfra's CLI reads it (``pyinfra_cli.util.parse_cli_arg``):
+    ``true``/``false`` in any case, then an int, then JSON, else the string. Importing the CLI
+    patches this process (gevent): call it only once the process is to run pyinfra."""
+    from pyinfra_cli.util import parse_cli_arg
+
+    return parse_cli_arg(value)
+
+
+def _check_parse_cli_value() -> None:
+    assert [parse_cli_value(v) for v in ("TRUE", "false", "7", '{"a": [1]}', "0.5", "x y")] == [
+        True,
+        False,
+        7,
+        {"a": [1]},
+        0.5,
+        "x y",
+    ]
 
 
 # An operation's privilege arguments (``_sudo=True`` ...). A python callback of the operation
@@ -350,5 +404,7 @@ INTERNALS: dict[str, Callable[[], None]] = {
     "host data _temp_dir -> the _temp_dir global argument -> files.put's upload temp file": _check_upload_dir,
     "pyinfra.api.host.Host.current_op_global_arguments (the running operation's arguments)": _check_current_op_arguments,
     "pyinfra_cli.inventory.make_inventory(inventory, cwd=, override_data=) under its own State": _check_load_inventory,
-    "State.activated_hosts / active_hosts / ops[host][...].operation_meta, Config.DIFF": _check_state,
+    "State.activated_hosts / active_hosts / failed_hosts / ops[host][...].operation_meta, Config.DIFF": _check_state,
+    "pyinfra_cli.exceptions.CliError / UnexpectedExternalError(e, filename)": _check_cli_errors,
+    "pyinfra_cli.util.parse_cli_arg (how the CLI reads a --data value)": _check_parse_cli_value,
 }

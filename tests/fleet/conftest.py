@@ -40,3 +40,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked `slow` (tests/fleet/test_scale.py) bring up a 12-host fleet of their own:
     they run after every other test, so the session's fleet serves all the others first."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: order kept
+    # `pytest -m "not fleet"` must start no fleet: a test that asks for the fleet without the
+    # marker would boot it in a run that deselected the fleet.
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "sim_fleet" in getattr(item, "fixturenames", ()) and item.get_closest_marker("fleet") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests use the simulated fleet but are not marked `fleet` (pytestmark = pytest.mark.fleet): "
+            + ", ".join(unmarked)
+        )
