@@ -727,7 +727,7 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     _write(sim / "meminfo", meminfo_text(profile))
     _write(sim / "profile.json", json.dumps(profile.to_dict(), indent=1, ensure_ascii=False))
     _write(sim / "gpu.conf", gpu_conf_text(profile))
-    for tool in ("_simwin.py", "wsl.exe", "cmd.exe", "schtasks.exe", "wslinfo", "wslpath"):
+    for tool in ("_simwin.py", "wsl.exe", "cmd.exe", "schtasks.exe", "powershell.exe", "wslinfo", "wslpath"):
         _write(sim / "bin" / tool, (STANDINS / "bin" / tool).read_bytes(), 0o755)
 
     # Windows side (STAND-INs): C: drive, the user's profile, interop executables. The .exe
@@ -736,6 +736,7 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     system32 = root / "mnt/c/Windows/System32"
     for exe in ("wsl.exe", "cmd.exe", "schtasks.exe"):
         _link(system32 / exe, f"/.sim/bin/{exe}")
+    _link(system32 / "WindowsPowerShell/v1.0/powershell.exe", "/.sim/bin/powershell.exe")
     _link(root / "usr/bin/wslinfo", "/.sim/bin/wslinfo")
     _link(root / "usr/bin/wslpath", "/.sim/bin/wslpath")
     user_dir = root / "mnt/c/Users" / profile.windows_user
@@ -1052,7 +1053,8 @@ VOLATILE = ("/var/lib/apt/lists", "/var/lib/systemd/timers", "/var/lib/systemd/r
             "/var/lib/systemd/pstore", "/var/lib/systemd/backlight", "/var/lib/ucf/cache",
             "/mnt/c/.sim/calls.jsonl")
 QUERIES = ("wsl.exe --version", "wsl.exe --status", "wsl.exe --list", "wsl.exe -l",
-           "cmd.exe /c echo", "schtasks.exe /Query", "wslinfo", "wslpath")
+           "cmd.exe /c echo", "schtasks.exe /Query", "wslinfo", "wslpath",
+           "powershell.exe -NoProfile -NonInteractive -Command Get-")
 files = {}
 for top in ROOTS:
     for d, dirs, names in os.walk(top):
