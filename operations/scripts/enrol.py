@@ -417,10 +417,23 @@ def _powershell(command: str) -> subprocess.CompletedProcess:
     return _run(["powershell.exe", "-NoProfile", "-NonInteractive", "-Command", command], "Windows", cwd="/")
 
 
+def distro_name() -> str:
+    """``$WSL_DISTRO_NAME`` (sudo drops it), else the name in ``wslpath -w /``
+    (``\\\\wsl.localhost\\NAME\\``), as the deploy reads it (facts/windows_tasks.py)."""
+    name = os.environ.get("WSL_DISTRO_NAME", "")
+    if name:
+        return name
+    root = _run(["wslpath", "-w", "/"], "Windows").stdout.strip()
+    match = re.fullmatch(r"\\\\[^\\]+\\([^\\]+)\\?", root)
+    return match.group(1) if match else ""
+
+
 def ensure_windows(i: Inputs, run: Run) -> None:
-    distro = os.environ.get("WSL_DISTRO_NAME", "")
+    distro = distro_name()
     if not DISTRO.fullmatch(distro):
-        raise EnrolError(f"Windows: the distro's name ($WSL_DISTRO_NAME) {distro!r} is not a WSL distribution name")
+        raise EnrolError(
+            f"Windows: the distro's name ({distro!r}, $WSL_DISTRO_NAME or `wslpath -w /`) is not a WSL distribution name"
+        )
     rule = _powershell(f"Get-NetFirewallHyperVRule -Name '{FIREWALL_RULE}' | Out-Null").returncode != 0
     task = _run(["schtasks.exe", "/Query", "/TN", TASK_NAME], "Windows", cwd="/").returncode != 0
     if rule or task:
