@@ -3,11 +3,14 @@
     python -m freetoken_infra.fleet [-i INVENTORY] drain HOST [HOST ...]   # for play or maintenance
     python -m freetoken_infra.fleet [-i INVENTORY] ready HOST [HOST ...]   # back in service
     python -m freetoken_infra.fleet [-i INVENTORY] status
+    python -m freetoken_infra.fleet [-i INVENTORY] add NAME ADDRESS --host-key SHA256:... [--class CLASS]
+    python -m freetoken_infra.fleet [-i INVENTORY] remove NAME
 
 `drain` lets the host's running streams finish and sends every new request elsewhere (follow-up
 turns of its sessions too); `ready` puts it back (it serves again once its health checks pass).
 `status` prints one table: host, in service / parked / draining / failed, active requests, the
-last health check, and the decode tok/s of the host's last health gate.
+last health check, and the decode tok/s of the host's last health gate. `add` and `remove`
+enrol a PC that ran operations/scripts/enrol.py and take one out (freetoken_infra/enrolment.py).
 
 The gateway is the inventory's `gateway` group (deploys/gateway.py); the commands reach it over
 SSH with the inventory's connection settings (``@local``: on this machine), through `sudo -n`
@@ -306,7 +309,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_ready = sub.add_parser("ready", help="back in service once its health checks pass")
     p_ready.add_argument("hosts", nargs="+")
     sub.add_parser("status", help="one table: state, active requests, last health, last gate tok/s")
+    p_add = sub.add_parser("add", help="pin a new PC's host key, run the doctor on it, add it to the inventory")
+    p_add.add_argument("name")
+    p_add.add_argument("address")
+    p_add.add_argument("--host-key", help="the fingerprint enrol.py printed (SHA256:...)")
+    p_add.add_argument("--class", dest="group", help="its hardware class: a group of the inventory (default: hosts)")
+    p_add.add_argument("--port", type=int, default=2222, help="its sshd's port (default 2222, as enrol.py sets)")
+    p_add.add_argument("--user", default="root", help="the user the deploy logs in as")
+    p_add.add_argument("--ssh-key", help="the controller's private key file (default: ssh's own choice)")
+    p_add.add_argument("--known-hosts", help="the known-hosts file to pin the key in (default ~/.ssh/known_hosts)")
+    p_add.add_argument("--skip-doctor", action="store_true", help="add it without running the doctor first")
+    p_remove = sub.add_parser("remove", help="drain a host at the gateway, then take it out of the inventory")
+    p_remove.add_argument("name")
+    p_remove.add_argument("--wait", type=float, default=60, metavar="S", help="wait up to S s for its streams")
+    p_remove.add_argument("--no-gateway", action="store_true", help="the inventory has no gateway: do not drain")
     args = ap.parse_args(argv)
+    if args.cmd in ("add", "remove"):
+        return _enrolment(args)
     try:
         fleet = Fleet.from_inventory(args.inventory)
         if args.cmd == "drain":
@@ -321,6 +340,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(fleet.status())
     except FleetError as exc:
         print(f"fleet: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _enrolment(args: argparse.Namespace) -> int:
+    from freetoken_infra import enrolment
+
+    try:
+        if args.cmd == "add":
+            host = enrolment.new_host(
+                args.name,
+                args.address,
+                port=args.port,
+                user=args.user,
+                host_key=args.host_key,
+                group=args.group,
+                ssh_key=args.ssh_key,
+                known_hosts=args.known_hosts,
+            )
+            enrolment.add(args.inventory, host, doctor=not args.skip_doctor)
+        else:
+
+            def drain(name: str) -> list[str]:
+                fleet = Fleet.from_inventory(args.inventory)
+                fleet.drain([name])
+                print(f"--> {name}: draining at the gateway {fleet.gateway.name}")
+                return fleet.wait_idle([name], args.wait, say=print)
+
+            enrolment.remove(args.inventory, args.name, drain=None if args.no_gateway else drain)
+    except (enrolment.EnrolError, FleetError) as exc:
+        print(f"fleet {args.cmd}: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -383,7 +383,8 @@ def _teardown(state: dict | None, quiet: bool = False) -> None:
     say = (lambda m: None) if quiet else _log
     state = state or {}
     hosts = state.get("hosts", {})
-    for name, h in list(hosts.items()) + ([(GATEWAY_NAME, state["gateway"])] if state.get("gateway") else []):
+    extra = [(n, state[k]) for n, k in ((GATEWAY_NAME, "gateway"), (BARE_NAME, "bare")) if state.get(k)]
+    for name, h in list(hosts.items()) + extra:
         if h.get("pid"):
             say(f"stopping {name} (nspawn pid {h['pid']})")
             _stop_pid(h["pid"], "systemd-nspawn", term_wait=15)
@@ -727,7 +728,7 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     _write(sim / "meminfo", meminfo_text(profile))
     _write(sim / "profile.json", json.dumps(profile.to_dict(), indent=1, ensure_ascii=False))
     _write(sim / "gpu.conf", gpu_conf_text(profile))
-    for tool in ("_simwin.py", "wsl.exe", "cmd.exe", "schtasks.exe", "wslinfo", "wslpath"):
+    for tool in ("_simwin.py", "wsl.exe", "cmd.exe", "schtasks.exe", "powershell.exe", "wslinfo", "wslpath"):
         _write(sim / "bin" / tool, (STANDINS / "bin" / tool).read_bytes(), 0o755)
 
     # Windows side (STAND-INs): C: drive, the user's profile, interop executables. The .exe
@@ -736,6 +737,7 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     system32 = root / "mnt/c/Windows/System32"
     for exe in ("wsl.exe", "cmd.exe", "schtasks.exe"):
         _link(system32 / exe, f"/.sim/bin/{exe}")
+    _link(system32 / "WindowsPowerShell/v1.0/powershell.exe", "/.sim/bin/powershell.exe")
     _link(root / "usr/bin/wslinfo", "/.sim/bin/wslinfo")
     _link(root / "usr/bin/wslpath", "/.sim/bin/wslpath")
     user_dir = root / "mnt/c/Users" / profile.windows_user
@@ -835,6 +837,8 @@ def _record(state: dict, name: str) -> dict:
     """A container's record in state.json: a workstation's, or the gateway's."""
     if name == GATEWAY_NAME and state.get("gateway"):
         return state["gateway"]
+    if name == BARE_NAME and state.get("bare"):
+        return state["bare"]
     return state["hosts"][name]
 
 
@@ -1034,6 +1038,125 @@ def stop_gateway() -> None:
     _log(f"gateway {GATEWAY_NAME} removed")
 
 
+# A workstation as it comes to its owner (tests/fleet/test_enrol.py): dressed like the others,
+# but with no sshd, no controller key and systemd off in /etc/wsl.conf. It is reached through
+# its console (nsenter into the container) until operations/scripts/enrol.py made it reachable.
+# Not a member of the session's fleet: booted only by start_bare(), never in host_names().
+BARE_NAME = "ws190"
+
+
+def console_argv(pid: int) -> list[str]:
+    """Run a command inside the container whose systemd-nspawn has ``pid``, as root at its
+    console would: its namespaces, root and a clean environment."""
+    inner = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    if not inner:
+        raise FleetError(f"container of nspawn pid {pid} has no init process")
+    return [
+        "nsenter",
+        "-t",
+        inner[0],
+        "-m",
+        "-u",
+        "-i",
+        "-n",
+        "-p",
+        "-r",
+        "-w",
+        "env",
+        "-i",
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME=/root",
+        "LANG=C.UTF-8",
+    ]
+
+
+def _wait_console_booted(h: dict, timeout: float = BOOT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = subprocess.run(
+                console_argv(h["pid"]) + ["systemctl", "is-system-running"], capture_output=True, text=True, timeout=10
+            )
+            if r.stdout.strip() in ("running", "degraded"):
+                return
+        except (FleetError, subprocess.TimeoutExpired):
+            pass
+        if time.monotonic() > deadline:
+            raise FleetError(f"{h['name']}: not booted after {timeout:.0f} s\n{_tail(h['console_log'])}")
+        time.sleep(1)
+
+
+def start_bare() -> dict:
+    """Boot the bare workstation BARE_NAME on the running fleet (a fresh tree each time)."""
+    state = load_state()
+    if not state:
+        raise FleetError("simulated fleet not running: python -m tests.fleet up")
+    if state.get("bare"):
+        stop_bare()
+        state = load_state() or state
+    root = cache_dir() / "hosts" / BARE_NAME
+    shutil.rmtree(root, ignore_errors=True)
+    _sh("cp", "-a", "--reflink=auto", ensure_base_rootfs(), root)
+    (root / COMPLETE_MARK).unlink(missing_ok=True)
+    profile = profiles.profile_for(BARE_NAME)
+    prepare_root(root, profile, Path(state["ssh_key"] + ".pub").read_text(), build_libcuda())
+    # As it comes to its owner: no controller key, no sshd, systemd off in wsl.conf.
+    (root / "root/.ssh/authorized_keys").unlink()
+    _sh("chroot", root, "dpkg", "--purge", "openssh-server", quiet=True)
+    for key in (root / "etc/ssh").glob("ssh_host_*"):
+        key.unlink()
+    _write(root / "etc/wsl.conf", "[boot]\nsystemd=false\n")
+    address = profiles.host_address(BARE_NAME)
+    ns = _setup_host_network(BARE_NAME, address)
+    state["bare"] = {
+        "name": BARE_NAME,
+        "address": address,
+        "profile": profile.to_dict(),
+        "hardware_class": profile.hardware_class,
+        "ssh_key": state["ssh_key"],
+        "ssh_user": "root",
+        "root": str(root),
+        "netns": ns,
+        "pid": None,
+        "console_log": str(state_dir() / "logs" / f"{BARE_NAME}.console.log"),
+    }
+    _save_state(state)
+    _start_container(state, BARE_NAME)
+    _wait_console_booted(load_state()["bare"])
+    _log(f"bare workstation {BARE_NAME} up at {address} (console only)")
+    return load_state()["bare"]
+
+
+def reboot_bare() -> None:
+    """What `wsl.exe --shutdown` and opening the distro again do to the bare workstation: its
+    processes end, the same tree boots again (waited for through its console)."""
+    state = load_state()
+    h = (state or {}).get("bare")
+    if not h:
+        raise FleetError(f"{BARE_NAME} is not running: start_bare() first")
+    _stop_pid(h["pid"], "systemd-nspawn", term_wait=20)
+    _kill_netns_processes(h["netns"])
+    _start_container(state, BARE_NAME)
+    _wait_console_booted(load_state()["bare"])
+
+
+def stop_bare() -> None:
+    """Power the bare workstation off and remove it (tree, namespace, link)."""
+    state = load_state()
+    h = (state or {}).get("bare")
+    if not h:
+        return
+    if h.get("pid"):
+        _stop_pid(h["pid"], "systemd-nspawn", term_wait=15)
+    _kill_netns_processes(h["netns"])
+    _sh("ip", "netns", "delete", h["netns"], check=False, quiet=True)
+    _sh("ip", "link", "delete", h["netns"], check=False, quiet=True)
+    shutil.rmtree(h["root"], ignore_errors=True)
+    del state["bare"]
+    _save_state(state)
+    _log(f"bare workstation {BARE_NAME} removed")
+
+
 # ---------------------------------------------------------------------------- running fleet
 
 SNAPSHOT_SCRIPT = r"""
@@ -1052,7 +1175,8 @@ VOLATILE = ("/var/lib/apt/lists", "/var/lib/systemd/timers", "/var/lib/systemd/r
             "/var/lib/systemd/pstore", "/var/lib/systemd/backlight", "/var/lib/ucf/cache",
             "/mnt/c/.sim/calls.jsonl")
 QUERIES = ("wsl.exe --version", "wsl.exe --status", "wsl.exe --list", "wsl.exe -l",
-           "cmd.exe /c echo", "schtasks.exe /Query", "wslinfo", "wslpath")
+           "cmd.exe /c echo", "schtasks.exe /Query", "wslinfo", "wslpath",
+           "powershell.exe -NoProfile -NonInteractive -Command Get-")
 files = {}
 for top in ROOTS:
     for d, dirs, names in os.walk(top):
@@ -1157,6 +1281,14 @@ class Fleet:
         if check and r.returncode != 0:
             raise FleetError(f"{self._host(host)['name']}: {cmd!r} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
         return r
+
+    def console(
+        self, host, argv: list[str], timeout: float = 600, input: str | None = None
+    ) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside ``host`` through its console (no SSH), as root."""
+        return subprocess.run(
+            console_argv(self._host(host)["pid"]) + argv, capture_output=True, text=True, timeout=timeout, input=input
+        )
 
     def reboot(self, host, timeout: float = BOOT_TIMEOUT_S) -> None:
         """Stop the container (as a power-off would) and boot the same tree again."""
