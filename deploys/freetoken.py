@@ -24,20 +24,14 @@ import click
 from pyinfra import host
 from pyinfra.api.exceptions import OperationError
 from pyinfra.context import state
-from pyinfra.facts.files import Sha256File
-from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import python, systemd
 from pyinfra.operations.util import any_changed
 
 from facts import batch
-from facts.windows_tasks import WslDistroName
-from freetoken_infra import rules
+from freetoken_infra import plan as converge
 from freetoken_infra.core import records
-from freetoken_infra.core.launch import engine_command
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, RESTART_MESSAGE
-from freetoken_infra.core.pyinfra_internals import connection_lost
-from freetoken_infra.core.wsl_ini import drive_root
-from freetoken_infra.preflight import fail_host, fleet_settings, run_preflight
+from freetoken_infra.core.layout import ENGINE_UNIT
+from freetoken_infra.preflight import fleet_settings, gather, run_preflight, stop_host
 from operations import cuda, engine, firewall, guard, health, host_lock, model, node_exporter, service, windows
 
 # Every host's settings, validated before this deploy reads anything from any host. The repo's
@@ -55,7 +49,13 @@ def lock_then_facts(command: str, script: str, elevation: Mapping[str, Any]) -> 
     return batch.prefetch(state, host, first=(command, script))
 
 
-FACTS_STEP = "the host lock and the fact reads (before any change)"
+def wait_for_restart(message: str) -> None:
+    def stop():
+        raise OperationError(message)
+
+    python.call(name="Wait for the WSL restart", function=stop)
+
+
 # One run per host at a time (operations/host_lock.py): taken before the facts this run acts on
 # are read, so that a run that waited plans from the state the other run left.
 lock_refused = host_lock.take(
@@ -65,163 +65,104 @@ lock_refused = host_lock.take(
     {"_sudo": True} if host.data.get("_sudo") else {},
     run=lock_then_facts,
 )
-if lock_refused and connection_lost(host):  # one line, as for a connection lost in a step
-    lost = records.RunRecords.of(state).lost_during(host.name, FACTS_STEP, say=False)
-    fail_host(state, host, "connection lost", line=lost, advice="re-run to finish")
-elif lock_refused:
-    fail_host(state, host, lock_refused)
+# The host's preflight record (the settings and everything this deploy knows of the host), what
+# else the plan reads, and every decision of this run (freetoken_infra/plan.py).
+pre = None if lock_refused else run_preflight(state, host, stop_blocked=False)[0]
+plan = converge.converge_plan(
+    gather(state, host, lock_refused, pre),
+    converge.Renderers(service.engine_unit, service.engine_environment),
+)
 
+if plan.windows is not None:
+    # .wslconfig [wsl2] and /etc/wsl.conf [boot] systemd=true, merged into the user's files.
+    for target in plan.windows.targets:
+        windows.ini_values(name=target.name, path=target.path, section=target.section, values=target.values)
+    records.record(host.name, restart_pending=plan.windows.changing)  # for a rollout's fleet report
+    if plan.windows.notice:
+        click.echo(f"    [{host.name}] {plan.windows.notice}", err=True)
+    if plan.windows.waits:
+        wait_for_restart(plan.windows.notice or "")
 
-def windows_side(settings, obs) -> list[str]:
-    """Queue the Windows-side merges; return the files that will change."""
-    targets = [("/etc/wsl.conf", "boot", {"systemd": "true"})]
-    if obs.windows_profile is not None and obs.windows_profile.path:
-        targets.insert(0, (f"{obs.windows_profile.path}/.wslconfig", "wsl2", settings.wslconfig_values()))
-    changing = [p for p, section, values in targets if windows.ini_needs_change(p, section, values)]
-    for path, section, values in targets:
-        name = ".wslconfig [wsl2]" if section == "wsl2" else f"{path} [{section}]"
-        windows.ini_values(name=f"Windows side: {name}", path=path, section=section, values=values)
-    records.record(host.name, restart_pending=changing)  # for a rollout's fleet report
-    return changing
+if plan.stop is not None:
+    stop_host(state, host, plan.stop)
 
-
-def stop_for_restart(obs) -> None:
-    """The only blockers are the deploy's own to fix: apply the Windows side, then stop."""
-    changing = windows_side(fleet_settings(state)[host.name], obs)
-    message = f"{host.name}: {RESTART_MESSAGE} ({', '.join(changing) or 'systemd not yet PID 1'}); every later step waits for it"
-    click.echo(f"    [{host.name}] {message}", err=True)
-
-    def stop():
-        raise OperationError(message)
-
-    python.call(name="Wait for the WSL restart", function=stop)
-
-
-ok = False
-if not lock_refused:
-    # The host's preflight record: the settings and everything this deploy knows of the host.
-    pre, ok = run_preflight(state, host, on_fixable=stop_for_restart)
-    settings, obs = pre.settings, pre.observations
-
-# Where the engine's firewall admits connections from (operations/firewall.py): the inventory's
-# gateway host(s), resolved before any change; an address that cannot be stops this host.
-gateways: list = []
-if ok and firewall.needed(settings):
-    try:
-        gateways = firewall.gateway_addresses(state.inventory)
-    except firewall.FirewallError as exc:
-        fail_host(state, host, str(exc))
-        ok = False
-
-if ok:
-    changing = windows_side(settings, obs)
-    if changing:
-        click.echo(
-            f"    [{host.name}] {RESTART_MESSAGE}: {', '.join(changing)} change(s); the engine runs with the "
-            "old VM limits until then (no later step waits for it)",
-            err=True,
-        )
-    if settings.windows_autostart:
+if plan.converge is not None:
+    c = plan.converge
+    settings = c.settings
+    if c.autostart is not None:
         windows.windows_autostart(
             name="Windows: start the distro at logon",
-            task_name="FreeToken-WSL",
-            distro=host.get_fact(WslDistroName),
-            drive_root=drive_root(obs.wslconf.ini) if obs.wslconf.ini is not None else DEFAULT_DRIVE_ROOT,
+            task_name=c.autostart.task_name,
+            distro=c.autostart.distro,
+            drive_root=c.autostart.drive_root,
         )
-
-    gpu = rules.primary_gpu(obs)
-    plan = rules.plan_for(settings, obs)
-    # The preflight's gpu, compute_capability and launch_plan checks block a host without these.
-    assert gpu is not None and gpu.compute_cap is not None and plan is not None, host.name
-    arch = f"compute_{gpu.compute_cap[0]}{gpu.compute_cap[1]}"
 
     cuda.packages_present(name="Prerequisites", packages=["ca-certificates", "curl", "python3-venv"])
     cuda.repository(name="CUDA: NVIDIA repository, keyring, driver pin", settings=settings)
-    cuda.toolkit(name=f"CUDA: toolkit packages, nvcc lists {arch}", settings=settings, gpu_arch=arch)
+    cuda.toolkit(name=f"CUDA: toolkit packages, nvcc lists {c.nvcc_arch}", settings=settings, gpu_arch=c.nvcc_arch)
 
     engine.service_user(name="Engine: service user and directories", settings=settings)
-    # Blue-green: the version that serves now stays installed; if the new one fails the
-    # health gate, the gate switches back to it (README, "Upgrades and rollback"). A run cut off
-    # after the switch left `active` on the new version: then it is the last passed gate's.
-    rollback_to = health.rollback_target(obs.engine, settings, obs.gate_record)
     env_op = engine.environment(name=f"Engine: {settings.engine_requirement} environment", settings=settings)
 
     # The fleet's LAN model cache host fetches first and then serves its verified copy; the
     # other hosts fetch after it, from it (upstream is read once per fleet). pyinfra orders
-    # operations per host; the cache step, called by every host from this one line, is the
-    # point the others wait for.
-    model_name = f"Model: {settings.model_repo}@{settings.model_revision}"
-    sources = model.cache_sources(settings, host.name, state.inventory)
-    fetches_first = settings.model_cache_host in (None, host.name)
-    if fetches_first:
-        model.model_fetcher(name="Model: downloader unit", settings=settings, sources=sources)
-        model_op = model.model_present(name=model_name, settings=settings)
+    # operations per host by the line they are called from; the cache step, called by every
+    # host from this one line, is the point the others wait for.
+    m = c.model
+    if m.fetches_first:
+        model.model_fetcher(name="Model: downloader unit", settings=settings, sources=m.sources)
+        model_op = model.model_present(name=m.name, settings=settings)
     model.model_cache(
         name="Model: LAN cache (on the model_cache_host only)",
         settings=settings,
-        present=settings.model_cache_host == host.name,
+        present=m.serves_cache,
+        bind=m.cache_bind,
     )
-    if settings.model_cache_host == host.name and model_op.will_change:
+    if m.serves_cache and model_op.will_change:
         # nginx serves the files its list named at its start: a newly verified model is served
         # from the reload on (the list is rebuilt from the manifest).
         model.model_cache_reload(name="Model: LAN cache serves the newly verified files")
-    if not fetches_first:
-        model.model_fetcher(name="Model: downloader unit (LAN cache first)", settings=settings, sources=sources)
-        model_op = model.model_present(name=f"{model_name} (LAN cache first)", settings=settings)
+    if not m.fetches_first:
+        model.model_fetcher(name="Model: downloader unit (LAN cache first)", settings=settings, sources=m.sources)
+        model_op = model.model_present(name=f"{m.name} (LAN cache first)", settings=settings)
 
     key_op = service.api_key(name="Service: API key (0600)", settings=settings)
-    unit_op = service.unit(name=f"Service: {ENGINE_UNIT} and its environment", settings=settings, plan=plan)
-    changed = any_changed(env_op, model_op, key_op, unit_op)
+    unit_op = service.unit(name=f"Service: {ENGINE_UNIT} and its environment", settings=settings, plan=c.launch)
+    # The restart and the gate run when something changed, or always when the plan says why.
+    run_if = c.gate.run_if(any_changed(env_op, model_op, key_op, unit_op))
 
     guard.clear_guard_state(name="Guard: clear a tripped state", settings=settings)
-    # The question the service step below asks too (pyinfra fills in the defaults): read once.
-    was_running = (host.get_fact(SystemdStatus, services=[ENGINE_UNIT]) or {}).get(ENGINE_UNIT, False)
-
-    # The gate (and the restart) are skipped only when nothing changed and the host's last
-    # passed gate was for exactly what is installed and serving now; anything else (a run cut
-    # off after a change but before the restart or the gate, a failed gate, another version or
-    # state) restarts the engine on what is installed and gates it again.
-    subject = health.gate_subject(
-        settings,
-        service.engine_unit(settings, plan),
-        service.engine_environment(settings),
-        engine_command(settings, plan),
-    )
-    serving = obs.health
-    why_gate: str | None = "the engine was not serving before this run"
-    if serving is not None and serving.status == "ok" and was_running:
-        manifest = host.get_fact(Sha256File, path=health.manifest_path(settings))
-        why_gate = health.why_gate(obs.gate_record, subject, manifest, serving.version)
-    gate_args: dict[str, Any] = {"_if": changed} if why_gate is None else {}
-
     # Before the engine (re)starts on its address: its port and node_exporter's from the gateway
     # and loopback only (issue 20 items 6 and 14; README, "Security model").
     firewall.firewall(
         name="Firewall: the engine's and node_exporter's ports from the gateway only",
         settings=settings,
-        gateways=gateways,
+        gateways=c.gateways,
+        present=c.firewall_present,
     )
     systemd.service(name="Service: enabled and running", service=ENGINE_UNIT, running=True, enabled=True)
-    if was_running:
+    if c.restart_if_running:
         systemd.service(
             name="Service: restart (unit, environment, key, model or engine changed, or not gated as it is)",
             service=ENGINE_UNIT,
             restarted=True,
-            **gate_args,
+            _if=run_if,
         )
     guard.guard(name="Guard: timer", settings=settings)
     # The guard's samples for the fleet's scrape (README, "One endpoint for the fleet": Metrics).
     node_exporter.node_exporter(
         name="Metrics: node_exporter (Debian) reading the guard's samples",
         settings=settings,
-        bind=node_exporter.bind_address(settings, host.name, host.data.get("ssh_hostname")),
+        bind=c.node_exporter_bind,
     )
 
+    # Blue-green: if this run's version fails the gate, the gate switches back to the one that
+    # served before (README, "Upgrades and rollback").
     health.health_gate(
         name="Health gate: /health ok, the right answer, decode tok/s",
         settings=settings,
         key_file=service.key_path(settings),
-        rollback_to=rollback_to,
-        subject=subject,
-        **gate_args,
+        rollback_to=c.gate.rollback_to,
+        subject=c.gate.subject,
+        _if=run_if,
     )

@@ -15,9 +15,10 @@ from pyinfra import host
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra.context import state
 
+from freetoken_infra.core import addresses
 from freetoken_infra.core.layout import GATEWAY_GROUP
 from freetoken_infra.preflight import fleet_settings
-from operations import cuda, firewall, gateway, host_lock
+from operations import cuda, gateway, host_lock
 
 every = fleet_settings(state)  # every host's settings, validated before any host is touched
 
@@ -34,14 +35,14 @@ if GATEWAY_GROUP in host.groups:
         backends = gateway.backends_for(host.name, hosts)
         engine_key = gateway.fleet_engine_key(backends, every)
         client_keys = gateway.keys_map(gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
-        address = firewall.fleet_address(host.name, host.data.get("ssh_hostname"))
+        address = addresses.fleet_address(host.name, host.data.get("ssh_hostname"))
         tls = None
         if settings.gateway_tls_cert_file is not None:
             tls = gateway.tls_pem(host.name, settings.gateway_tls_cert_file)
         scrape = gateway.scrape_config(
             address, settings, {b.name: (b.address, every[b.name]) for b in backends}, tls=tls is not None
         )
-    except (gateway.GatewayError, firewall.FirewallError) as exc:
+    except (gateway.GatewayError, addresses.AddressError) as exc:
         raise PyinfraError(f"gateway on {host.name}: {exc}") from None
 
     cuda.packages_present(name="Gateway: HAProxy and socat (Debian packages)", packages=["haproxy", "socat"])

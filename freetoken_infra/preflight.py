@@ -1,21 +1,23 @@
 """Preflight inside a pyinfra deploy: gather the facts, run the rules, print the
 findings, and stop a host that has a blocker before anything on it changes.
 
-Used by deploys/doctor.py (read-only) and deploys/freetoken.py (first step).
+Used by deploys/doctor.py (read-only) and deploys/freetoken.py (first step; it then gathers
+what its plan reads, ``gather``, and stops a host as the plan says, ``stop_host``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 import click
 from pyinfra.api.exceptions import PyinfraError
+from pyinfra.facts.files import Sha256File
+from pyinfra.facts.systemd import SystemdStatus
 
 from facts import batch
 from facts.cuda import CudaToolchain
 from facts.engine import EngineHealth, EngineInstall
-from facts.files import FileText
+from facts.files import FileBytes, FileText
 from facts.gpu import NvidiaGpus
 from facts.gpu_memory import GpuMemoryProbe
 from facts.guard import GuardState
@@ -24,10 +26,11 @@ from facts.model import ModelDirectory
 from facts.resources import HostResources
 from facts.restart import RestartPending
 from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
+from facts.windows_tasks import WslDistroName
 from facts.wsl import WslKernel, WslVersion
-from freetoken_infra import rules
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, WSLCONFIG_NAME, HostLayout
-from freetoken_infra.core.pyinfra_internals import reached_host_names
+from freetoken_infra import plan, rules
+from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, WSL_CONF, WSLCONFIG_NAME, HostLayout
+from freetoken_infra.core.pyinfra_internals import connection_lost, reached_host_names
 from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
 from freetoken_infra.core.text import printable
@@ -194,18 +197,13 @@ def run_ended_line(host_name: str, reason: str, advice: str | None = None) -> st
     )
 
 
-def run_preflight(
-    state,
-    host,
-    on_fixable: Callable[[rules.Observations], None] | None = None,
-) -> tuple[rules.HostPreflight, bool]:
+def run_preflight(state, host, stop_blocked: bool = True) -> tuple[rules.HostPreflight, bool]:
     """Gather, evaluate, record, print. Returns (the host's preflight record, ok).
 
     The record (settings, observations, findings) is kept on the run (``RunRecords.preflight``)
     and, under $FREETOKEN_RUN_RECORD, written for a rollout's fleet report before a blocked host
-    is stopped (stopping the last host ends the run). When a host's only blockers are ones the
-    deploy's Windows-side step fixes, `on_fixable(observations)` is called to queue that step
-    before the host stops.
+    is stopped (stopping the last host ends the run). `stop_blocked` False leaves a blocked host
+    to the caller (the deploy's plan says what it does: freetoken_infra/plan.py).
     """
     run = RunRecords.of(state)
     settings = fleet_settings(state)[host.name]
@@ -214,11 +212,41 @@ def run_preflight(
     run.preflight[host.name] = pre
     record_host(host.name, pre)
     click.echo("\n" + findings_table(host.name, pre.findings), err=True)
-    if pre.blocked and on_fixable is not None and pre.restart_only:
-        on_fixable(obs)
-        _maybe_print_summary(state, run)
-        return pre, False
     _maybe_print_summary(state, run)
-    if pre.blocked:
-        fail_host(state, host, "preflight blockers: " + ", ".join(f.check for f in pre.blocked))
+    if pre.blocked and stop_blocked:
+        fail_host(state, host, pre.stop_reason)
     return pre, not pre.blocked
+
+
+def fleet_of(inventory) -> dict[str, plan.FleetHost]:
+    """The inventory as the plan reads it: each host's name, ``ssh_hostname`` and groups."""
+    return {h.name: plan.FleetHost(h.name, h.data.get("ssh_hostname"), tuple(h.groups)) for h in inventory}
+
+
+def gather(state, host, lock_refused: str | None, pre: rules.HostPreflight | None) -> plan.Seen | plan.LockRefused:
+    """What the deploy's plan reads beyond the preflight's record, read before any change (a
+    step that asks the same fact later gets pyinfra's cached answer): the lock's outcome, the
+    Windows-side files (on a host that converges or only waits for the WSL restart), and on a
+    host the preflight lets on whether the engine runs, the model manifest's hash (when the gate
+    may be skipped) and the distro's name (a blocked host may have no systemd to ask)."""
+    if lock_refused or pre is None:
+        return plan.LockRefused(host.name, lock_refused or "not locked", connection_lost=connection_lost(host))
+    fleet = fleet_of(state.inventory)
+    if pre.blocked:
+        targets = plan.windows_targets(pre.settings, pre) if pre.restart_only else []
+        return plan.Seen(host.name, pre, fleet, {path: host.get_fact(FileBytes, path=path) for path, _, _ in targets})
+    files = {path: host.get_fact(FileBytes, path=path) for path, _, _ in plan.windows_targets(pre.settings, pre)}
+    running = bool((host.get_fact(SystemdStatus, services=[ENGINE_UNIT]) or {}).get(ENGINE_UNIT, False))
+    manifest = HostLayout.of(pre.settings).model_manifest_file
+    engine = plan.EngineSeen(
+        running=running,
+        manifest_sha256=host.get_fact(Sha256File, path=manifest) if plan.gate_may_skip(pre, running) else None,
+        distro=host.get_fact(WslDistroName) if pre.settings.windows_autostart else "",
+    )
+    return plan.Seen(host.name, pre, fleet, files, engine)
+
+
+def stop_host(state, host, stop: plan.Stop) -> None:
+    """Stop this host as the plan says (``fail_host``); a lost connection is recorded as such."""
+    line = RunRecords.of(state).lost_during(host.name, stop.lost_in, say=False) if stop.lost_in else None
+    fail_host(state, host, stop.reason, line=line, advice=stop.advice)

@@ -544,6 +544,11 @@ class HostPreflight:
         return blockers(self.findings)
 
     @property
+    def stop_reason(self) -> str:
+        """Why a blocked host stops (the line the deploy and the doctor print)."""
+        return "preflight blockers: " + ", ".join(f.check for f in self.blocked)
+
+    @property
     def restart_only(self) -> bool:
         """Every blocker is the deploy's own Windows-side step to fix."""
         return only_deploy_fixable(self.findings)

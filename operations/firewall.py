@@ -17,14 +17,13 @@ left alone. The rule set replaces itself atomically (``nft -f``: define, delete,
 transaction). ``firewall_enabled`` False, or nothing listening beyond loopback, stops the unit,
 which deletes the table (the package stays).
 
-The pure parts (``fleet_address``, ``gateway_addresses``, ``ruleset``, ``unit``) are unit-tested.
+The pure parts (``ruleset``, ``unit``) are unit-tested; whether the firewall is needed and the
+gateways' addresses are the deploy's plan's (freetoken_infra/plan.py).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
-import socket
 from collections.abc import Iterable, Sequence
 from io import StringIO
 
@@ -34,89 +33,18 @@ from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File
 from pyinfra.operations import apt, files, systemd
 
+from freetoken_infra.core.addresses import Address
 from freetoken_infra.core.layout import (
     FIREWALL_NFT,
     FIREWALL_PACKAGE,
     FIREWALL_RULES,
     FIREWALL_TABLE,
     FIREWALL_UNIT,
-    GATEWAY_GROUP,
     UNIT_DIR,
 )
 from freetoken_infra.core.settings import Settings
 
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-# A DNS name (labels of letters, digits and inner '-', dot-separated, an optional final dot),
-# matched over the whole string: what reaches haproxy.cfg, the scrape YAML or an nft rule is a
-# host name or an IP literal, never a newline or a second directive (issue 20 item 12).
-_DNS_NAME_RE = re.compile(
-    r"(?=.{1,253}\.?\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
-)
-
-
-class FirewallError(Exception):
-    """An address the fleet's files cannot hold; the message names host and field."""
-
-
-def fleet_address(host_name: str, ssh_hostname: str | None) -> str:
-    """Where the fleet reaches `host_name`: its ``ssh_hostname``, else its inventory name, as a
-    host name or an IP literal (IPv6 without brackets); anything else is refused in one line."""
-    field, value = ("ssh_hostname", ssh_hostname) if ssh_hostname is not None else ("name", host_name)
-    if isinstance(value, str):
-        text = value[1:-1] if value.startswith("[") and value.endswith("]") else value
-        try:
-            return str(ipaddress.ip_address(text))
-        except ValueError:
-            if _DNS_NAME_RE.fullmatch(value):
-                return value
-    raise FirewallError(
-        f"host {host_name}: {field} {value!r} is not a host name or an IP address "
-        "(letters, digits, '-' and '.' only, or an IPv4/IPv6 literal)"
-    )
-
-
-def resolve(host_name: str, address: str) -> list[Address]:
-    """The IP addresses of `address` (an IP literal, or a name resolved on the controller)."""
-    try:
-        return [ipaddress.ip_address(address)]
-    except ValueError:
-        pass
-    try:
-        found = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise FirewallError(
-            f"host {host_name}: cannot resolve {address} on the controller ({exc}); "
-            "give it an IP address as ssh_hostname, or list the address in firewall_engine_from"
-        ) from None
-    return sorted({ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in found}, key=str)
-
-
-def gateway_addresses(inventory: Iterable) -> list[Address]:
-    """The addresses of the inventory's gateway host(s) (group ``gateway``): the only hosts
-    besides loopback and the settings' lists that reach a workstation's engine."""
-    out: set[Address] = set()
-    for h in inventory:
-        if GATEWAY_GROUP in h.groups:
-            out.update(resolve(h.name, fleet_address(h.name, h.data.get("ssh_hostname"))))
-    return sorted(out, key=lambda a: (a.version, int(a)))
-
-
-def _exposed(address: object) -> bool:
-    ip = ipaddress.ip_address(str(address))
-    return not ip.is_loopback
-
-
-def needed(settings: Settings) -> bool:
-    """The firewall is kept while the engine or node_exporter listens beyond loopback
-    (node_exporter without ``node_exporter_bind`` listens where the engine does, or on the
-    host's fleet address: operations/node_exporter.bind_address)."""
-    if not settings.firewall_enabled:
-        return False
-    bind = settings.node_exporter_bind
-    exporter = settings.node_exporter_enabled and bind is not None and _exposed(bind)
-    return _exposed(settings.listen_host) or exporter
 
 
 def _ports(ports: Iterable[int]) -> str:
@@ -191,23 +119,25 @@ UNIT_PATH = f"{UNIT_DIR}/{FIREWALL_UNIT}"
 
 
 @operation()
-def firewall(settings: Settings, gateways: Sequence[Address]):
+def firewall(settings: Settings, gateways: Sequence[Address], present: bool = True):
     """
     nftables from the distribution: the engine's and node_exporter's ports only from loopback,
     `gateways` and the ``firewall_*_from`` settings, while anything of ours listens beyond
     loopback; otherwise our unit is stopped (its table deleted).
 
     + settings: the host's ``Settings``
-    + gateways: the inventory's gateway addresses (``gateway_addresses``)
+    + gateways: the inventory's gateway addresses (``freetoken_infra.plan.gateway_addresses``)
+    + present: ``False`` (nothing listens beyond loopback, or ``firewall_enabled`` is off; the
+      plan's ``firewall_needed``) stops our unit, which deletes the table
 
     **Example:**
 
     .. code:: python
 
         firewall(name="Firewall: engine ports from the gateway only", settings=settings,
-                 gateways=gateway_addresses(state.inventory), _sudo=True)
+                 gateways=[ipaddress.ip_address("192.168.1.5")], _sudo=True)
     """
-    if not needed(settings):
+    if not present:
         if host.get_fact(File, path=UNIT_PATH):
             yield from systemd.service._inner(service=FIREWALL_UNIT, running=False, enabled=False)
         return

@@ -29,6 +29,7 @@ from pyinfra.operations import files, systemd
 
 from facts.files import FileText
 from freetoken_infra.core import redact
+from freetoken_infra.core.addresses import AddressError, fleet_address
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
     GATEWAY_CONFIG,
@@ -45,7 +46,6 @@ from freetoken_infra.core.layout import (
 )
 from freetoken_infra.core.settings import ControllerSourceError, Settings, read_controller_source
 from operations import preview
-from operations.firewall import FirewallError, fleet_address
 from operations.node_exporter import listen_address, scrape_address
 
 # Health checks: every second; out after 2 failed checks in a row (a refused connection also
@@ -91,7 +91,7 @@ def backend_address(name: str, settings: Settings, hostname: str | None, gateway
     if ip.is_unspecified:
         try:
             return fleet_address(name, hostname)
-        except FirewallError as exc:
+        except AddressError as exc:
             raise GatewayError(str(exc)) from None
     if ip.is_loopback and name != gateway:
         raise GatewayError(

@@ -9,7 +9,6 @@ timed stream, on the target itself (the engine listens on loopback by default).
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import shlex
@@ -26,7 +25,6 @@ from pyinfra.operations import files
 
 from facts.files import FileText
 from freetoken_infra.core.layout import ENGINE_UNIT, GATE_RECORD_FILE, GATE_SCRIPT, HostLayout
-from freetoken_infra.core.manifest import MANIFEST_NAME
 from freetoken_infra.core.pyinfra_internals import (
     active_host_names,
     connection_lost,
@@ -58,73 +56,6 @@ _REMEDY = {
 }
 # What a gate result says when the connection to the host was lost while the gate ran.
 CUT_OFF = "cut off"
-
-
-# --------------------------------------------------------------------------- what a gate gated
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def gate_subject(settings: Settings, unit_text: str, environment_text: str, launch_argv: list[str]) -> dict[str, Any]:
-    """What this run's gate proves, but for the model manifest's hash (read on the host when the
-    gate runs): the engine version, the unit and its environment (hashes), the model revision,
-    the launch plan's command line."""
-    return {
-        "engine_version": settings.engine_version,
-        "unit_sha256": _sha256(unit_text),
-        "environment_sha256": _sha256(environment_text),
-        "model": f"{settings.model_repo}@{settings.model_revision}",
-        "launch": list(launch_argv),
-    }
-
-
-def manifest_path(settings: Settings) -> str:
-    return f"{HostLayout.of(settings).model_dir}/{MANIFEST_NAME}"
-
-
-def why_gate(
-    record_doc: Mapping[str, Any] | None,
-    subject: Mapping[str, Any],
-    manifest_sha256: str | None,
-    serving_version: str | None,
-) -> str | None:
-    """Why this run must gate the host although nothing it converges changed (None: it need not,
-    the last gate passed for exactly what is installed and serving now). Anything else runs the
-    gate: no record, a failed or cut-off gate, another engine, unit, environment, model,
-    manifest or launch plan than the one gated, or another version serving."""
-    if not record_doc:
-        return "no gate record on the host"
-    if not record_doc.get("ok"):
-        return f"the last gate did not pass ({record_doc.get('phase') or '?'})"
-    gated = record_doc.get("gated")
-    if not isinstance(gated, Mapping):
-        return "the last gate does not say what it gated"
-    wanted = {**subject, "manifest_sha256": manifest_sha256}
-    differs = sorted(k for k in set(wanted) | set(gated) if gated.get(k) != wanted.get(k))
-    if differs:
-        return "the last passed gate was for another " + ", ".join(differs)
-    if serving_version != subject.get("engine_version"):
-        return f"the engine serving reports version {serving_version}, not {subject.get('engine_version')}"
-    return None
-
-
-def rollback_target(installed, settings: Settings, record_doc: Mapping[str, Any] | None) -> str | None:
-    """The version to switch back to when this run's version fails its gate: the one serving
-    before this run (``active`` now, when it is another installed version), else the version of
-    the host's last passed gate (a run cut off after the switch left ``active`` on the new one).
-
-    + installed: the ``EngineInstall`` fact (``EngineInstallInfo``)
-    """
-    candidates = [installed.active]
-    last_passed = (record_doc or {}).get("last_passed")
-    if isinstance(last_passed, Mapping):
-        raw_gated = last_passed.get("gated")
-        gated: Mapping[str, Any] = raw_gated if isinstance(raw_gated, Mapping) else {}
-        candidates.append(gated.get("engine_version") or last_passed.get("version"))
-    for version in candidates:
-        if version and version != settings.engine_version and installed.versions.get(version) == version:
-            return str(version)
-    return None
 
 
 class ConnectionLost(Exception):
@@ -243,7 +174,9 @@ def _keep_result(host, result: Mapping[str, Any], path: str | None, elevation: M
 
 
 def _manifest_sha256(host, settings: Settings, elevation: Mapping[str, Any]) -> str | None:
-    status, output = _run(host, f"sha256sum {shlex.quote(manifest_path(settings))} 2>/dev/null", elevation)
+    status, output = _run(
+        host, f"sha256sum {shlex.quote(HostLayout.of(settings).model_manifest_file)} 2>/dev/null", elevation
+    )
     words = (output.stdout_lines or [""])[0].split() if status else []
     return words[0] if words else None
 
@@ -274,7 +207,7 @@ def run_gate(
     ``settings.engine_version``; when the gate fails, the ``active`` link goes back to it, the
     engine restarts and the gate runs again. The host still fails (the upgrade did), with
     ``rolled back to <version>: <why>``. ``result_path``: the host's gate record
-    (``layout.GATE_RECORD_FILE``); ``subject``: what this run gates (``gate_subject``), kept in
+    (``layout.GATE_RECORD_FILE``); ``subject``: what this run gates (``plan.gate_subject``), kept in
     the record with the model manifest's hash; ``previous``: the record before this run.
 
     When the connection to the host drops, the run prints one line (``lost_line``), the result
@@ -439,8 +372,8 @@ def health_gate(
     + rollback_to: the engine version that served before this run (blue-green upgrade): on a
       failed gate the ``active`` link goes back to it, the engine restarts and the gate runs
       again; the operation still fails, saying ``rolled back to <version>: <why>``
-    + subject: what this run gates (``gate_subject``); the record keeps it with the model
-      manifest's hash, and a later run skips its gate only when they match (``why_gate``)
+    + subject: what this run gates (``plan.gate_subject``); the record keeps it with the model
+      manifest's hash, and a later run skips its gate only when they match (``plan.why_gate``)
     + record_path: the gate record on the host (root's, ``layout.GATE_RECORD_FILE``)
     + operation_arguments: ``name=`` and pyinfra's global arguments (``_sudo``, ``_if`` ...)
 

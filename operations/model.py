@@ -12,11 +12,9 @@ verifies every file and keeps a manifest that the ``ModelManifest`` fact reads.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import shlex
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from io import StringIO
@@ -159,40 +157,6 @@ def check_argv(settings: Settings) -> list[str]:
         "--dest",
         settings.model_dir,
     ]
-
-
-def cache_sources(settings: Settings, host_name: str, inventory) -> list[str]:
-    """Where ``host_name`` fetches the model before the hub: the fleet's LAN cache host (unless
-    it is this host), reached at the address pyinfra reaches it by, then ``model_sources``."""
-    sources = []
-    if settings.model_cache_host and settings.model_cache_host != host_name:
-        cache = inventory.get_host(settings.model_cache_host)
-        address = (cache.data.get("ssh_hostname") if cache is not None else None) or settings.model_cache_host
-        if ":" in address and not address.startswith("["):
-            address = f"[{address}]"  # IPv6 literal
-        sources.append(f"http://{address}:{settings.model_cache_port}")
-    return sources + [str(u).rstrip("/") for u in settings.model_sources]
-
-
-def cache_bind_address(settings: Settings, host_name: str, ssh_hostname: str | None) -> str:
-    """Where the cache host's cache listens: ``model_cache_bind``, else the address the rest of
-    the fleet reaches it by (what ``cache_sources`` gives them: its ``ssh_hostname``, else its
-    inventory name), resolved here when it is a name, never every interface."""
-    if settings.model_cache_bind is not None:
-        return str(settings.model_cache_bind)
-    address = str(ssh_hostname or host_name)
-    try:
-        return str(ipaddress.ip_address(address.strip("[]")))
-    except ValueError:
-        pass
-    try:
-        found = socket.getaddrinfo(address, settings.model_cache_port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise OperationError(
-            f"{host_name}: cannot resolve {address} for the LAN model cache's bind address "
-            f"({exc}); set model_cache_bind"
-        ) from None
-    return str(found[0][4][0])
 
 
 def cache_listen(bind: str, port: int) -> str:
@@ -474,8 +438,8 @@ def model_cache(settings: Settings, present: bool = True, bind: str | None = Non
       ``service_user``, ``hub_token_file``)
     + present: ``False`` stops, disables and removes the cache (a host that is no longer the
       fleet's cache host; the nginx package stays); nothing is yielded when it is not there
-    + bind: the address to listen on (default ``cache_bind_address``: ``model_cache_bind``, else
-      the address the fleet reaches this host by)
+    + bind: the address to listen on (the deploy's plan: ``freetoken_infra.plan.cache_bind_address``);
+      required when ``present``
 
     Under WSL the other hosts reach it only with ``networkingMode=mirrored`` (setting
     ``wslconfig_networking_mode``) and the port open in the Windows firewall.
@@ -485,7 +449,7 @@ def model_cache(settings: Settings, present: bool = True, bind: str | None = Non
     .. code:: python
 
         from operations.model import model_cache
-        model_cache(name="Model: LAN cache", settings=settings, _sudo=True)
+        model_cache(name="Model: LAN cache", settings=settings, bind="192.168.1.20", _sudo=True)
     """
     unit_path = f"{UNIT_DIR}/{CACHE_UNIT}"
     if not present:
@@ -504,7 +468,8 @@ def model_cache(settings: Settings, present: bool = True, bind: str | None = Non
         yield from systemd.daemon_reload._inner()
         yield from apt.update._inner()
         yield from apt.packages._inner(packages=[CACHE_NGINX_PACKAGE], no_recommends=True)
-    bind = bind or cache_bind_address(settings, current_host.name, current_host.data.get("ssh_hostname"))
+    if bind is None:
+        raise OperationError("model_cache: no bind address given")
     changed = []
     for src, dest in (
         (_LOCAL_CACHE_SCRIPT, CACHE_SCRIPT),

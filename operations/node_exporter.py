@@ -11,13 +11,10 @@ disables it (the package stays).
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 from io import StringIO
 
 from pyinfra import host
 from pyinfra.api import operation
-from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.deb import DebPackages
 from pyinfra.operations import apt, files, systemd
 
@@ -30,29 +27,6 @@ from freetoken_infra.core.layout import (
 )
 from freetoken_infra.core.settings import Settings
 from operations.model import unit_command
-
-
-def bind_address(settings: Settings, host_name: str, ssh_hostname: str | None) -> str:
-    """Where node_exporter listens: ``node_exporter_bind``, else ``listen_host`` (where the
-    gateway reaches the engine), else, when the engine listens on every address, the address
-    the fleet reaches the host by (its ``ssh_hostname``, else its name), resolved here."""
-    if settings.node_exporter_bind is not None:
-        return str(settings.node_exporter_bind)
-    listen = ipaddress.ip_address(str(settings.listen_host))
-    if not listen.is_unspecified:
-        return str(listen)
-    address = str(ssh_hostname or host_name).strip("[]")
-    try:
-        return str(ipaddress.ip_address(address))
-    except ValueError:
-        pass
-    try:
-        found = socket.getaddrinfo(address, settings.node_exporter_port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise OperationError(
-            f"{host_name}: cannot resolve {address} for node_exporter's bind address ({exc}); set node_exporter_bind"
-        ) from None
-    return str(found[0][4][0])
 
 
 def scrape_address(settings: Settings, reached_at: str) -> str:
@@ -93,7 +67,7 @@ def node_exporter(settings: Settings, bind: str):
     Install and run Debian's node_exporter on ``bind``, reading the guard's textfile folder.
 
     + settings: the host's ``Settings`` (``node_exporter_enabled``, ``node_exporter_port``)
-    + bind: the address to listen on (``bind_address``)
+    + bind: the address to listen on (the deploy's plan: ``freetoken_infra.plan.node_exporter_bind``)
 
     **Example:**
 

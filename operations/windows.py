@@ -34,15 +34,6 @@ def merge_ini(
     return wsl_ini.merge(original, dialect, section, values).data
 
 
-def ini_plan(path: str, section: str, values: Mapping[str, str]) -> wsl_ini.MergeResult:
-    """What `ini_values` would do to `path` (read with the file's own WSL dialect)."""
-    return wsl_ini.merge(host.get_fact(FileBytes, path=path), dialect_of(path), section, values)
-
-
-def ini_needs_change(path: str, section: str, values: Mapping[str, str]) -> bool:
-    return ini_plan(path, section, values).writes
-
-
 @operation()
 def ini_values(path: str, section: str, values: Mapping[str, str]):
     """

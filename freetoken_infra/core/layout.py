@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from freetoken_infra.core.manifest import MANIFEST_NAME
 from freetoken_infra.core.settings import Settings
 
 UNIT_DIR = "/etc/systemd/system"
@@ -153,6 +154,11 @@ class HostLayout:
 
     def engine_complete_marker(self, version: str) -> str:
         return f"{self.engine_venv_for(version)}/{ENGINE_COMPLETE_MARKER}"
+
+    @property
+    def model_manifest_file(self) -> str:
+        """The model download's manifest (``core.manifest``): its hash is part of what a gate gated."""
+        return f"{self.model_dir}/{MANIFEST_NAME}"
 
     @property
     def guard_state_file(self) -> str:

@@ -18,6 +18,7 @@ import pytest
 from pyinfra.api.exceptions import OperationError
 from pyinfra.connectors.util import CommandOutput, OutputLine
 
+from freetoken_infra import plan
 from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import Settings
 from operations import health
@@ -509,10 +510,10 @@ def test_the_record_says_what_was_gated_and_a_later_run_skips_only_on_a_match(re
     assert doc["gated"] == {**SUBJECT, "manifest_sha256": None}  # no manifest in this test
     assert doc["last_passed"]["version"] == "0.2.1" and "last_passed" not in doc["last_passed"]
 
-    assert health.why_gate(doc, SUBJECT, None, "0.2.1") is None
-    assert "another unit_sha256" in health.why_gate(doc, {**SUBJECT, "unit_sha256": "u2"}, None, "0.2.1")
-    assert "another manifest_sha256" in health.why_gate(doc, SUBJECT, "f00d", "0.2.1")
-    why = health.why_gate
+    assert plan.why_gate(doc, SUBJECT, None, "0.2.1") is None
+    assert "another unit_sha256" in plan.why_gate(doc, {**SUBJECT, "unit_sha256": "u2"}, None, "0.2.1")
+    assert "another manifest_sha256" in plan.why_gate(doc, SUBJECT, "f00d", "0.2.1")
+    why = plan.why_gate
     assert "another engine_version" in why(doc, {**SUBJECT, "engine_version": "0.2.2"}, None, "0.2.2")
     assert "serving reports version 0.2.2" in why(doc, SUBJECT, None, "0.2.2")
     assert why(None, SUBJECT, None, "0.2.1") == "no gate record on the host"
@@ -546,12 +547,12 @@ def test_a_failed_gate_keeps_the_last_passed_one_for_the_rollback_target(engine_
 
     upgrade = Settings(engine_version="0.2.2")
     # the run that switched: active is still the old version
-    assert health.rollback_target(Installed("0.2.1", ["0.2.1", "0.2.2"]), upgrade, None) == "0.2.1"
+    assert plan.rollback_target(Installed("0.2.1", ["0.2.1", "0.2.2"]), upgrade, None) == "0.2.1"
     # a run cut after the switch left active on 0.2.2: the last passed gate names 0.2.1
     cut = {"ok": False, "phase": "started", "last_passed": {**passed}}
-    assert health.rollback_target(Installed("0.2.2", ["0.2.1", "0.2.2"]), upgrade, cut) == "0.2.1"
-    assert health.rollback_target(Installed("0.2.2", ["0.2.2"]), upgrade, cut) is None  # not installed
-    assert health.rollback_target(Installed("0.2.2", ["0.2.1", "0.2.2"]), upgrade, None) is None
+    assert plan.rollback_target(Installed("0.2.2", ["0.2.1", "0.2.2"]), upgrade, cut) == "0.2.1"
+    assert plan.rollback_target(Installed("0.2.2", ["0.2.2"]), upgrade, cut) is None  # not installed
+    assert plan.rollback_target(Installed("0.2.2", ["0.2.1", "0.2.2"]), upgrade, None) is None
 
 
 class LostHost(LocalHost):

@@ -11,22 +11,11 @@ import yaml
 
 from freetoken_infra.core.layout import NODE_EXPORTER_DROPIN, NODE_EXPORTER_UNIT
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
+from freetoken_infra.plan import node_exporter_bind
 from operations import gateway as gw
 from operations import node_exporter as ne
 
 TEXTFILE_DIR = "/var/lib/freetoken-deploy/metrics"
-
-
-def test_bind_follows_the_engine_never_every_interface_by_default():
-    # Default engine on loopback: node_exporter on loopback too.
-    assert ne.bind_address(Settings(), "ws1", "192.0.2.11") == "127.0.0.1"
-    # An engine on one LAN address: the same address (the gateway reaches the host there).
-    assert ne.bind_address(Settings(listen_host="192.0.2.21"), "ws1", "192.0.2.11") == "192.0.2.21"
-    # An engine on every address: the address the fleet reaches the host by.
-    assert ne.bind_address(Settings(listen_host="0.0.0.0"), "ws1", "192.0.2.11") == "192.0.2.11"
-    assert ne.bind_address(Settings(listen_host="0.0.0.0"), "localhost", None) in ("127.0.0.1", "::1")
-    # The setting wins.
-    assert ne.bind_address(Settings(listen_host="0.0.0.0", node_exporter_bind="10.0.0.7"), "ws1", "x") == "10.0.0.7"
 
 
 def test_settings_validate_port_and_bind():
@@ -60,7 +49,9 @@ def test_scrape_config_names_where_each_host_listens():
     targets = scrape_targets(hosts)
     assert targets == ["192.0.2.11:9100", "192.0.2.12:9100"]
     # ... the same address and port each host's node_exporter binds to.
-    binds = [ne.listen_address(ne.bind_address(s, n, a), s.node_exporter_port) for n, (a, s) in sorted(hosts.items())]
+    binds = [
+        ne.listen_address(node_exporter_bind(s, n, a), s.node_exporter_port) for n, (a, s) in sorted(hosts.items())
+    ]
     assert targets == binds
     pinned = Settings(listen_host="0.0.0.0", node_exporter_bind="10.0.0.7", node_exporter_port=9200)
     assert scrape_targets({"ws1": ("192.0.2.11", pinned)}) == ["10.0.0.7:9200"]

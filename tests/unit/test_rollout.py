@@ -15,7 +15,6 @@ import pytest
 from pyinfra.api.exceptions import OperationError
 from pyinfra.connectors.util import CommandOutput, OutputLine
 
-from facts.engine import EngineInstallInfo
 from facts.restart import RestartPending, parse_restart_pending_output
 from freetoken_infra import rollout as rollout_mod
 from freetoken_infra.core import records
@@ -35,7 +34,6 @@ from freetoken_infra.rollout import (
     pyinfra_argv,
     select_hosts,
 )
-from operations import health
 from operations.health import rollback_command, run_gate
 from tests.loopback import free_port, wait_listening
 from tests.unit.test_run_records import run_state
@@ -344,17 +342,6 @@ def test_restart_pending_command_on_this_machine(tmp_path):
         check=True,
     ).stdout.splitlines()
     assert parse_restart_pending_output(out) == [str(new)]
-
-
-# ---------------------------------------------------------------------------- rollback
-def test_the_rollback_target_is_only_an_installed_other_version():
-    # The deploy's one rollback decision (operations/health.py), on the engine fact's real type.
-    s = Settings(engine_version="0.2.3")
-    info = lambda active, versions: EngineInstallInfo("/opt/freetoken", versions, active)  # noqa: E731
-    assert health.rollback_target(info("0.2.1", {"0.2.1": "0.2.1", "0.2.3": "0.2.3"}), s, None) == "0.2.1"
-    assert health.rollback_target(info("0.2.3", {"0.2.3": "0.2.3"}), s, None) is None  # same version
-    assert health.rollback_target(info(None, {}), s, None) is None  # first install
-    assert health.rollback_target(info("0.2.1", {"0.2.1": None}), s, None) is None  # broken venv
 
 
 class Engine:

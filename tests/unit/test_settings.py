@@ -144,15 +144,3 @@ def test_model_cache_host_must_be_a_host_of_the_inventory():
     assert exc.value.problems == [
         "host ws2: setting 'model_cache_host' = 'wsl' is invalid: not a host of this inventory (hosts: ws1, ws2)"
     ]
-
-
-def test_cache_sources_point_at_the_cache_host_address_then_the_extra_sources():
-    from operations.model import cache_sources
-
-    inv = _inventory([("ws1", {"ssh_hostname": "10.0.0.11"}), ("ws2", {}), ("ws3", {"ssh_hostname": "fd00::3"})])
-    s = Settings(model_cache_host="ws1", model_sources=["http://controller:8090/"])
-    assert cache_sources(s, "ws2", inv) == ["http://10.0.0.11:8090", "http://controller:8090"]
-    assert cache_sources(s, "ws1", inv) == ["http://controller:8090"]  # the cache host fetches upstream
-    assert cache_sources(Settings(model_cache_host="ws2", model_cache_port=9000), "ws1", inv) == ["http://ws2:9000"]
-    assert cache_sources(Settings(model_cache_host="ws3"), "ws1", inv) == ["http://[fd00::3]:8090"]
-    assert cache_sources(Settings(), "ws1", inv) == []

@@ -21,7 +21,7 @@ import pytest
 
 from freetoken_infra.core.layout import CACHE_NGINX_CONF, CACHE_RUN_DIR, CACHE_SCRIPT
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
-from operations.model import cache_bind_address, cache_nginx_conf, cache_unit
+from operations.model import cache_nginx_conf, cache_unit
 from tests.fleet.standins import hub_repos
 from tests.unit.test_fetch_model import (  # noqa: F401 - fixtures
     ROOT,
@@ -190,12 +190,6 @@ def test_the_key_map_holds_the_derived_key_never_the_token(script_dir, tmp_path)
 
 def test_the_unit_binds_where_the_fleet_reaches_the_host_never_everywhere():
     s = Settings(model_cache_host="ws1")
-    assert cache_bind_address(s, "ws1", "10.213.0.11") == "10.213.0.11"
-    assert cache_bind_address(s, "10.0.0.7", None) == "10.0.0.7"
-    assert cache_bind_address(s, "ws1", "fd00::11") == "fd00::11"
-    assert cache_bind_address(s, "ws1", "localhost") in ("127.0.0.1", "::1")
-    pinned = Settings(model_cache_host="ws1", model_cache_bind="192.168.1.20")
-    assert cache_bind_address(pinned, "ws1", "10.213.0.11") == "192.168.1.20"
     conf = cache_nginx_conf(s, "10.213.0.11")
     assert re.findall(r"^\s*listen .*$", conf, re.M) == ["        listen 10.213.0.11:8090;"]
     assert "listen [fd00::11]:8090;" in cache_nginx_conf(s, "fd00::11")
