@@ -5,16 +5,15 @@ the host's facts stubbed. The fleet tests load it for real and attack it from an
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 
 import pytest
-from pyinfra.api import Inventory
 
 from freetoken_infra.core.layout import FIREWALL_RULES, FIREWALL_UNIT
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
 from freetoken_infra.plan import firewall_needed
 from operations import firewall as fw
+from tests.unit.fakehost import FakeHost
 
 GW = [ipaddress.ip_address("192.0.2.5")]
 
@@ -65,68 +64,24 @@ def test_settings_lists_are_addresses_or_networks():
             build_settings("ws1", {"firewall_metrics_from": [bad]})
 
 
-class StubHost:
-    """Answers the operation's pyinfra facts: files (path -> (text, mode)), packages, units."""
-
-    def __init__(self, files=None, packages=(), running=(), enabled=()):
-        self.files = dict(files or {})
-        self.packages, self.running, self.enabled = set(packages), set(running), set(enabled)
-
-    def commands(self, settings, gateways=GW):
-        from pyinfra.api import Config, FileUploadCommand, State
-        from pyinfra.context import ctx_host, ctx_state
-
-        inventory = Inventory((["@local"], {}))
-        state = State(inventory, Config())
-        host = inventory.get_host("@local")
-        host.get_fact = self.get_fact
-        with ctx_state.use(state), ctx_host.use(host):
-            return [
-                f"upload {c.dest}"
-                if isinstance(c, FileUploadCommand)
-                else c
-                if isinstance(c, str)
-                else c.get_raw_value()
-                for c in fw.firewall._inner(settings, gateways, present=firewall_needed(settings))
-            ]
-
-    def get_fact(self, cls, *args, **kwargs):
-        name, path = cls.__name__, kwargs.get("path")
-        if name == "DebPackages":
-            return {p: ["1.0.6-2+deb12u2"] for p in self.packages}
-        if name == "File":
-            return (
-                {"user": "root", "group": "root", "mode": self.files[path][1], "size": 1}
-                if path in self.files
-                else None
-            )
-        if name == "Directory":
-            return {"user": "root", "group": "root", "mode": 755} if path in ("/etc", "/etc/systemd/system") else None
-        if name == "Sha1File":
-            return hashlib.sha1(self.files[path][0].encode()).hexdigest() if path in self.files else None
-        if name == "SystemdStatus":
-            return {s: s in self.running for s in kwargs["services"]}
-        if name == "SystemdEnabled":
-            return {s: s in self.enabled for s in kwargs["services"]}
-        if name == "TmpDir":
-            return "/tmp"
-        raise AssertionError(f"unexpected fact {name}")
+def commands(host: FakeHost, settings: Settings, gateways=GW) -> list[str]:
+    return host.commands(fw.firewall, settings, gateways, present=firewall_needed(settings))
 
 
 ON_LAN = Settings(listen_host="0.0.0.0")
 
 
 def converged(settings=ON_LAN):
-    return StubHost(
-        {FIREWALL_RULES: (fw.ruleset(settings, GW), 644), fw.UNIT_PATH: (fw.unit(), 644)},
-        {"nftables"},
-        {FIREWALL_UNIT},
-        {FIREWALL_UNIT},
+    return FakeHost(
+        files={FIREWALL_RULES: fw.ruleset(settings, GW), fw.UNIT_PATH: fw.unit()},
+        packages={"nftables"},
+        running={FIREWALL_UNIT},
+        enabled={FIREWALL_UNIT},
     )
 
 
 def test_bare_host_gets_the_package_the_rules_and_the_unit_started_at_boot():
-    cmds = StubHost().commands(ON_LAN)
+    cmds = commands(FakeHost(), ON_LAN)
     install = next(i for i, c in enumerate(cmds) if "apt-get" in c and "install" in c and "nftables" in c)
     assert install < cmds.index(f"upload {FIREWALL_RULES}") < cmds.index(f"upload {fw.UNIT_PATH}")
     assert "systemctl daemon-reload" in cmds
@@ -137,12 +92,15 @@ def test_bare_host_gets_the_package_the_rules_and_the_unit_started_at_boot():
 
 
 def test_converged_host_runs_nothing_and_a_new_gateway_reloads_the_rules():
-    assert converged().commands(ON_LAN) == []
-    cmds = converged().commands(ON_LAN, gateways=[ipaddress.ip_address("192.0.2.6")])
+    assert commands(converged(), ON_LAN) == []
+    cmds = commands(converged(), ON_LAN, gateways=[ipaddress.ip_address("192.0.2.6")])
     assert cmds[0] == f"upload {FIREWALL_RULES}" and cmds[-1] == f"systemctl reload {FIREWALL_UNIT}"
     assert f"upload {fw.UNIT_PATH}" not in cmds and "systemctl daemon-reload" not in cmds
 
 
 def test_back_on_loopback_the_unit_stops_and_its_table_goes():
-    assert converged().commands(Settings()) == [f"systemctl stop {FIREWALL_UNIT}", f"systemctl disable {FIREWALL_UNIT}"]
-    assert StubHost().commands(Settings()) == []
+    assert commands(converged(), Settings()) == [
+        f"systemctl stop {FIREWALL_UNIT}",
+        f"systemctl disable {FIREWALL_UNIT}",
+    ]
+    assert commands(FakeHost(), Settings()) == []

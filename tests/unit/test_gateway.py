@@ -11,6 +11,7 @@ from freetoken_infra.core.layout import GATEWAY_ENGINE_KEY_MAP, GATEWAY_KEYS_MAP
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
 from operations import gateway as gw
 from operations.gateway import GatewayBackend, GatewayError
+from tests.unit.fakehost import FakeHost
 
 BACKENDS = [GatewayBackend("ws1", "10.0.0.11", 8000), GatewayBackend("ws2", "10.0.0.12", 8000)]
 ENGINE_KEY = "engine-key-0123456789abcdef"
@@ -424,64 +425,30 @@ def test_masked_key_maps_say_what_changes_never_the_key():
     assert gw.masked_map("k1 k2 k3\n", 0) == ["********\n"]
 
 
-class DiffHost:
-    """The gateway host's facts for the operation: the files it has (path -> text), HAProxy up."""
-
-    def __init__(self, files):
-        self.files = files
-
-    def get_fact(self, cls, *args, **kwargs):
-        import hashlib
-
-        name, path = cls.__name__, kwargs.get("path")
-        text = self.files.get(path)
-        if name == "Sha256File":
-            return None if text is None else hashlib.sha256(text.encode()).hexdigest()
-        if name == "Sha1File":
-            return None if text is None else hashlib.sha1(text.encode()).hexdigest()
-        if name == "FileText":
-            return text
-        if name == "FileContents":  # what pyinfra's own files.put diff reads
-            return None if text is None else text.splitlines()
-        if name == "File":
-            return None if text is None else {"user": "root", "group": "root", "mode": 600, "size": len(text)}
-        if name == "Directory":
-            return {"user": "root", "group": "root", "mode": 755} if path == "/etc/haproxy" else None
-        if name in ("SystemdStatus", "SystemdEnabled"):
-            return {s: True for s in kwargs["services"]}
-        if name == "TmpDir":
-            return "/tmp"
-        raise AssertionError(f"unexpected fact {name}")
-
-
 def test_dry_diff_of_the_gateway_shows_the_key_maps_masked(caplog):
     """Item 4: `--dry --diff` printed the clients' keys and the engine key, old and new."""
-    from pyinfra.api import Config, Inventory, State
-    from pyinfra.context import ctx_host, ctx_state
-
     old_client, new_client = "alice-key-0123456789", "alice-key-9876543210"
     old_engine, new_engine = "old-engine-key-0123456789", ENGINE_KEY
-    host_files = {
-        GATEWAY_KEYS_MAP: gw.keys_map(f"{old_client} alice\n"),
-        GATEWAY_ENGINE_KEY_MAP: gw.engine_key_map(old_engine),
-    }
-    inventory = Inventory((["@local"], {}))
-    state = State(inventory, Config(DIFF=True))
-    host = inventory.get_host("@local")
-    host.get_fact = DiffHost(host_files).get_fact
+    host = FakeHost(
+        files={
+            GATEWAY_KEYS_MAP: (gw.keys_map(f"{old_client} alice\n"), 600),
+            GATEWAY_ENGINE_KEY_MAP: (gw.engine_key_map(old_engine), 600),
+        },
+        running={"haproxy"},
+        enabled={"haproxy"},
+        diff=True,
+    )
     caplog.set_level("INFO")
-    with ctx_state.use(state), ctx_host.use(host):
-        list(
-            gw.gateway._inner(
-                config="global\n",
-                client_keys=gw.keys_map(f"{new_client} alice\n"),
-                engine_keys=gw.engine_key_map(new_engine),
-                scrape="scrape_configs: []\n",
-            )
-        )
+    host.commands(
+        gw.gateway,
+        config="global\n",
+        client_keys=gw.keys_map(f"{new_client} alice\n"),
+        engine_keys=gw.engine_key_map(new_engine),
+        scrape="scrape_configs: []\n",
+    )
     out = caplog.text
     assert f"Will modify {GATEWAY_KEYS_MAP}" in out and f"Will modify {GATEWAY_ENGINE_KEY_MAP}" in out
     assert "******** alice (changed)" in out and "engine ******** (changed)" in out
     for key in (old_client, new_client, old_engine, new_engine):
         assert key not in out
-    assert state.config.DIFF  # pyinfra's own diff held off only while our puts ran
+    assert host.state is not None and host.state.config.DIFF  # pyinfra's own diff held off only while our puts ran

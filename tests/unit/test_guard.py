@@ -13,6 +13,7 @@ import pytest
 
 from facts.guard import GuardState, parse_guard_state_output
 from freetoken_infra.core.settings import Settings
+from tests.unit.fakehost import FakeHost
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "operations" / "scripts" / "guard.py"
@@ -595,49 +596,13 @@ def test_default_paths():
 # for real over SSH.)
 
 
-class StubHost:
-    """Answers pyinfra facts from a dict of files (path -> (text, mode)) and unit states."""
+TIMER = "freetoken-guard.timer"
 
-    def __init__(self, files=None, running=(), enabled=()):
-        self.files = dict(files or {})
-        self.running, self.enabled = set(running), set(enabled)
 
-    def commands(self, op, settings):
-        from pyinfra.api import Config, FileUploadCommand, Inventory, State
-        from pyinfra.context import ctx_host, ctx_state
-
-        inventory = Inventory((["@local"], {}))
-        state = State(inventory, Config())
-        host = inventory.get_host("@local")
-        host.get_fact = self.get_fact
-        with ctx_state.use(state), ctx_host.use(host):
-            return [
-                f"upload {c.dest}" if isinstance(c, FileUploadCommand) else c.get_raw_value()
-                for c in op._inner(settings)
-            ]
-
-    def get_fact(self, cls, *args, **kwargs):
-        import hashlib
-
-        name, path = cls.__name__, kwargs.get("path")
-        dirs = {os.path.dirname(p) for p in self.files} | {"/etc/systemd/system", "/usr/local/lib/freetoken"}
-        if name == "File":
-            if path not in self.files:
-                return None
-            return {"user": "root", "group": "root", "mode": self.files[path][1], "size": 1}
-        if name == "Directory":
-            return {"user": "root", "group": "root", "mode": 755} if path in dirs else None
-        if name == "Link":
-            return None
-        if name == "Sha1File":
-            return hashlib.sha1(self.files[path][0].encode()).hexdigest() if path in self.files else None
-        if name == "SystemdStatus":
-            return {s: s in self.running for s in kwargs["services"]}
-        if name == "SystemdEnabled":
-            return {s: s in self.enabled for s in kwargs["services"]}
-        if name == "TmpDir":
-            return "/tmp"
-        raise AssertionError(f"unexpected fact {name}")
+def guard_host(files=None, timer_on=False) -> FakeHost:
+    """The guard's host: its files (path -> (text, mode)), the timer running and enabled or not."""
+    on = {TIMER} if timer_on else set()
+    return FakeHost(files=files, dirs={"/usr/local/lib/freetoken"}, running=on, enabled=on)
 
 
 def converged_files(settings):
@@ -652,13 +617,10 @@ def converged_files(settings):
     }
 
 
-TIMER = "freetoken-guard.timer"
-
-
 def test_operation_on_a_bare_host():
     from operations.guard import guard
 
-    cmds = StubHost().commands(guard, Settings())
+    cmds = guard_host().commands(guard, Settings())
     assert "upload /usr/local/lib/freetoken/guard.py" in cmds
     assert "upload /etc/systemd/system/freetoken-guard.service" in cmds
     assert "upload /etc/systemd/system/freetoken-guard.timer" in cmds
@@ -670,13 +632,13 @@ def test_operation_is_idempotent():
     from operations.guard import guard
 
     settings = Settings()
-    assert StubHost(converged_files(settings), {TIMER}, {TIMER}).commands(guard, settings) == []
+    assert guard_host(converged_files(settings), timer_on=True).commands(guard, settings) == []
 
 
 def test_operation_interval_change_reloads_and_restarts_the_timer():
     from operations.guard import guard
 
-    host = StubHost(converged_files(Settings()), {TIMER}, {TIMER})
+    host = guard_host(converged_files(Settings()), timer_on=True)
     cmds = host.commands(guard, Settings(guard_interval_s=60))
     assert cmds == [
         "upload /etc/systemd/system/freetoken-guard.timer",
@@ -690,7 +652,7 @@ def test_operation_interval_change_reloads_and_restarts_the_timer():
 def test_operation_swap_limit_change_only_reloads():
     from operations.guard import guard
 
-    host = StubHost(converged_files(Settings()), {TIMER}, {TIMER})
+    host = guard_host(converged_files(Settings()), timer_on=True)
     cmds = host.commands(guard, Settings(guard_swap_limit_gb=3))
     assert "upload /etc/systemd/system/freetoken-guard.service" in cmds
     assert cmds[-1] == "systemctl daemon-reload"
@@ -700,15 +662,17 @@ def test_operation_disabled():
     from operations.guard import guard
 
     settings = Settings(guard_enabled=False)
-    cmds = StubHost(converged_files(Settings()), {TIMER}, {TIMER}).commands(guard, settings)
+    cmds = guard_host(converged_files(Settings()), timer_on=True).commands(guard, settings)
     assert cmds == [f"systemctl stop {TIMER}", f"systemctl disable {TIMER}"]
-    assert StubHost().commands(guard, settings) == []
+    assert guard_host().commands(guard, settings) == []
 
 
 def test_clear_guard_state():
     from operations.guard import clear_guard_state
 
     settings = Settings()
-    assert StubHost().commands(clear_guard_state, settings) == []
+    assert guard_host().commands(clear_guard_state, settings) == []
     state = {"/var/lib/freetoken-deploy/guard-state.json": ("{}", 644)}
-    assert StubHost(state).commands(clear_guard_state, settings) == ["rm -f /var/lib/freetoken-deploy/guard-state.json"]
+    assert guard_host(state).commands(clear_guard_state, settings) == [
+        "rm -f /var/lib/freetoken-deploy/guard-state.json"
+    ]

@@ -4,8 +4,6 @@ commands with the host's facts stubbed. The fleet tests run it for real over SSH
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import yaml
 
@@ -14,6 +12,7 @@ from freetoken_infra.core.settings import Settings, SettingsError, build_setting
 from freetoken_infra.plan import node_exporter_bind
 from operations import gateway as gw
 from operations import node_exporter as ne
+from tests.unit.fakehost import FakeHost
 
 TEXTFILE_DIR = "/var/lib/freetoken-deploy/metrics"
 
@@ -58,68 +57,22 @@ def test_scrape_config_names_where_each_host_listens():
     assert scrape_targets({"ws1": ("192.0.2.11", Settings(node_exporter_enabled=False))}) == []
 
 
-class StubHost:
-    """Answers the operation's pyinfra facts: files (path -> (text, mode)), packages, units."""
-
-    def __init__(self, files=None, packages=(), running=(), enabled=()):
-        self.files = dict(files or {})
-        self.packages, self.running, self.enabled = set(packages), set(running), set(enabled)
-
-    def commands(self, settings, bind="127.0.0.1"):
-        from pyinfra.api import Config, FileUploadCommand, Inventory, State
-        from pyinfra.context import ctx_host, ctx_state
-
-        inventory = Inventory((["@local"], {}))
-        state = State(inventory, Config())
-        host = inventory.get_host("@local")
-        host.get_fact = self.get_fact
-        with ctx_state.use(state), ctx_host.use(host):
-            return [
-                f"upload {c.dest}"
-                if isinstance(c, FileUploadCommand)
-                else c
-                if isinstance(c, str)
-                else c.get_raw_value()
-                for c in ne.node_exporter._inner(settings, bind)
-            ]
-
-    def get_fact(self, cls, *args, **kwargs):
-        name, path = cls.__name__, kwargs.get("path")
-        if name == "DebPackages":
-            return {p: ["1.5.0-1+b6"] for p in self.packages}
-        if name == "File":
-            return (
-                {"user": "root", "group": "root", "mode": self.files[path][1], "size": 1}
-                if path in self.files
-                else None
-            )
-        if name == "Directory":
-            dirs = {TEXTFILE_DIR, "/etc/systemd/system/prometheus-node-exporter.service.d"}
-            return {"user": "root", "group": "root", "mode": 755} if path in dirs else None
-        if name == "Link":
-            return None
-        if name == "Sha1File":
-            return hashlib.sha1(self.files[path][0].encode()).hexdigest() if path in self.files else None
-        if name == "SystemdStatus":
-            return {s: s in self.running for s in kwargs["services"]}
-        if name == "SystemdEnabled":
-            return {s: s in self.enabled for s in kwargs["services"]}
-        if name == "TmpDir":
-            return "/tmp"
-        raise AssertionError(f"unexpected fact {name}")
+def commands(host: FakeHost, settings: Settings, bind: str = "127.0.0.1") -> list[str]:
+    return host.commands(ne.node_exporter, settings, bind)
 
 
 def converged(settings, bind="127.0.0.1"):
-    return StubHost(
-        {NODE_EXPORTER_DROPIN: (ne.dropin(settings, bind), 644)},
-        {"prometheus-node-exporter"},
-        {NODE_EXPORTER_UNIT},
-        {NODE_EXPORTER_UNIT},
+    return FakeHost(
+        files={NODE_EXPORTER_DROPIN: ne.dropin(settings, bind)},
+        dirs={TEXTFILE_DIR},
+        packages={"prometheus-node-exporter"},
+        running={NODE_EXPORTER_UNIT},
+        enabled={NODE_EXPORTER_UNIT},
     )
 
 
 def test_bare_host_gets_the_dropin_before_the_package():
-    cmds = StubHost().commands(Settings())
+    cmds = commands(FakeHost(), Settings())
     assert f"upload {NODE_EXPORTER_DROPIN}" in cmds
     install = next(
         i for i, c in enumerate(cmds) if "apt-get" in c and "install" in c and "prometheus-node-exporter" in c
@@ -129,11 +82,11 @@ def test_bare_host_gets_the_dropin_before_the_package():
 
 
 def test_converged_host_runs_nothing():
-    assert converged(Settings()).commands(Settings()) == []
+    assert commands(converged(Settings()), Settings()) == []
 
 
 def test_a_changed_bind_rewrites_the_dropin_and_restarts_only_then():
-    cmds = converged(Settings()).commands(Settings(), bind="192.0.2.11")
+    cmds = commands(converged(Settings()), Settings(), bind="192.0.2.11")
     assert cmds[0] == f"upload {NODE_EXPORTER_DROPIN}"
     assert "systemctl daemon-reload" in cmds and cmds[-1] == f"systemctl restart {NODE_EXPORTER_UNIT}"
     assert not any("apt-get" in c for c in cmds)
@@ -141,8 +94,8 @@ def test_a_changed_bind_rewrites_the_dropin_and_restarts_only_then():
 
 def test_disabled_stops_an_installed_exporter_and_installs_nothing():
     off = Settings(node_exporter_enabled=False)
-    assert converged(Settings()).commands(off) == [
+    assert commands(converged(Settings()), off) == [
         f"systemctl stop {NODE_EXPORTER_UNIT}",
         f"systemctl disable {NODE_EXPORTER_UNIT}",
     ]
-    assert StubHost().commands(off) == []
+    assert commands(FakeHost(), off) == []

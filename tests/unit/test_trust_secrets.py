@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import http.server
 import json
@@ -30,6 +29,7 @@ from facts import batch
 from freetoken_infra.core.launch import derive_plan
 from freetoken_infra.core.layout import ENGINE_COMPLETE_MARKER
 from freetoken_infra.core.settings import Settings
+from tests.unit.fakehost import FakeHost
 from tests.unit.test_health_gate import KEY, MODEL_NAME, SCRIPT, StandinEngine
 
 PROXY_VARS = (
@@ -199,58 +199,20 @@ def test_a_missing_key_file_stops_the_engines_start():
 # --------------------------------------------------------------------------- pip index
 
 
-class FileHost:
-    """Answers the facts of operations.engine.environment from a dict of files
-    (path -> (text, mode)); a built venv for the version is there with the engine and ninja."""
+def built_engine_host(settings: Settings, files: dict[str, tuple[str, int]]) -> FakeHost:
+    """The host of operations.engine.environment with ``files`` (path -> (text, mode)) and the
+    settings' engine version built (its venv with the engine, ninja and the completion marker)
+    and active."""
+    from facts.engine import EngineInstallInfo
 
-    def __init__(self, settings: Settings, files: dict[str, tuple[str, str]]):
-        self.settings = settings
-        self.files = files
-
-    def commands(self, op: Any, settings: Settings) -> list[str]:
-        from pyinfra.api import Config, FileUploadCommand, Inventory, State
-        from pyinfra.context import ctx_host, ctx_state
-
-        inventory = Inventory((["@local"], {}))
-        state = State(inventory, Config())
-        host = inventory.get_host("@local")
-        host.get_fact = self.get_fact
-        with ctx_state.use(state), ctx_host.use(host):
-            return [
-                f"upload {c.dest}"
-                if isinstance(c, FileUploadCommand)
-                else c
-                if isinstance(c, str)
-                else str(c.get_raw_value())
-                for c in op._inner(settings)
-            ]
-
-    def get_fact(self, cls: Any, *args: Any, **kwargs: Any) -> Any:
-        from facts.engine import EngineInstallInfo
-
-        name, path = cls.__name__, kwargs.get("path")
-        venv = f"{self.settings.engine_base_dir}/{self.settings.engine_version}"
-        if name == "EngineInstall":
-            v = self.settings.engine_version
-            return EngineInstallInfo(self.settings.engine_base_dir, {v: v}, v, venv)
-        if name == "File":
-            if path in (f"{venv}/pyvenv.cfg", f"{venv}/bin/ninja", f"{venv}/{ENGINE_COMPLETE_MARKER}"):
-                return {"user": "root", "group": "root", "mode": 644, "size": 1}
-            if path not in self.files:
-                return None
-            return {"user": "root", "group": "root", "mode": int(self.files[path][1]), "size": 1}
-        if name == "FileText":
-            return self.files[path][0] if path in self.files else None
-        if name == "Sha1File":
-            return hashlib.sha1(self.files[path][0].encode()).hexdigest() if path in self.files else None
-        if name == "Directory":
-            is_dir = path in (self.settings.engine_base_dir, venv)
-            return {"user": "root", "group": "root", "mode": 755} if is_dir else None
-        if name == "Link":
-            return {"link_target": venv, "user": "root", "group": "root", "mode": 777}
-        if name == "TmpDir":
-            return "/tmp"
-        raise AssertionError(f"unexpected fact {name}")
+    v, base = settings.engine_version, settings.engine_base_dir
+    venv = f"{base}/{v}"
+    built = {p: "" for p in (f"{venv}/pyvenv.cfg", f"{venv}/bin/ninja", f"{venv}/{ENGINE_COMPLETE_MARKER}")}
+    return FakeHost(
+        files={**built, **files},
+        links={f"{base}/active": venv},
+        facts={"EngineInstall": EngineInstallInfo(base, {v: v}, v, venv)},
+    )
 
 
 SECRET_INDEX = "https://builder:s3cr3t-pw@mirror.example/simple"
@@ -261,12 +223,12 @@ def test_pip_index_credentials_live_in_a_root_only_file():
 
     s = Settings(pip_index_url=SECRET_INDEX)
     conf = f"{s.engine_base_dir}/{s.engine_version}/pip.conf"
-    bare = FileHost(s, {}).commands(environment, s)
+    bare = built_engine_host(s, {}).commands(environment, s)
     assert f"upload {conf}" in bare and f"chmod 600 {conf}" in bare
     assert not any("s3cr3t" in c for c in bare)  # in the file only, never in a command
     # A file an older deploy left world-readable is closed on the next run.
-    assert FileHost(s, {conf: (pip_conf(s), "644")}).commands(environment, s) == [f"chmod 600 {conf}"]
-    assert FileHost(s, {conf: (pip_conf(s), "600")}).commands(environment, s) == []
+    assert built_engine_host(s, {conf: (pip_conf(s), 644)}).commands(environment, s) == [f"chmod 600 {conf}"]
+    assert built_engine_host(s, {conf: (pip_conf(s), 600)}).commands(environment, s) == []
 
 
 # --------------------------------------------------------------------------- learned requests

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pyinfra.context import ctx_host
+from pyinfra.api import StringCommand
 
+from freetoken_infra.core.layout import CUDA_PROFILE_FILE
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
+from tests.unit.fakehost import FakeHost
 
 PATH_FIELDS = ["engine_base_dir", "model_dir", "cuda_home", "state_dir", "config_dir", "cache_dir", "hub_token_file"]
 NAME_FIELDS = [
@@ -118,32 +120,13 @@ def test_api_key_source_is_matched_as_a_whole(bad):
 # --------------------------------------------------------------------------- quoting at use
 
 
-class FakeHost:
-    """Just enough of a pyinfra host for an operation's generator: facts from a table."""
-
-    name = "ws1"
-    data: dict[str, Any] = {}
-    current_op_global_arguments: dict[str, Any] = {}
-
-    def __init__(self, facts: dict[str, Any] | None = None) -> None:
-        self.facts = facts or {}
-
-    def get_fact(self, cls: type, *args: Any, **kwargs: Any) -> Any:
-        return self.facts.get(cls.__name__)
-
-    def noop(self, message: str) -> None:
-        pass
-
-
-def shell_commands(generator: Any, host: FakeHost) -> list[str]:
-    out: list[str] = []
-    with ctx_host.use(host):
-        for command in generator:
-            if isinstance(command, str):
-                out.append(command)
-            elif type(command).__name__ == "StringCommand":
-                out.append(command.get_raw_value())
-    return out
+def shell_commands(host: FakeHost, op: Any, **kwargs: Any) -> list[str]:
+    """The shell commands ``op`` yields on ``host`` (uploads left out: they run no shell)."""
+    return [
+        c if isinstance(c, str) else c.get_raw_value()
+        for c in host.yielded(op, **kwargs)
+        if isinstance(c, (str, StringCommand))
+    ]
 
 
 def hostile_paths(tmp_path: Path) -> list[str]:
@@ -186,8 +169,8 @@ def test_engine_environment_commands_pass_the_path_as_one_word(tmp_path):
 
     for base in hostile_paths(tmp_path):
         s = Settings.model_construct(**{**Settings().model_dump(), "engine_base_dir": base})
-        facts = {"EngineInstall": Install(), "FileText": pip_conf(s)}
-        commands = shell_commands(environment._inner(settings=s, activate=False), FakeHost(facts))
+        host = FakeHost(files={f"{base}/0.2.1/pip.conf": pip_conf(s)}, facts={"EngineInstall": Install()})
+        commands = shell_commands(host, environment, settings=s, activate=False)
         assert any("-m venv" in c for c in commands) and any(" install " in c for c in commands)
         for command in commands:
             calls = run_with_stubs(tmp_path, command)
@@ -206,12 +189,10 @@ def test_cuda_commands_and_profile_pass_cuda_home_as_one_word(tmp_path):
 
     for home in hostile_paths(tmp_path):
         s = Settings.model_construct(**{**Settings().model_dump(), "cuda_home": home})
-        facts = {
-            "DebPackages": {p: ["1"] for p in s.cuda_packages},
-            "FileText": profile_text(s),
-            "CudaToolchain": Toolchain(),
-        }
-        (command,) = shell_commands(toolkit._inner(settings=s, gpu_arch="compute_120"), FakeHost(facts))
+        host = FakeHost(
+            files={CUDA_PROFILE_FILE: profile_text(s)}, packages=s.cuda_packages, facts={"CudaToolchain": Toolchain()}
+        )
+        (command,) = shell_commands(host, toolkit, settings=s, gpu_arch="compute_120")
         calls = run_with_stubs(tmp_path, command)
         assert [c[1:] for c in calls if c[0].endswith("/grep")] == [["-qx", "--", "compute_120"]]
         # The profile is sourced by login shells: CUDA_HOME is exactly the value, nothing ran.

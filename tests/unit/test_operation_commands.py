@@ -1,0 +1,393 @@
+"""Every operation against faked facts (tests/unit/fakehost.py): nothing to do on a converged
+host, and the right commands for each drift. Operations with their own test module are tested
+there the same way: firewall (test_firewall), node_exporter (test_node_exporter), guard and
+clear_guard_state (test_guard), the engine's pip.conf (test_trust_secrets). The fleet tests run
+each for real over SSH, twice."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+from pyinfra.api.exceptions import OperationError
+
+from facts.cuda import CudaToolchainInfo, NvccInfo
+from facts.engine import EngineInstallInfo
+from freetoken_infra.core.launch import derive_plan
+from freetoken_infra.core.layout import (
+    CACHE_NGINX_CONF,
+    CACHE_SCRIPT,
+    CACHE_UNIT,
+    CUDA_PIN_FILE,
+    CUDA_PROFILE_FILE,
+    CUDA_SOURCES_FILE,
+    DEPLOY_STATE_DIR,
+    DEPLOY_STATE_MODE,
+    ENGINE_COMPLETE_MARKER,
+    FETCH_SCRIPT,
+    FETCH_UNIT,
+    GATEWAY_CONFIG,
+    GATEWAY_ENGINE_KEY_MAP,
+    GATEWAY_KEYS_MAP,
+    GATEWAY_SCRAPE_CONFIG,
+    GATEWAY_TLS_PEM,
+    MANIFEST_MODULE,
+    OWN_DIR_SCRIPT,
+    QUANT_MODULE,
+    UNIT_DIR,
+)
+from freetoken_infra.core.settings import Settings
+from operations import cuda, engine, model, service, windows
+from operations import gateway as gw
+from tests.unit.fakehost import FakeHost
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def uploaded(path: str, mode: str = "644", owner: bool = True) -> list[str]:
+    """What pyinfra's ``files.put`` yields for a file it writes: the upload, then owner and mode."""
+    return [f"upload {path}", *([f"chown root:root {path}"] if owner else []), f"chmod {mode} {path}"]
+
+
+def source(*parts: str) -> str:
+    with open(os.path.join(ROOT, *parts)) as f:
+        return f.read()
+
+
+# --------------------------------------------------------------------------- cuda
+
+
+def test_packages_present_installs_only_what_is_missing_and_updates_only_then():
+    assert FakeHost(packages={"curl", "jq"}).commands(cuda.packages_present, ["curl", "jq"]) == []
+    cmds = FakeHost(packages={"curl"}).commands(cuda.packages_present, ["curl", "jq"])
+    assert cmds[0] == "apt-get update"
+    assert [c for c in cmds if "install" in c] == [
+        'DEBIAN_FRONTEND=noninteractive apt-get -y -o Dpkg::Options::="--force-confdef" '
+        '-o Dpkg::Options::="--force-confold" install --no-install-recommends jq'
+    ]
+
+
+def cuda_repo_host(settings: Settings, **drift) -> FakeHost:
+    sources = {CUDA_SOURCES_FILE: cuda.sources_line(settings), **drift.pop("sources", {})}
+    return FakeHost(
+        files={**sources, CUDA_PIN_FILE: drift.pop("pin", cuda.pin_text())},
+        packages=drift.pop("packages", {"cuda-keyring"}),
+        facts={"AptSourceFiles": sources},
+    )
+
+
+def test_cuda_repository_converged_then_each_drift():
+    s = Settings()
+    assert cuda_repo_host(s).commands(cuda.repository, s) == []
+    # NVIDIA's own entry beside ours is removed (duplicate sources).
+    theirs = "/etc/apt/sources.list.d/cuda-ubuntu2404-x86_64.list"
+    cmds = cuda_repo_host(
+        s, sources={theirs: "deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] x /"}
+    ).commands(cuda.repository, s)
+    assert cmds == [f"rm -f {theirs}"]
+    # A changed mirror rewrites our entry; a changed pin is put back.
+    mirror = Settings(cuda_repo_url="http://10.213.0.1:8081/compute/cuda/repos/ubuntu2404/x86_64/")
+    assert cuda_repo_host(s).commands(cuda.repository, mirror) == uploaded(CUDA_SOURCES_FILE, owner=False)
+    assert cuda_repo_host(s, pin="Pin-Priority: 500\n").commands(cuda.repository, s) == uploaded(
+        CUDA_PIN_FILE, owner=False
+    )
+    # No keyring yet: fetched into a fresh folder, and the entry it ships removed in the same run.
+    cmds = cuda_repo_host(s, packages=set()).commands(cuda.repository, s)
+    assert cmds == [cuda.keyring_install_command(s), cmds[1]] and "dpkg -L cuda-keyring" in cmds[1]
+
+
+def cuda_host(settings: Settings, archs=("compute_120",), packages=None, profile=None) -> FakeHost:
+    nvcc = NvccInfo(path=f"{settings.cuda_home}/bin/nvcc", source="CUDA_HOME", version=(13, 0), archs=tuple(archs))
+    return FakeHost(
+        files={CUDA_PROFILE_FILE: cuda.profile_text(settings) if profile is None else profile},
+        packages=settings.cuda_packages if packages is None else packages,
+        facts={"CudaToolchain": CudaToolchainInfo(nvcc=(nvcc,), cuda_home=settings.cuda_home, ninja_version=None)},
+    )
+
+
+def test_cuda_toolkit_converged_then_each_drift():
+    s = Settings()
+    assert cuda_host(s).commands(cuda.toolkit, s, "compute_120") == []
+    assert cuda_host(s).commands(cuda.toolkit, s, None) == []
+    cmds = cuda_host(s, packages=s.cuda_packages[1:]).commands(cuda.toolkit, s, "compute_120")
+    assert cmds[0] == "apt-get update" and s.cuda_packages[0] in cmds[1] and "--list-gpu-arch" in cmds[2]
+    assert cuda_host(s, profile="").commands(cuda.toolkit, s, None) == uploaded(CUDA_PROFILE_FILE, owner=False)
+    # An nvcc that does not list the GPU's architecture fails the run, naming it.
+    (check,) = cuda_host(s, archs=("compute_90",)).commands(cuda.toolkit, s, "compute_120")
+    assert "grep -qx -- compute_120" in check and "cannot JIT its kernels" in check
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def engine_host(settings: Settings, built=True, active=True, dirs=None, account=True) -> FakeHost:
+    v, base = settings.engine_version, settings.engine_base_dir
+    venv = f"{base}/{v}"
+    files: dict = {OWN_DIR_SCRIPT: source("operations", "scripts", "own_dir.py")}
+    files[f"{venv}/pip.conf"] = (engine.pip_conf(settings), 600)
+    if built:
+        files |= {f"{venv}/bin/ninja": "", f"{venv}/{ENGINE_COMPLETE_MARKER}": ""}
+    user = settings.service_user
+    owned = {
+        settings.state_dir: ("root", "root", "755"),
+        settings.cache_dir: (user, user, "755"),
+        settings.config_dir: ("root", "root", "755"),
+        DEPLOY_STATE_DIR: ("root", "root", DEPLOY_STATE_MODE),
+    }
+    return FakeHost(
+        files=files,
+        dirs={**owned, **(dirs or {})},
+        accounts={user: settings.state_dir} if account else {},
+        facts={
+            "EngineInstall": EngineInstallInfo(
+                base, {v: v} if built else {}, v if active else None, venv if active else None
+            )
+        },
+    )
+
+
+def test_service_user_converged_then_each_drift():
+    s = Settings()
+    assert engine_host(s).commands(engine.service_user, s) == []
+    assert engine_host(s, account=False).commands(engine.service_user, s) == [
+        f"useradd -d {s.state_dir} -s /usr/sbin/nologin -r -M {s.service_user}"
+    ]
+    # The cache handed to root by mistake goes back to the engine's user, through own_dir.py.
+    (cmd,) = engine_host(s, dirs={s.cache_dir: ("root", "root", "755")}).commands(engine.service_user, s)
+    assert cmd.startswith(f"/usr/bin/python3 {OWN_DIR_SCRIPT} --path {s.cache_dir} --owner {s.service_user}")
+
+
+def test_environment_converged_then_unbuilt_then_inactive():
+    s = Settings()
+    venv = f"{s.engine_base_dir}/{s.engine_version}"
+    assert engine_host(s).commands(engine.environment, s) == []
+    cmds = engine_host(s, built=False, active=False).commands(engine.environment, s)
+    assert cmds[0] == f"python3 -m venv {venv}" and "bin/pip install" in cmds[1]
+    assert cmds[1].endswith(f"> {venv}/{ENGINE_COMPLETE_MARKER}")  # the marker last
+    assert cmds[2:] == [engine.active_link_command(s, s.engine_version)]  # switched to a built one only
+    assert engine_host(s, active=False).commands(engine.environment, s) == [
+        engine.active_link_command(s, s.engine_version)
+    ]
+    assert engine_host(s, active=False).commands(engine.environment, s, activate=False) == []
+
+
+# --------------------------------------------------------------------------- gateway
+
+GATEWAY_FILES = {
+    GATEWAY_CONFIG: "global\n",
+    GATEWAY_KEYS_MAP: "k alice\n",
+    GATEWAY_ENGINE_KEY_MAP: "engine e\n",
+    GATEWAY_SCRAPE_CONFIG: "scrape_configs: []\n",
+}
+GATEWAY_ARGS = {
+    "config": "global\n",
+    "client_keys": "k alice\n",
+    "engine_keys": "engine e\n",
+    "scrape": "scrape_configs: []\n",
+}
+
+
+def gateway_host(up: bool = True, **changed) -> FakeHost:
+    files = {p: (t, 644 if p in (GATEWAY_CONFIG, GATEWAY_SCRAPE_CONFIG) else 600) for p, t in GATEWAY_FILES.items()}
+    units = {"haproxy.service"} if up else set()
+    return FakeHost(files={**files, **changed}, running=units, enabled=units)
+
+
+def test_gateway_converged_then_each_drift():
+    assert gateway_host().commands(gw.gateway, **GATEWAY_ARGS) == []
+    # A changed key map: uploaded, HAProxy reloaded; no config check (the config is as it was).
+    cmds = gateway_host().commands(gw.gateway, **{**GATEWAY_ARGS, "client_keys": "k2 alice\n"})
+    assert cmds[0] == f"upload {GATEWAY_KEYS_MAP}" and cmds[-1] == gw.RELOAD
+    assert not any("haproxy -c" in c for c in cmds)
+    # A changed config is validated before it replaces the running one.
+    cmds = gateway_host().commands(gw.gateway, **{**GATEWAY_ARGS, "config": "global\n  maxconn 10\n"})
+    assert cmds[0] == f"upload {GATEWAY_CONFIG}.new"
+    assert cmds[-2] == f"haproxy -c -q -f {GATEWAY_CONFIG}.new && mv -f {GATEWAY_CONFIG}.new {GATEWAY_CONFIG}"
+    assert cmds[-1] == gw.RELOAD
+    # A new secret file is made 0600 before anything is written into it.
+    cmds = gateway_host().commands(gw.gateway, **GATEWAY_ARGS, tls="PEM\n")
+    assert cmds[:2] == [f"install -m 600 -o root -g root /dev/null {GATEWAY_TLS_PEM}", f"upload {GATEWAY_TLS_PEM}"]
+    # Back to plain HTTP: the PEM goes; a key map left world-readable is closed.
+    assert gateway_host(**{GATEWAY_TLS_PEM: ("PEM\n", 600)}).commands(gw.gateway, **GATEWAY_ARGS) == [
+        f"rm -f {GATEWAY_TLS_PEM}"
+    ]
+    assert gateway_host(**{GATEWAY_KEYS_MAP: ("k alice\n", 644)}).commands(gw.gateway, **GATEWAY_ARGS) == [
+        f"chmod 600 {GATEWAY_KEYS_MAP}"
+    ]
+    # HAProxy down (and not enabled): started and enabled, nothing rewritten.
+    assert gateway_host(up=False).commands(gw.gateway, **GATEWAY_ARGS) == [
+        "systemctl start haproxy.service",
+        "systemctl enable haproxy.service",
+    ]
+
+
+# --------------------------------------------------------------------------- model
+
+
+def fetcher_host(settings: Settings, sources=(), **changed) -> FakeHost:
+    user = settings.fetch_user
+    files = {
+        FETCH_SCRIPT: source("operations", "scripts", "fetch_model.py"),
+        QUANT_MODULE: source("freetoken_infra", "core", "quant.py"),
+        MANIFEST_MODULE: source("freetoken_infra", "core", "manifest.py"),
+        OWN_DIR_SCRIPT: source("operations", "scripts", "own_dir.py"),
+        f"{UNIT_DIR}/{FETCH_UNIT}": model.fetch_unit(settings, sources),
+    }
+    dirs = {d: ("root", "root", "755") for d in ("/var/lib/freetoken", "/var/lib/freetoken/models")} | {
+        settings.model_dir: (user, user, "755"),
+        model.fetch_status_dir(settings): (user, user, "755"),
+    }
+    dirs[settings.config_dir] = ("root", "root", "755")
+    return FakeHost(files={**files, **changed}, dirs=dirs, accounts={user: settings.state_dir})
+
+
+def test_model_fetcher_converged_then_each_drift():
+    s = Settings()
+    assert fetcher_host(s).commands(model.model_fetcher, s) == []
+    # New cache sources: the unit is rewritten and systemd reloaded, nothing else.
+    cmds = fetcher_host(s).commands(model.model_fetcher, s, ["http://ws2:8090"])
+    assert cmds == [*uploaded(f"{UNIT_DIR}/{FETCH_UNIT}"), "systemctl daemon-reload"]
+    assert not any(c.startswith("upload") and FETCH_SCRIPT in c for c in cmds)
+    cmds = fetcher_host(s, **{FETCH_SCRIPT: "old"}).commands(model.model_fetcher, s)
+    assert cmds[0] == f"upload {FETCH_SCRIPT}" and "systemctl daemon-reload" not in cmds
+    # An endpoint with credentials: its root-only env file is made 0600 before it is written.
+    cred = Settings(hub_endpoint="https://u:pw@hub.example")
+    cmds = fetcher_host(cred).commands(model.model_fetcher, cred)
+    env_file = model.fetch_env_path(cred)
+    assert cmds[:4] == [f"install -m 600 -o root -g root /dev/null {env_file}", *uploaded(env_file, "600")]
+    assert not any("pw@" in c for c in cmds)
+
+
+def cache_host(settings: Settings, bind: str, installed=True, **changed) -> FakeHost:
+    files = {
+        CACHE_SCRIPT: source("operations", "scripts", "model_cache.py"),
+        CACHE_NGINX_CONF: model.cache_nginx_conf(settings, bind),
+        f"{UNIT_DIR}/{CACHE_UNIT}": model.cache_unit(settings, bind),
+    }
+    return FakeHost(
+        files={**files, **changed},
+        packages={"nginx"} if installed else set(),
+        running={CACHE_UNIT},
+        enabled={CACHE_UNIT},
+    )
+
+
+def test_model_cache_converged_then_each_drift():
+    s = Settings(model_cache_host="ws1")
+    assert cache_host(s, "192.0.2.11").commands(model.model_cache, s, bind="192.0.2.11") == []
+    # A new bind: nginx's conf rewritten and the cache restarted (its unit is as it was).
+    cmds = cache_host(s, "192.0.2.11").commands(model.model_cache, s, bind="192.0.2.12")
+    assert cmds == [*uploaded(CACHE_NGINX_CONF), f"systemctl restart {CACHE_UNIT}"]
+    # A changed unit: systemd reloads before the restart.
+    cmds = cache_host(s, "192.0.2.11", **{f"{UNIT_DIR}/{CACHE_UNIT}": "old"}).commands(
+        model.model_cache, s, bind="192.0.2.11"
+    )
+    assert cmds == [*uploaded(f"{UNIT_DIR}/{CACHE_UNIT}"), "systemctl daemon-reload", f"systemctl restart {CACHE_UNIT}"]
+    # Not installed yet: Debian's nginx is masked before the package can start it.
+    cmds = cache_host(s, "192.0.2.11", installed=False).commands(model.model_cache, s, bind="192.0.2.11")
+    mask = cmds.index(f"ln -s /dev/null {UNIT_DIR}/nginx.service")
+    assert mask < cmds.index("apt-get update") < next(i for i, c in enumerate(cmds) if "install" in c and "nginx" in c)
+    # No longer the cache host: stopped, its files removed; nothing when it was never there.
+    cmds = cache_host(s, "192.0.2.11").commands(model.model_cache, s, present=False)
+    assert cmds[:2] == [f"systemctl stop {CACHE_UNIT}", f"systemctl disable {CACHE_UNIT}"]
+    assert cmds[-1] == "systemctl daemon-reload" and f"rm -f {UNIT_DIR}/{CACHE_UNIT}" in cmds
+    assert FakeHost().commands(model.model_cache, s, present=False) == []
+
+
+def test_model_cache_reload_always_reloads():
+    # An action, not a state: the deploy runs it only when model_present changed the model.
+    assert FakeHost().commands(model.model_cache_reload) == [f"systemctl reload-or-restart {CACHE_UNIT}"]
+
+
+@dataclass
+class Manifest:
+    covered: bool
+
+    def covers(self, repo: str, revision: str) -> tuple[bool, str]:
+        return self.covered, "" if self.covered else "missing"
+
+
+def test_model_present_converged_then_missing_then_reverify():
+    s = Settings()
+    assert FakeHost(facts={"ModelManifest": Manifest(True)}).commands(model.model_present, s) == []
+    missing = FakeHost(facts={"ModelManifest": Manifest(False)})
+    assert missing.commands(model.model_present, s) == ["call wait_for_fetch"]
+    assert missing.commands(model.model_present, s, wait=False) == [f"systemctl start --no-block {FETCH_UNIT}"]
+    again = Settings(model_reverify=True)
+    assert FakeHost(facts={"ModelManifest": Manifest(True)}).commands(model.model_present, again) == [
+        "call wait_for_fetch"
+    ]
+
+
+# --------------------------------------------------------------------------- service
+
+
+def test_api_key_generated_once_copied_or_removed(tmp_path):
+    s = Settings()
+    path = service.key_path(s)
+    assert FakeHost(files={path: ("API_KEY=x\n", 600)}).commands(service.api_key, s) == []
+    (gen,) = FakeHost().commands(service.api_key, s)
+    assert gen.startswith("umask 077 && key=$(head -c 32 /dev/urandom") and gen.endswith(f"mv {path}.tmp {path}")
+    assert FakeHost(files={path: ("API_KEY=x\n", 644)}).commands(service.api_key, s) == [f"chmod 600 {path}"]
+    none = Settings(api_key_source="none")
+    assert FakeHost(files={path: "API_KEY=x\n"}).commands(service.api_key, none) == [f"rm -f {path}"]
+    assert FakeHost().commands(service.api_key, none) == []
+    key_file = tmp_path / "key"
+    key_file.write_text("controller-key-0123456789\n")
+    copied = Settings(api_key_source=f"file:{key_file}")
+    content = f"{service.KEY_VAR}=controller-key-0123456789\n"
+    assert FakeHost(files={path: (content, 600)}).commands(service.api_key, copied) == []
+    assert FakeHost(files={path: ("API_KEY=old\n", 600)}).commands(service.api_key, copied) == uploaded(path, "600")
+
+
+def test_engine_unit_converged_then_each_drift():
+    s = Settings()
+    plan = derive_plan(s, 16311, (12, 0))
+    env, unit = service.env_path(s), service.UNIT_PATH
+    files = {env: (service.engine_environment(s), 600), unit: service.engine_unit(s, plan)}
+    assert FakeHost(files=files).commands(service.unit, s, plan) == []
+    # A changed unit is written beside and renamed over (atomic), then systemd reloads.
+    other = derive_plan(Settings(listen_port=8100), 16311, (12, 0))
+    assert FakeHost(files=files).commands(service.unit, Settings(listen_port=8100), other) == [
+        *uploaded(f"{unit}.new"),
+        f"mv -f {unit}.new {unit}",
+        "systemctl daemon-reload",
+    ]
+    # A changed environment: atomic too, and no reload (systemd reads it at start).
+    changed = {**files, env: ("LOG_LEVEL=DEBUG\n", 600)}
+    assert FakeHost(files=changed).commands(service.unit, s, plan) == [
+        *uploaded(f"{env}.new", "600"),
+        f"mv -f {env}.new {env}",
+    ]
+    assert FakeHost(files={**files, env: (service.engine_environment(s), 644)}).commands(service.unit, s, plan) == [
+        f"chmod 600 {env}"
+    ]
+
+
+# --------------------------------------------------------------------------- windows
+
+WSLCONF = "/etc/wsl.conf"
+
+
+def test_ini_values_converged_then_missing_then_unmergeable():
+    host = FakeHost(files={WSLCONF: b"[boot]\nsystemd=true\n"})
+    assert host.commands(windows.ini_values, WSLCONF, "boot", {"systemd": "true"}) == []
+    assert host.noops and "already holds systemd" in host.noops[0]
+    assert FakeHost(files={WSLCONF: b"[network]\nhostname=ws1\n"}).commands(
+        windows.ini_values, WSLCONF, "boot", {"systemd": "true"}
+    ) == [f"upload {WSLCONF}"]
+    assert FakeHost().commands(windows.ini_values, WSLCONF, "boot", {"systemd": "true"}) == [f"upload {WSLCONF}"]
+
+
+def test_windows_autostart_exists_then_created_then_refused():
+    assert (
+        FakeHost(facts={"ScheduledTaskExists": True}).commands(windows.windows_autostart, "FreeToken", "Debian") == []
+    )
+    (cmd,) = FakeHost(facts={"ScheduledTaskExists": False}).commands(windows.windows_autostart, "FreeToken", "Debian")
+    assert cmd == windows.autostart_command("@local", "FreeToken", "Debian")
+    with pytest.raises(OperationError, match="distro's name is unknown"):
+        FakeHost(facts={"ScheduledTaskExists": False}).commands(windows.windows_autostart, "FreeToken", "")
+    with pytest.raises(OperationError, match="is not a WSL distribution name"):
+        FakeHost(facts={"ScheduledTaskExists": False}).commands(windows.windows_autostart, "FreeToken", "a;b")
