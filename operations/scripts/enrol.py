@@ -310,6 +310,37 @@ def systemd_running() -> bool:
     return os.path.isdir("/run/systemd/system")
 
 
+def pid1_started(proc: str = "/proc") -> float | None:
+    """When this distro's PID 1 started, in seconds since the epoch: the kernel's boot time
+    (``btime`` in ``/proc/stat``) plus PID 1's start in clock ticks (field 22 of
+    ``/proc/1/stat``); None when either cannot be read. ``wsl.exe --shutdown`` and opening the
+    distro again start a new PID 1."""
+    try:
+        with open(f"{proc}/stat", encoding="ascii") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        with open(f"{proc}/1/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 is the 20th after it
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+
+
+def restart_pending(paths: list[str], proc: str = "/proc") -> bool:
+    """Whether one of ``paths`` (the WSL settings files) changed after PID 1 started, so the
+    distro has not read it yet: an earlier run that changed it and stopped before its end (a
+    declined Windows prompt) still owes the owner the restart. When PID 1's start cannot be read,
+    a restart is asked for."""
+    started = pid1_started(proc)
+    for path in paths:
+        try:
+            mtime = os.stat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        if started is None or mtime > started:
+            return True
+    return False
+
+
 def ensure_sshd(i: Inputs, run: Run) -> None:
     if _run(["dpkg-query", "-W", "-f=${Status}", "openssh-server"], "sshd").stdout.strip() != "install ok installed":
         print("  ...      installing openssh-server (Debian's package)", flush=True)
@@ -481,15 +512,14 @@ def enrol(i: Inputs) -> Run:
     profile = windows_profile()
     if profile is None:
         raise EnrolError("Windows: cannot find your Windows profile (cmd.exe and wslpath); is WSL interop on?")
-    merge_ini(
-        wsl_ini, f"{profile}/.wslconfig", wsl_ini.WSLCONFIG, "wsl2", {"networkingMode": "mirrored"}, ".wslconfig", run
-    )
+    wslconfig = f"{profile}/.wslconfig"
+    merge_ini(wsl_ini, wslconfig, wsl_ini.WSLCONFIG, "wsl2", {"networkingMode": "mirrored"}, ".wslconfig", run)
     ensure_sshd(i, run)
     ensure_authorized_key(i, run)
     ensure_sudoers(i, run)
     ensure_windows(i, run)
     wake_on_lan(run)
-    if run.restart or not systemd_running():
+    if run.restart or not systemd_running() or restart_pending([WSL_CONF, wslconfig]):
         run.todo.insert(0, RESTART + " (a WSL setting changed or systemd is not running yet)")
     return run
 

@@ -3,8 +3,10 @@ its single-file form. (Run on a simulated host, end to end: tests/fleet/test_enr
 
 import base64
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,35 @@ def test_it_refuses_to_run_without_root(keypair):
     finally:
         shutil.rmtree(folder)
     assert ran.returncode == 2 and ran.stderr.startswith("enrol: run it as root"), ran.stderr
+
+
+def _proc(tmp_path: Path, btime: int, ticks: int) -> Path:
+    """A /proc with the two lines pid1_started reads, laid out as the kernel writes them
+    (proc(5); the command name in parentheses may hold spaces and parentheses)."""
+    proc = tmp_path / "proc"
+    (proc / "1").mkdir(parents=True)
+    (proc / "stat").write_text(f"cpu  1 2 3 4 5 6 7 0 0 0\nintr 0\nctxt 10\nbtime {btime}\nprocesses 9\n")
+    after = ["S", "0", "1", "1", "0", "-1", "4194560", "12", "0", "0", "0", "3", "4", "0", "0", "20", "0", "1", "0"]
+    (proc / "1/stat").write_text(f"1 (init (wsl) x) {' '.join(after)} {ticks} 2000 300 18446744073709551615\n")
+    return proc
+
+
+def test_pid1s_start_is_boot_time_plus_its_ticks(tmp_path):
+    hz = os.sysconf("SC_CLK_TCK")
+    assert enrol.pid1_started(str(_proc(tmp_path, 1_700_000_000, 50 * hz))) == 1_700_000_050
+    real = enrol.pid1_started()
+    assert real is not None and real <= time.time()
+
+
+def test_a_settings_file_changed_after_pid1_started_still_owes_the_restart(tmp_path):
+    """A first run that changed wsl.conf and then stopped (a declined Windows prompt) leaves a
+    second run that changes nothing still saying: restart."""
+    conf = tmp_path / "wsl.conf"
+    conf.write_text("[boot]\nsystemd=true\n")
+    os.utime(conf, (1_700_000_100, 1_700_000_100))
+    hz = os.sysconf("SC_CLK_TCK")
+    booted_before = _proc(tmp_path / "a", 1_700_000_000, 50 * hz)  # PID 1 at ...050: older than the file
+    booted_after = _proc(tmp_path / "b", 1_700_000_000, 200 * hz)  # PID 1 at ...200: it read the file
+    assert enrol.restart_pending([str(conf), str(tmp_path / "absent")], str(booted_before))
+    assert not enrol.restart_pending([str(conf), str(tmp_path / "absent")], str(booted_after))
+    assert enrol.restart_pending([str(conf)], str(tmp_path / "no-proc"))  # unreadable: ask for it
