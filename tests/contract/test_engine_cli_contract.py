@@ -30,7 +30,6 @@ from freetoken_infra.core.settings import Settings
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-SETUP = HERE / "setup_real_parser.sh"
 RUNNER = HERE / "_parser_runner.py"
 STANDIN = REPO / "tests" / "fleet" / "standins" / "engine"
 # A real checkpoint's config.json: with no --dtype the parser reads the model dir's
@@ -77,22 +76,6 @@ def _case_name(field: str, value) -> str:
 
 
 # --- running the parsers -------------------------------------------------------------
-@pytest.fixture(scope="session")
-def real_parser_python() -> str:
-    if os.environ.get("FREETOKEN_CONTRACT", "").lower() == "skip":
-        pytest.skip("FREETOKEN_CONTRACT=skip")
-    explicit = os.environ.get("FREETOKEN_CONTRACT_PYTHON")
-    if explicit:
-        return explicit
-    proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)
-    sys.stderr.write(proc.stdout[-4000:])  # shown with -s, or on failure
-    if proc.returncode != 0:
-        pytest.fail(f"{SETUP.name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    line = proc.stdout.strip().splitlines()[-1]
-    assert line.startswith("FREETOKEN_CONTRACT_PYTHON="), proc.stdout[-2000:]
-    return line.split("=", 1)[1]
-
-
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     # Same last component as the default model_dir: the served model name derives from it.

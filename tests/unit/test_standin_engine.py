@@ -457,3 +457,52 @@ def test_vm_memory_refuses_an_address_that_is_no_host(tmp_path, vm_memory):
         urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10)
     assert err.value.code == 403
     assert swap_used(meminfo) == 0
+
+
+def test_slots_run_max_running_requests_at_once_and_queue_the_rest_in_order(engines, tmp_path, model):
+    """--max-running-requests 1: a second request waits inside the engine, sees no byte of its
+    answer until the first has finished, and /v1/stats counts both as active (as the real
+    StatsTracker does: admitted and not finished)."""
+    import threading
+
+    e = start(
+        engines, tmp_path, model, "--max-running-requests", "1", config={"tokens_per_s": 20.0, "load_seconds": 0.2}
+    )
+    e.wait_bound()
+    e.wait_status("ok")
+    done: dict[str, float] = {}
+    first_byte: dict[str, float] = {}
+
+    def ask(name: str, tokens: int) -> None:
+        req = urllib.request.Request(
+            e.url + "/v1/chat/completions",
+            data=json.dumps(
+                {"messages": [{"role": "user", "content": name}], "max_tokens": tokens, "stream": True}
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            first_byte[name] = time.monotonic()
+            r.read()
+        done[name] = time.monotonic()
+
+    a = threading.Thread(target=ask, args=("a", 20))
+    a.start()
+    deadline = time.monotonic() + 15
+    while "a" not in first_byte and time.monotonic() < deadline:
+        time.sleep(0.01)
+    b = threading.Thread(target=ask, args=("b", 2))
+    b.start()
+    seen = []
+    while time.monotonic() < deadline:
+        seen.append(json.loads(e.call("/v1/stats")[1])["requests"]["active"])
+        if seen[-1] == 2 or "a" in done:
+            break
+        time.sleep(0.01)
+    a.join(30)
+    b.join(30)
+    assert 2 in seen, seen  # both admitted while a ran
+    assert first_byte["b"] >= done["a"] - 0.05, (first_byte, done)  # b waited for a's slot
+    stats = json.loads(e.call("/v1/stats")[1])
+    assert stats["requests"]["active"] == 0 and stats["requests"]["completed"] == 2
+    assert stats["requests"]["completion_tokens_total"] == 22

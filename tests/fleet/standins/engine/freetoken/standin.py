@@ -70,6 +70,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .version import BROKEN, __version__
@@ -86,7 +87,11 @@ DEFAULT_CONFIG = {
     "swap_url": None,
     "swap_mib_per_s": 256,
     "wrong_answers": False,
+    "vram_mib": 6042,
+    "gpu_name": "NVIDIA GeForce RTX 5060 Ti",
+    "gpu_uuid": "GPU-00000000-0000-0000-0000-000000000000",
 }
+STATS_WINDOW_S = 5.0  # the real StatsTracker's sliding window for decode_tps
 SYSTEM_CONFIG = "/etc/freetoken-standin.json"
 QUESTION = re.compile(r"What is (-?\d+) \+ (-?\d+)\?")
 WORDS = "Hello from the FreeToken stand-in , a tiny model that speaks in paced tokens .".split()
@@ -303,6 +308,87 @@ class Engine:
         self.requests_total = 0
         self.tokens_generated = 0
         self.gloo: socket.socket | None = None
+        # Slots, as the real scheduler runs them: at most --max-running-requests generations at
+        # once, the rest wait inside the engine in arrival order (before any byte of their answer).
+        # /v1/stats counts both as "active", as the real StatsTracker does (admitted, not finished).
+        self.max_running = max(1, int(args.extra.get("max_running_req") or 4))
+        self.slots = threading.Condition(self.lock)
+        self.running = 0
+        self.active = 0
+        self.completed = 0
+        self.prompt_tokens_total = 0
+        self._waiting: deque[object] = deque()
+        self._decoded: deque[float] = deque(maxlen=4096)  # one timestamp per token, for decode_tps
+        self._durations_ms: deque[int] = deque(maxlen=512)
+        self._ttft_ms: deque[int] = deque(maxlen=512)
+
+    # -------------------------------------------------------------- slots
+    def admit(self, prompt_tokens: int) -> None:
+        """Wait for a free slot, first come first served."""
+        ticket = object()
+        with self.slots:
+            self.active += 1
+            self.prompt_tokens_total += prompt_tokens
+            self._waiting.append(ticket)
+            while self._waiting[0] is not ticket or self.running >= self.max_running:
+                self.slots.wait()
+            self._waiting.popleft()
+            self.running += 1
+            self.slots.notify_all()
+
+    def release(self, started: float, first_token: float | None, completed: bool) -> None:
+        with self.slots:
+            self.running -= 1
+            self.active -= 1
+            if completed:
+                self.completed += 1
+                self._durations_ms.append(int((time.monotonic() - started) * 1000))
+                if first_token is not None:
+                    self._ttft_ms.append(int((first_token - started) * 1000))
+            self.slots.notify_all()
+
+    def stats(self) -> dict:
+        """/v1/stats in the real 0.2.1 shape (server/stats.py build_stats); values from the
+        stand-in's own counters, the GPU from its config."""
+        now = time.monotonic()
+        with self.lock:
+            recent = [t for t in self._decoded if t >= now - STATS_WINDOW_S]
+            durations = sorted(self._durations_ms)
+            ttft = list(self._ttft_ms)
+            active, completed = self.active, self.completed
+            prompt_total, completion_total = self.prompt_tokens_total, self.tokens_generated
+        span = max(now - recent[0], 1e-9) if recent else 0.0
+        ready = self.state == "ok" and self.ready_at is not None
+        page = max(1, int(self.args.extra.get("page_size") or 1))
+        tokens = int(self.args.extra.get("num_token_override") or 8192)
+        return {
+            "instance_id": self.instance_id,
+            "model": {"id": self.model, "ctx": tokens, "attn": "mha", "moe": True, "input_modalities": ["text"]},
+            "uptime_s": max(0, int(now - self.ready_at)) if ready and self.ready_at is not None else 0,
+            "kv": {"used_pages": 0, "total_pages": tokens // page, "page_size": page} if ready else None,
+            "mamba": None,
+            "swa": None,
+            "vram_bytes": int(self.cfg["vram_mib"]) * 2**20 if ready else 0,
+            "gpus": [
+                {
+                    "index": 0,
+                    "name": self.cfg["gpu_name"],
+                    "uuid": self.cfg["gpu_uuid"],
+                    "total_bytes": int(self.cfg["gpu_total_mib"]) * 2**20,
+                }
+            ]
+            if ready
+            else [],
+            "throughput": {"decode_tps": round(len(recent) / span, 1) if recent else 0.0, "prefill_tps": 0.0},
+            "requests": {
+                "active": active,
+                "completed": completed,
+                "p95_ms": durations[min(len(durations) - 1, int(len(durations) * 0.95))] if durations else 0,
+                "ttft_mean_ms": int(sum(ttft) / len(ttft)) if ttft else 0,
+                "prompt_tokens_total": prompt_total,
+                "completion_tokens_total": completion_total,
+            },
+        }
 
     # -------------------------------------------------------------- health
     def health(self) -> dict:
@@ -473,6 +559,14 @@ def _prompt_tokens(text: str) -> int:
     return max(1, (len(text) + 3) // 4)
 
 
+def _request_text(path: str, body: dict) -> str:
+    if path == "/v1/completions":
+        prompt = body.get("prompt") or ""
+        return prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+    text = _messages_text(body.get("messages"))
+    return body["system"] + "\n" + text if isinstance(body.get("system"), str) else text
+
+
 def _messages_text(messages) -> str:
     out = []
     for m in messages or []:
@@ -561,21 +655,7 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
         if path == "/v1/stats":
-            e = self.engine
-            h = e.health()
-            return self._json(
-                200,
-                {
-                    "status": h["status"],
-                    "version": __version__,
-                    "instance_id": e.instance_id,
-                    "uptime_s": h.get("uptime_s", 0),
-                    "model": {"id": e.model},
-                    "requests_total": e.requests_total,
-                    "tokens_generated": e.tokens_generated,
-                    "decode_tokens_per_s": float(e.cfg["tokens_per_s"]),
-                },
-            )
+            return self._json(200, self.engine.stats())
         self._json(404, {"detail": "Not Found"})
 
     def do_POST(self):
@@ -621,14 +701,22 @@ class Handler(BaseHTTPRequestHandler):
 
     # -------------------------------------------------------------- generation
     def _generate(self, path: str, body: dict) -> None:
+        """One generation in one of the engine's slots (waiting for one first)."""
         e = self.engine
-        if path == "/v1/completions":
-            prompt = body.get("prompt") or ""
-            text_in = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
-        else:
-            text_in = _messages_text(body.get("messages"))
-            if isinstance(body.get("system"), str):
-                text_in = body["system"] + "\n" + text_in
+        started = time.monotonic()
+        e.admit(_prompt_tokens(_request_text(path, body)))
+        self._first_token: float | None = None
+        self._aborted = False  # a streamed answer's client went away
+        completed = False
+        try:
+            self._answer(path, body)
+            completed = not self._aborted
+        finally:
+            e.release(started, self._first_token, completed)
+
+    def _answer(self, path: str, body: dict) -> None:
+        e = self.engine
+        text_in = _request_text(path, body)
         limit = body.get("max_tokens", body.get("max_completion_tokens"))
         n = int(limit) if isinstance(limit, int) and limit > 0 else int(e.cfg["default_max_tokens"])
         finish = "length" if isinstance(limit, int) and limit > 0 else "stop"
@@ -653,6 +741,9 @@ class Handler(BaseHTTPRequestHandler):
                     time.sleep(delay)
                 with e.lock:
                     e.tokens_generated += 1
+                    e._decoded.append(time.monotonic())
+                if self._first_token is None:
+                    self._first_token = time.monotonic()
                 yield (" " if i else "") + words[i % len(words)]
 
         if not body.get("stream"):
@@ -782,6 +873,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
+            self._aborted = True
             self.close_connection = True
 
 
