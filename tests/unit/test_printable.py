@@ -20,9 +20,9 @@ from pyinfra.api.exceptions import OperationError
 
 from freetoken_infra.core.text import printable, printable_block
 from freetoken_infra.fleet import ServerStatus, format_status
-from freetoken_infra.report import ending_line, findings_table, format_fleet_report
+from freetoken_infra.report import ending_line, findings_table, format_fleet_report, format_gate_report
 from freetoken_infra.rules import Finding
-from operations.health import format_gate_report, run_gate
+from operations.health import run_gate
 from operations.model import format_progress, wait_for_fetch
 from tests.unit.test_fetch_model import FakeHost
 from tests.unit.test_health_gate import KEY, SCRIPT, LocalHost, _State, settings_for

@@ -11,9 +11,10 @@ from pyinfra.api import Config, Inventory, State
 
 from facts.engine import EngineHealthInfo
 from freetoken_infra import preflight, rules
-from freetoken_infra.core.records import RECORD_ENV, RunRecords, read_records
+from freetoken_infra.core.gate_record import GateResult
+from freetoken_infra.core.records import RECORD_ENV, Finished, HealthSeen, RunRecord, RunRecords, read_records
 from freetoken_infra.core.settings import Settings
-from freetoken_infra.report import host_row, record_host
+from freetoken_infra.report import host_row, print_gate_report, record_host
 from operations import health
 from tests.unit.test_rules import healthy
 
@@ -57,10 +58,10 @@ def test_two_runs_in_one_process_do_not_share_gate_results(capsys):
     table says ws1 never reached its gate (module-level results showed the first run's row)."""
     first, second = run_state(["ws1"]), run_state(["ws1"])
     assert health.run_gate(first, CutHost("ws1"), Settings(), None) is False
-    assert RunRecords.of(first).gates["ws1"]["cut_off"] is True
+    assert RunRecords.of(first).gates["ws1"].cut_off is True
     assert RunRecords.of(second).gates == {}
     capsys.readouterr()
-    health.print_gate_report(RunRecords.of(second), ActivatedState(second, ["ws1"]))
+    print_gate_report(RunRecords.of(second), ActivatedState(second, ["ws1"]))
     row = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("ws1 "))
     assert "no gate: refused at preflight" in row and "cut off" not in row
 
@@ -86,7 +87,7 @@ def test_the_report_takes_the_preflights_record_without_reading_the_host(tmp_pat
     record_file = tmp_path / "run.jsonl"
     monkeypatch.setenv(RECORD_ENV, str(record_file))
     serving = EngineHealthInfo(True, "ok", "ready", None, None, "0.2.1", "m", None, None)
-    last_gate = {"ok": True, "decode_tps": 23.9}
+    last_gate = GateResult(ok=True, decode_tps=23.9)
     obs = replace(
         healthy(engine=replace(healthy().engine, active="0.2.1")),
         health=serving,
@@ -99,11 +100,11 @@ def test_the_report_takes_the_preflights_record_without_reading_the_host(tmp_pat
     assert ok and pre.observations is obs and RunRecords.of(state).preflight == {"ws1": pre}
     assert "== ws1: preflight ==" in capsys.readouterr().err
 
-    observed = read_records(str(record_file))["ws1"][0]["observed"]
-    assert observed["health"] == {"status": "ok", "version": "0.2.1", "message": None}
-    assert observed["last_gate"] == last_gate and observed["restart_pending"] == ["/etc/wsl.conf"]
+    observed = read_records(str(record_file))["ws1"][0].observed
+    assert observed is not None and observed.health == HealthSeen("ok", "0.2.1", None)
+    assert observed.last_gate == last_gate and observed.restart_pending == ("/etc/wsl.conf",)
     # the rollout's row of an unchanged host: the last gate's tok/s, from the preflight's record
-    row = host_row("ws1", [{"host": "ws1", "observed": observed, "finished": {"failed": False, "changes": 0}}])
+    row = host_row("ws1", [RunRecord("ws1", observed=observed, finished=Finished(failed=False, changes=0))])
     assert (row["health"], row["tokens_per_s"], row["tokens_per_s_source"]) == ("ok", 23.9, "last gate")
     assert row["restart_pending"] is True
 
@@ -113,7 +114,7 @@ def test_record_host_needs_no_host(tmp_path, monkeypatch):
     blocked = rules.HostPreflight(Settings(), healthy(), [rules.Finding("wsl2", "block", "WSL1")])
     record_host("ws3", blocked)
     doc = json.loads((tmp_path / "run.jsonl").read_text())
-    assert doc["observed"]["blockers"] == ["wsl2"] and "health" not in doc["observed"]
+    assert doc["observed"]["blockers"] == ["wsl2"] and doc["observed"]["health"] is None
 
 
 def test_a_connection_lost_before_any_step_is_said_once_and_shown_in_the_gate_table(capsys):
@@ -124,7 +125,7 @@ def test_a_connection_lost_before_any_step_is_said_once_and_shown_in_the_gate_ta
     line = run.lost_during("ws1", "the host lock and the fact reads (before any change)", say=False)
     assert line == "ws1: connection lost during the host lock and the fact reads (before any change); re-run to finish"
     assert capsys.readouterr().err == ""  # the caller prints it, once
-    health.print_gate_report(run, ActivatedState(state, ["ws1", "ws2"]))
+    print_gate_report(run, ActivatedState(state, ["ws1", "ws2"]))
     rows = {line.split()[0]: line for line in capsys.readouterr().err.splitlines() if line.startswith("ws")}
     assert "connection lost during the host lock and the fact reads" in rows["ws1"]
     assert "refused at preflight" in rows["ws2"]
