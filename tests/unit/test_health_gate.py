@@ -20,7 +20,7 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.connectors.util import CommandOutput, OutputLine
 
 from freetoken_infra import plan
-from freetoken_infra.core.gate_record import CUT_OFF, Gated, GateResult
+from freetoken_infra.core.gate_record import CUT_OFF, Gated, GateRecordError, GateResult
 from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.report import format_gate_report, print_gate_report
@@ -621,3 +621,104 @@ def test_the_fleet_report_says_a_host_lost_its_connection():
         ],
     )
     assert other["reason"] == "connection lost during Service: restart; re-run to finish"
+
+
+# ---------------------------------------------------------------------------- untrusted records
+# A gate result and a gate record come from the host: text its root, or anyone who can make the
+# script print, shaped. The schema checks every field and refuses what it is not.
+FORGED = [
+    ("not json", "not JSON"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"phase": "done"}', "ok must be true or false"),
+    ('{"ok": "yes"}', "ok must be true or false"),
+    ('{"ok": 1}', "ok must be true or false"),
+    ('{"ok": true, "decode_tps": "fast"}', "decode_tps must be int or float, not str"),
+    ('{"ok": true, "decode_tps": true}', "decode_tps must be int or float, not a boolean"),
+    ('{"ok": true, "decode_tps": NaN}', "decode_tps must be a finite number"),
+    ('{"ok": true, "load_wait_s": Infinity}', "load_wait_s must be a finite number"),
+    ('{"ok": true, "completion_tokens": 1.5}', "completion_tokens must be int, not float"),
+    ('{"ok": false, "error": {"x": 1}}', "error must be str, not dict"),
+    ('{"ok": true, "cut_off": "no"}', "cut_off must be bool, not str"),
+    ('{"ok": true, "gated": ["engine_version"]}', "gated: not a JSON object"),
+    ('{"ok": true, "gated": {"launch": ["python", 3]}}', "launch must be a list of strings"),
+    ('{"ok": true, "gated": {"engine_version": 2}}', "engine_version must be str, not int"),
+    ('{"ok": false, "last_passed": {"ok": "yes"}}', "last_passed: ok must be true or false"),
+    ('{"ok": false, "last_passed": {"ok": true, "last_passed": {"ok": true}}}', "holds no last passed gate"),
+    ('{"ok": true, "error": "' + "x" * (1 << 20) + '"}', "more than a gate record holds"),
+]
+
+
+@pytest.mark.parametrize("text, why", FORGED, ids=[w for _, w in FORGED])
+def test_a_forged_or_malformed_gate_record_is_refused_with_its_reason(text, why):
+    with pytest.raises(GateRecordError) as refused:
+        GateResult.from_json(text)
+    assert why in str(refused.value)
+    assert len(str(refused.value)) < 300  # the reason, not the text it refused
+
+
+def test_a_gate_record_round_trips_and_ignores_unknown_fields():
+    record = GateResult(
+        ok=False,
+        phase="answer",
+        error="wrong answer",
+        decode_floor_tps=5,
+        rolled_back_from="0.2.2",
+        gated=SUBJECT,
+        at="2026-01-01T00:00:00Z",
+        last_passed=GateResult(ok=True, phase="done", decode_tps=23.5, completion_tokens=64, gated=SUBJECT),
+    )
+    assert GateResult.from_json(record.to_json()) == record
+    doc = json.loads(record.to_json())
+    assert GateResult.from_json(json.dumps({**doc, "from_a_later_version": [1]})) == record
+
+
+def test_a_forged_script_result_fails_the_gate_with_a_clear_error(key_file, tmp_path):
+    """A host whose gate prints a result that is not one (here ``ok`` is a string, which a
+    truthiness check took for a pass) fails its gate saying why, without a traceback."""
+    script = tmp_path / "forged_gate.py"
+    script.write_text('print(\'{"ok": "yes", "phase": "done", "decode_tps": 99.0}\')\n')
+    state = _State([], set())
+    with pytest.raises(OperationError) as failure:
+        run_gate(state, LocalHost("ws1", journal=[]), settings_for(8000), str(key_file), str(script))
+    message = str(failure.value)
+    assert "the health gate failed in the health phase" in message
+    assert "the gate script's result: ok must be true or false" in message
+    assert RunRecords.of(state).gates["ws1"].ok is False
+
+
+def test_a_script_result_cannot_claim_what_the_controller_records(key_file, tmp_path):
+    """The script reports what it measured; whether the gate was cut off, rolled back or what
+    it gated is the controller's to say: a result claiming them is stripped of the claims."""
+    forged = GateResult(
+        ok=True,
+        phase="done",
+        decode_tps=30.0,
+        cut_off=True,
+        rolled_back_from="0.1.0",
+        gated=SUBJECT,
+        decode_floor_tps=0,
+    )
+    script = tmp_path / "claiming_gate.py"
+    script.write_text(f"print({forged.to_json()!r})\n")
+    state = _State([], set())
+    result = run_gate(state, LocalHost("ws1", journal=[]), settings_for(8000, decode_floor_tps=7), None, str(script))
+    assert isinstance(result, GateResult) and result.ok is True and result.decode_tps == 30.0
+    assert (result.cut_off, result.rolled_back_from, result.gated, result.decode_floor_tps) == (False, None, None, 7)
+
+
+def test_a_forged_record_on_the_host_is_no_record(capsys):
+    """The record left on the host before this run (read at prepare time) is refused with one
+    line when it is not a gate record: the gate runs again and writes a new one."""
+    from tests.unit.fakehost import FakeHost
+
+    path = "/var/lib/freetoken/deploy-state/health-gate.json"
+    host = FakeHost(files={path: '{"ok": true, "gated": {"engine_version": ["0.2.1"]}}'})
+    seen = []
+
+    def read(settings):  # run inside the fake host's pyinfra context, as the deploy's prepare step
+        seen.append(health.gate_record(settings, path))
+        yield from ()
+
+    host.yielded(type("Op", (), {"_inner": staticmethod(read)}), Settings())
+    assert seen == [None]
+    assert f"the gate record {path}: gated: engine_version must be str" in capsys.readouterr().err

@@ -7,12 +7,24 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 from pyinfra.api import Config, Inventory, State
 
 from facts.engine import EngineHealthInfo
 from freetoken_infra import preflight, rules
 from freetoken_infra.core.gate_record import GateResult
-from freetoken_infra.core.records import RECORD_ENV, Finished, HealthSeen, RunRecord, RunRecords, read_records
+from freetoken_infra.core.records import (
+    RECORD_ENV,
+    Finished,
+    HealthSeen,
+    Lost,
+    Observed,
+    Rollback,
+    RunRecord,
+    RunRecordError,
+    RunRecords,
+    read_records,
+)
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.report import host_row, print_gate_report, record_host
 from operations import health
@@ -129,3 +141,63 @@ def test_a_connection_lost_before_any_step_is_said_once_and_shown_in_the_gate_ta
     rows = {line.split()[0]: line for line in capsys.readouterr().err.splitlines() if line.startswith("ws")}
     assert "connection lost during the host lock and the fact reads" in rows["ws1"]
     assert "refused at preflight" in rows["ws2"]
+
+
+# --------------------------------------------------------------------------- typed records
+EVERY_KIND = [
+    RunRecord(
+        "ws1", observed=Observed(gpu="RTX", vram_mib=16311, blockers=("wsl2",), health=HealthSeen("ok", "0.2.1"))
+    ),
+    RunRecord(
+        "ws1", observed=Observed(last_gate=GateResult(ok=True, decode_tps=23.9), restart_pending=("/etc/wsl.conf",))
+    ),
+    RunRecord("ws1", gate=GateResult(ok=False, phase="answer", error="wrong answer", decode_floor_tps=5)),
+    RunRecord("ws1", rollback=Rollback("0.2.2", "0.2.1", "0.2.2 failed", ok=True)),
+    RunRecord("ws1", gate=GateResult(ok=False, phase="cut off", cut_off=True), lost=Lost("the health gate")),
+    RunRecord("ws1", unreachable="Could not connect (timed out)"),
+    RunRecord("ws1", op_error="CUDA: toolkit packages"),
+    RunRecord("ws1", finished=Finished(failed=False, changes=3)),
+    RunRecord("ws1", restart_pending=("/mnt/c/Users/a/.wslconfig",)),
+]
+
+
+@pytest.mark.parametrize("entry", EVERY_KIND)
+def test_every_run_record_round_trips_through_one_json_line(entry):
+    line = entry.to_json()
+    assert "\n" not in line and RunRecord.from_json(line) == entry
+
+
+def test_a_rollback_keeps_its_json_names():
+    doc = json.loads(RunRecord("ws1", rollback=Rollback("0.2.2", "0.2.1", "why", ok=False, error="e")).to_json())
+    assert doc == {
+        "host": "ws1",
+        "rollback": {"from": "0.2.2", "to": "0.2.1", "reason": "why", "ok": False, "error": "e"},
+    }
+
+
+@pytest.mark.parametrize(
+    "doc, why",
+    [
+        ({"op_error": "x"}, "host"),
+        ({"host": 7}, "host: not str"),
+        ({"host": "ws1", "finished": {"failed": "no", "changes": 1}}, "finished: failed: not bool"),
+        ({"host": "ws1", "finished": {"failed": False, "changes": True}}, "finished: changes: not int"),
+        ({"host": "ws1", "lost": "the gate"}, "lost: not a JSON object"),
+        ({"host": "ws1", "restart_pending": "/etc/wsl.conf"}, "restart_pending: not a list"),
+        ({"host": "ws1", "observed": {"blockers": [1]}}, "observed: blockers: not str"),
+        ({"host": "ws1", "gate": {"ok": "yes"}}, "gate: ok must be true or false"),
+        ({"host": "ws1", "observed": {"last_gate": {"ok": True, "decode_tps": "x"}}}, "last_gate: decode_tps must"),
+    ],
+)
+def test_a_malformed_run_record_is_refused_with_its_reason(doc, why):
+    with pytest.raises(RunRecordError) as refused:
+        RunRecord.from_dict(doc)
+    assert why in str(refused.value)
+
+
+def test_the_record_file_keeps_only_records(tmp_path):
+    """A torn last line, or a line that is not a record, is left out of what the report reads."""
+    path = tmp_path / "run.jsonl"
+    good = RunRecord("ws1", finished=Finished(failed=False, changes=0))
+    path.write_text(good.to_json() + '\n{"host": "ws1", "finished": {"failed": "no"}}\n[]\n{"host": "ws2", "to')
+    assert read_records(str(path)) == {"ws1": [good]}
