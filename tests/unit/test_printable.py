@@ -49,7 +49,7 @@ def test_printable_escapes_controls_and_keeps_text_readable():
 
 
 def test_the_gate_scripts_copy_is_the_core_function():
-    """health_gate.py runs alone on the target, so it carries a copy: the same on every input."""
+    """health_gate.py carries a copy (only its schema is uploaded beside it): the same on every input."""
     spec = importlib.util.spec_from_file_location("health_gate_copy", SCRIPT)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
