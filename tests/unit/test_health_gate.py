@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -722,3 +723,20 @@ def test_a_forged_record_on_the_host_is_no_record(capsys):
     host.yielded(type("Op", (), {"_inner": staticmethod(read)}), Settings())
     assert seen == [None]
     assert f"the gate record {path}: gated: engine_version must be str" in capsys.readouterr().err
+
+
+def test_the_script_runs_with_only_its_schema_beside_it(tmp_path):
+    """As uploaded (``/usr/local/lib/freetoken/``): the script and ``gate_record.py`` in one
+    folder, run by a bare ``python3 -I`` (no checkout, no site packages) from elsewhere."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    shutil.copy(SCRIPT, lib / "health_gate.py")
+    shutil.copy(health.GATE_RECORD_SOURCE, lib / "gate_record.py")
+    port = free_port(with_next=True)
+    argv = [sys.executable, "-I", "-S", str(lib / "health_gate.py"), "--url", f"http://127.0.0.1:{port}"]
+    proc = subprocess.run(
+        [*argv, "--timeout", "0.5", "--model", MODEL_NAME], capture_output=True, text=True, cwd="/", timeout=60
+    )
+    assert proc.returncode == 1, proc.stderr
+    result = GateResult.from_json(proc.stdout.splitlines()[-1])
+    assert result.ok is False and result.phase == "health" and "not ready after" in (result.error or "")
