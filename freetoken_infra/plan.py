@@ -17,13 +17,13 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from facts.engine import EngineInstallInfo
 from facts.windows import dialect_of
 from freetoken_infra.core import wsl_ini
 from freetoken_infra.core.addresses import Address, AddressError, Lookup, fleet_address, lookup, resolve
+from freetoken_infra.core.gate_record import Gated, GateResult
 from freetoken_infra.core.launch import LaunchPlan, engine_command
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, GATEWAY_GROUP, RESTART_MESSAGE, WSL_CONF, WSLCONFIG_NAME
 from freetoken_infra.core.settings import Settings
@@ -32,8 +32,6 @@ from freetoken_infra.rules import SYSTEMD_ON, HostPreflight, plan_for, primary_g
 # The step a connection lost while the lock was taken is reported in.
 FACTS_STEP = "the host lock and the fact reads (before any change)"
 AUTOSTART_TASK = "FreeToken-WSL"
-
-GateRecord = Mapping[str, Any]  # the host's last gate record, as its JSON file holds it
 
 
 # --------------------------------------------------------------------------- what was seen
@@ -138,7 +136,7 @@ class ModelPlan:
 
 @dataclass(frozen=True)
 class GatePlan:
-    subject: Mapping[str, Any]  # what this run's gate proves (but for the manifest's hash)
+    subject: Gated  # what this run's gate proves (but for the manifest's hash)
     why: str | None  # why it gates although nothing changed; None: only when something changes
     rollback_to: str | None  # the version a failed gate switches back to
 
@@ -372,44 +370,22 @@ def gate_may_skip(pre: HostPreflight, running: bool) -> bool:
     return running and serving is not None and serving.status == "ok"
 
 
-def gate_subject(settings: Settings, unit_text: str, environment_text: str, launch_argv: list[str]) -> dict[str, Any]:
+def gate_subject(settings: Settings, unit_text: str, environment_text: str, launch_argv: list[str]) -> Gated:
     """What this run's gate proves, but for the model manifest's hash (read on the host when the
     gate runs): the engine version, the unit and its environment (hashes), the model revision,
     the launch plan's command line."""
-    return {
-        "engine_version": settings.engine_version,
-        "unit_sha256": _sha256(unit_text),
-        "environment_sha256": _sha256(environment_text),
-        "model": f"{settings.model_repo}@{settings.model_revision}",
-        "launch": list(launch_argv),
-    }
-
-
-# The gate record's fields, read here through these accessors only (operations/health.py
-# writes the record: ok, phase, gated, last_passed).
-def record_passed(record: GateRecord) -> bool:
-    return bool(record.get("ok"))
-
-
-def record_phase(record: GateRecord) -> str | None:
-    return record.get("phase")
-
-
-def record_gated(record: GateRecord) -> Mapping[str, Any] | None:
-    """What the gate gated (its subject with the manifest's hash), None when it does not say."""
-    gated = record.get("gated")
-    return gated if isinstance(gated, Mapping) else None
-
-
-def record_last_passed(record: GateRecord | None) -> GateRecord | None:
-    """The host's last passed gate (kept in a later failed one's record)."""
-    last = (record or {}).get("last_passed")
-    return last if isinstance(last, Mapping) else None
+    return Gated(
+        engine_version=settings.engine_version,
+        unit_sha256=_sha256(unit_text),
+        environment_sha256=_sha256(environment_text),
+        model=f"{settings.model_repo}@{settings.model_revision}",
+        launch=tuple(launch_argv),
+    )
 
 
 def why_gate(
-    record: GateRecord | None,
-    subject: Mapping[str, Any],
+    record: GateResult | None,
+    subject: Gated,
     manifest_sha256: str | None,
     serving_version: str | None,
 ) -> str | None:
@@ -417,23 +393,21 @@ def why_gate(
     the last gate passed for exactly what is installed and serving now). Anything else runs the
     gate: no record, a failed or cut-off gate, another engine, unit, environment, model,
     manifest or launch plan than the one gated, or another version serving."""
-    if not record:
+    if record is None:
         return "no gate record on the host"
-    if not record_passed(record):
-        return f"the last gate did not pass ({record_phase(record) or '?'})"
-    gated = record_gated(record)
-    if gated is None:
+    if not record.ok:
+        return f"the last gate did not pass ({record.phase or '?'})"
+    if record.gated is None:
         return "the last gate does not say what it gated"
-    wanted = {**subject, "manifest_sha256": manifest_sha256}
-    differs = sorted(k for k in set(wanted) | set(gated) if gated.get(k) != wanted.get(k))
+    differs = record.gated.differs(replace(subject, manifest_sha256=manifest_sha256))
     if differs:
         return "the last passed gate was for another " + ", ".join(differs)
-    if serving_version != subject.get("engine_version"):
-        return f"the engine serving reports version {serving_version}, not {subject.get('engine_version')}"
+    if serving_version != subject.engine_version:
+        return f"the engine serving reports version {serving_version}, not {subject.engine_version}"
     return None
 
 
-def rollback_target(installed: EngineInstallInfo | None, settings: Settings, record: GateRecord | None) -> str | None:
+def rollback_target(installed: EngineInstallInfo | None, settings: Settings, record: GateResult | None) -> str | None:
     """The version to switch back to when this run's version fails its gate: the one serving
     before this run (``active`` now, when it is another installed version), else the version of
     the host's last passed gate (a run cut off after the switch left ``active`` on the new one).
@@ -443,10 +417,9 @@ def rollback_target(installed: EngineInstallInfo | None, settings: Settings, rec
     if installed is None:
         return None
     candidates = [installed.active]
-    last_passed = record_last_passed(record)
+    last_passed = record.last_passed if record is not None else None
     if last_passed is not None:
-        gated = record_gated(last_passed) or {}
-        candidates.append(gated.get("engine_version") or last_passed.get("version"))
+        candidates.append((last_passed.gated and last_passed.gated.engine_version) or last_passed.version)
     for version in candidates:
         if version and version != settings.engine_version and installed.versions.get(version) == version:
             return str(version)

@@ -7,8 +7,6 @@ what its plan reads, ``gather``, and stops a host as the plan says, ``stop_host`
 
 from __future__ import annotations
 
-import json
-
 import click
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra.facts.files import Sha256File
@@ -29,13 +27,14 @@ from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, W
 from facts.windows_tasks import WslDistroName
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import plan, rules
+from freetoken_infra.core.gate_record import GateRecordError, GateResult
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, WSL_CONF, WSLCONFIG_NAME, HostLayout
 from freetoken_infra.core.pyinfra_internals import connection_lost, reached_host_names
 from freetoken_infra.core.records import RunRecords
 from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
 from freetoken_infra.core.text import printable
 from freetoken_infra.core.wsl_ini import drive_root
-from freetoken_infra.report import findings_table, fleet_summary, record_host
+from freetoken_infra.report import findings_table, fleet_summary, print_gate_report_if_gated, record_host
 
 
 def fleet_settings(state) -> dict[str, Settings]:
@@ -128,17 +127,18 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         model=host.get_fact(ModelDirectory, path=settings.model_dir),
         guard_state=host.get_fact(GuardState, state_file=layout.guard_state_file),
         health=health,
-        gate_record=_json_object(host.get_fact(FileText, path=layout.last_gate_file)),
+        gate_record=_gate_record(host.get_fact(FileText, path=layout.last_gate_file)),
         restart_pending=host.get_fact(RestartPending, paths=restart_files),
     )
 
 
-def _json_object(text: str | None) -> dict | None:
+def _gate_record(text: str | None) -> GateResult | None:
+    """The host's gate record; None when there is none or it is not one (the gate runs, says so
+    and writes a new one: ``operations.health.gate_record``)."""
     try:
-        doc = json.loads(text) if text else None
-    except ValueError:
+        return GateResult.from_json(text) if text else None
+    except GateRecordError:
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 def unreachable_finding() -> rules.Finding:
@@ -206,6 +206,7 @@ def run_preflight(state, host, stop_blocked: bool = True) -> tuple[rules.HostPre
     to the caller (the deploy's plan says what it does: freetoken_infra/plan.py).
     """
     run = RunRecords.of(state)
+    run.when_done(print_gate_report_if_gated)  # the gate table, once every host is done
     settings = fleet_settings(state)[host.name]
     obs = observe(host, settings)
     pre = rules.HostPreflight(settings, obs, rules.evaluate(settings, obs))

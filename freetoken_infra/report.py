@@ -1,16 +1,32 @@
-"""Plain-text reports: one findings table per host, one summary per fleet, and the fleet
-report a rollout ends with (table and JSON)."""
+"""Plain-text reports: one findings table per host, one summary per fleet, the health gate
+table a deploy ends with, and the fleet report a rollout ends with (table and JSON). They read
+the typed records (``core.records``, ``core.gate_record``), attributes only."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+import click
+
+from freetoken_infra.core.gate_record import CUT_OFF, GateResult
 from freetoken_infra.core.layout import RESTART_MESSAGE
-from freetoken_infra.core.records import RECORD_ENV, record
+from freetoken_infra.core.pyinfra_internals import active_host_names, reached_host_names
+from freetoken_infra.core.records import (
+    RECORD_ENV,
+    Finished,
+    HealthSeen,
+    Lost,
+    Observed,
+    Rollback,
+    RunRecord,
+    RunRecords,
+    record,
+)
 from freetoken_infra.core.records import first_line as _first_line
 from freetoken_infra.core.text import printable
 from freetoken_infra.rules import Finding, HostPreflight, primary_gpu
@@ -55,6 +71,109 @@ def fleet_summary(results: dict[str, list[Finding]]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- health gate
+# The table a deploy ends with: each host's gate (operations/health.py), its last one when
+# nothing changed, or why it never reached its gate.
+
+
+@dataclass(frozen=True)
+class GateRow:
+    """A host's row of the gate table: its gate result; ``checked`` False: the host's last gate
+    (nothing changed, so it did not run again); ``stopped``: why the host never reached its gate."""
+
+    gate: GateResult | None = None
+    checked: bool = True
+    stopped: str | None = None
+
+
+def print_gate_report(run: RunRecords, state) -> None:
+    """The health gate table, printed when every host of the run is done (pyinfra disconnects
+    from each host last, failed ones included)."""
+    hosts = sorted(reached_host_names(state))
+    click.echo("\n" + format_gate_report(gate_rows(run, hosts, active_host_names(state))), err=True)
+
+
+def print_gate_report_if_gated(run: RunRecords, state) -> None:
+    """``print_gate_report`` for a run in which some host came to its gate (the preflight
+    registers it for every deploy; a run whose hosts all stopped before has no gate table)."""
+    if run.last_gates:
+        print_gate_report(run, state)
+
+
+def gate_rows(run: RunRecords, hosts: list[str], active: set[str]) -> dict[str, GateRow]:
+    """A row per host: its gate result, the last gate of a host with nothing to prove again, or
+    why it never reached its gate."""
+    rows: dict[str, GateRow] = {}
+    for name in hosts:
+        if name in run.gates:
+            rows[name] = GateRow(run.gates[name])
+        elif name in active and name in run.last_gates:
+            # Healthy before the run and nothing changed: the gate had nothing to prove.
+            rows[name] = GateRow(replace(run.last_gates[name] or GateResult(), ok=True), checked=False)
+        elif name in run.lost:
+            rows[name] = GateRow(stopped=f"connection lost during {run.lost[name]}; re-run to finish")
+        elif name in run.failed_ops:
+            rows[name] = GateRow(stopped="failed at: " + "; ".join(run.failed_ops[name]))
+        else:
+            rows[name] = GateRow(stopped="refused at preflight (findings above)")
+    return rows
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.1f} s" if value is not None else "-"
+
+
+def format_gate_report(results: Mapping[str, GateRow | GateResult], floor_tps: float | None = None) -> str:
+    """Per-host table of gate results (``gate_rows``; a plain result is a row of its own),
+    flagging decode speeds below the floor. Each host's floor is its recorded
+    ``decode_floor_tps``; ``floor_tps`` applies to hosts without one. A host's last gate is
+    marked ``*``."""
+    header = ("host", "health", "load wait", "decode tok/s", "floor", "note")
+    rows = []
+    failed = below = stopped = cut = 0
+    shown_rows = {name: r if isinstance(r, GateRow) else GateRow(r) for name, r in results.items()}
+    for name in sorted(shown_rows):
+        row = shown_rows[name]
+        g = row.gate or GateResult()
+        floor = floor_tps if g.decode_floor_tps is None else g.decode_floor_tps
+        tps = g.decode_tps
+        tps_text = f"{tps:.1f}" if tps is not None else "-"
+        health = "ok" if g.ok else "FAILED"
+        note = ""
+        if row.stopped:
+            stopped += 1
+            health, note = "-", f"no gate: {row.stopped}"
+        elif g.cut_off:
+            cut += 1
+            health, note = CUT_OFF, "gate cut off: connection lost; re-run to finish (not an engine failure)"
+        elif not g.ok:
+            failed += 1
+            error = (g.error or "").splitlines()
+            note = f"FAILED in {g.phase or '?'}: {error[0] if error else ''}"
+        elif floor is not None and (tps is None or tps < floor):
+            below += 1
+            note = "below floor" if tps is not None else "below floor (not measured)"
+        if not row.checked:
+            tps_text += "*" if tps_text != "-" else ""
+            note = "; ".join(filter(None, ["not re-checked: nothing changed", note]))
+        rows.append((name, health, _seconds(g.load_wait_s), tps_text, f"{floor:g}" if floor is not None else "-", note))
+
+    def fmt(row):
+        return "  ".join(f"{str(c):<{w}}" for c, w in zip(row, widths, strict=False)).rstrip()
+
+    shown = [tuple(printable(c) for c in row) for row in rows]  # the notes hold the engine's text
+    widths = [max(len(str(row[i])) for row in [header, *shown]) for i in range(len(header))]
+    lines = ["== health gate ==", fmt(header), "-" * (sum(widths) + 2 * (len(widths) - 1))]
+    lines += [fmt(row) for row in shown]
+    serving = len(rows) - failed - stopped - cut
+    summary = f"{len(rows)} host(s): {serving} serving, {below} below the decode floor, {failed} failed"
+    summary += f", {stopped} stopped before the gate" if stopped else ""
+    lines.append(summary + (f", {cut} cut off" if cut else ""))
+    if any(not r.checked and r.gate is not None and r.gate.decode_tps is not None for r in shown_rows.values()):
+        lines.append("* tok/s of the host's last health gate (nothing changed, so the gate did not run again)")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- fleet report
 # What a rollout (freetoken_infra.rollout) prints at its end: one row per host, from the run
 # record (freetoken_infra.core.records) each batch's deploy writes.
@@ -79,140 +198,137 @@ def record_host(host_name: str, pre: HostPreflight) -> None:
         return
     settings, obs = pre.settings, pre.observations
     gpu = primary_gpu(obs)
-    observed: dict[str, Any] = {
-        "gpu": gpu.name if gpu else None,
-        "vram_mib": gpu.memory_total_mib if gpu else None,
-        "wsl_version": ".".join(map(str, obs.wsl.version)) if obs.wsl.version else None,
-        "wsl_kind": obs.kernel.kind,
-        "engine_active": obs.engine.active if obs.engine else None,
-        "engine_version": settings.engine_version,
-        "model": f"{settings.model_repo}@{settings.model_revision}",
-        "blockers": [f.check for f in pre.blocked],
-        "restart_only": bool(pre.blocked) and pre.restart_only,
-    }
-    if not pre.blocked:
-        health = obs.health
-        observed["health"] = (
-            {
-                "status": health.status if health.reachable else "down",
-                "version": health.version,
-                "message": health.message,
-            }
-            if health is not None
+    health = obs.health
+    seen = not pre.blocked  # what a blocked host's deploy never reads, it does not record either
+    observed = Observed(
+        gpu=gpu.name if gpu else None,
+        vram_mib=gpu.memory_total_mib if gpu else None,
+        wsl_version=".".join(map(str, obs.wsl.version)) if obs.wsl.version else None,
+        wsl_kind=obs.kernel.kind,
+        engine_active=obs.engine.active if obs.engine else None,
+        engine_version=settings.engine_version,
+        model=f"{settings.model_repo}@{settings.model_revision}",
+        blockers=tuple(f.check for f in pre.blocked),
+        restart_only=bool(pre.blocked) and pre.restart_only,
+        health=(
+            HealthSeen(health.status if health.reachable else "down", health.version, health.message)
+            if seen and health is not None
             else None
-        )
-        observed["last_gate"] = obs.gate_record
-    observed["restart_pending"] = list(obs.restart_pending or [])
+        ),
+        last_gate=obs.gate_record if seen else None,
+        restart_pending=tuple(obs.restart_pending or []),
+    )
     record(host_name, observed=observed)
 
 
 def host_row(
     name: str,
-    records: list[dict],
+    records: Sequence[RunRecord | Mapping[str, Any]],
     *,
     batch: int | None = None,
     not_run: str | None = None,
     unreachable: str | None = None,
     no_result: str = "no result from the deploy",
 ) -> dict[str, Any]:
-    """One report row from a host's records. `not_run`: why the rollout never got to it;
-    `unreachable`: pyinfra's connection error when the deploy recorded nothing (the host is
-    parked); `no_result`: the reason when it recorded nothing and no connection error was
-    seen."""
-    observed: dict = {}
-    gate = rollback = finished = lost = None
+    """One report row from a host's records (``read_records``; a JSON document is read as one).
+    `not_run`: why the rollout never got to it; `unreachable`: pyinfra's connection error when
+    the deploy recorded nothing (the host is parked); `no_result`: the reason when it recorded
+    nothing and no connection error was seen."""
+    entries = [r if isinstance(r, RunRecord) else RunRecord.from_dict(r) for r in records]
+    seen: Observed | None = None
+    gate: GateResult | None = None
+    rollback: Rollback | None = None
+    finished: Finished | None = None
+    lost: Lost | None = None
     op_errors: list[str] = []
     restart_files: list[str] = []
     # pyinfra's connection error, recorded (core.records.RunRecords) or read from its output by the caller
-    unreachable = next((r["unreachable"] for r in records if r.get("unreachable")), None) or unreachable
-    records = [r for r in records if not r.get("unreachable")]
-    for r in records:
-        observed.update(r.get("observed") or {})
-        gate = r.get("gate", gate)
-        rollback = r.get("rollback", rollback)
-        finished = r.get("finished", finished)
-        lost = r.get("lost", lost)
-        if r.get("op_error"):
-            op_errors.append(r["op_error"])
-        restart_files += r.get("restart_pending") or []
-    restart_files += observed.get("restart_pending") or []
-    restart_files = sorted(set(restart_files))
+    unreachable = next((r.unreachable for r in entries if r.unreachable), None) or unreachable
+    entries = [r for r in entries if not r.unreachable]
+    for r in entries:
+        seen = r.observed or seen
+        gate = r.gate or gate
+        rollback = r.rollback or rollback
+        finished = r.finished or finished
+        lost = r.lost or lost
+        if r.op_error:
+            op_errors.append(r.op_error)
+        restart_files += r.restart_pending
+    observed = seen or Observed()
+    restart_files = sorted(set(restart_files) | set(observed.restart_pending))
 
-    last_gate = observed.get("last_gate") or None
-    health_before = observed.get("health") or {}
-    if gate is not None and gate.get("cut_off"):
-        health, tps, tps_source, engine = "cut off", None, None, health_before.get("version")
+    last_gate = observed.last_gate
+    before = observed.health or HealthSeen()
+    if gate is not None and gate.cut_off:
+        health, tps, tps_source, engine = "cut off", None, None, before.version
     elif gate is not None:
-        health = "ok" if gate.get("ok") else f"failed ({gate.get('phase') or '?'})"
-        tps, tps_source = gate.get("decode_tps"), "this run"
-        engine = gate.get("version") or (observed.get("engine_version") if gate.get("ok") else None)
+        health = "ok" if gate.ok else f"failed ({gate.phase or '?'})"
+        tps, tps_source = gate.decode_tps, "this run"
+        engine = gate.version or (observed.engine_version if gate.ok else None)
     else:
-        status = health_before.get("status")
-        health = status or "-"
+        health = before.status or "-"
         tps, tps_source = None, None
-        if status == "ok" and last_gate and last_gate.get("ok"):
-            tps, tps_source = last_gate.get("decode_tps"), "last gate"
-        engine = health_before.get("version") or observed.get("engine_active")
-    if rollback:
-        engine = rollback.get("to") if rollback.get("ok") else engine
+        if before.status == "ok" and last_gate is not None and last_gate.ok:
+            tps, tps_source = last_gate.decode_tps, "last gate"
+        engine = before.version or observed.engine_active
+    if rollback is not None:
+        engine = rollback.to if rollback.ok else engine
 
     if not_run:
         result, reason = RESULT_NOT_RUN, not_run
-    elif not records and unreachable:
+    elif not entries and unreachable:
         result, reason = RESULT_PARKED, f"unreachable: {_first_line(unreachable)}"
-    elif not records:
+    elif not entries:
         result, reason = RESULT_FAILED, no_result
-    elif observed.get("blockers") and observed.get("restart_only"):
+    elif observed.blockers and observed.restart_only:
         result, reason = RESULT_FAILED, f"{RESTART_MESSAGE}, then re-run"
-    elif observed.get("blockers"):
-        result, reason = RESULT_REFUSED, "refused at preflight: " + ", ".join(observed["blockers"])
-    elif lost:
-        result, reason = RESULT_FAILED, f"connection lost during {lost.get('step')}; re-run to finish"
-    elif rollback:
+    elif observed.blockers:
+        result, reason = RESULT_REFUSED, "refused at preflight: " + ", ".join(observed.blockers)
+    elif lost is not None:
+        result, reason = RESULT_FAILED, f"connection lost during {lost.step}; re-run to finish"
+    elif rollback is not None:
         result = RESULT_FAILED
-        if rollback.get("ok"):
-            reason = f"rolled back to {rollback.get('to')}: {_first_line(rollback.get('reason'))}"
+        if rollback.ok:
+            reason = f"rolled back to {rollback.to}: {_first_line(rollback.reason)}"
         else:
             reason = (
-                f"rollback to {rollback.get('to')} failed too: {_first_line(rollback.get('error'))} "
-                f"(upgrade failed: {_first_line(rollback.get('reason'))})"
+                f"rollback to {rollback.to} failed too: {_first_line(rollback.error)} "
+                f"(upgrade failed: {_first_line(rollback.reason)})"
             )
-    elif gate is not None and not gate.get("ok"):
+    elif gate is not None and not gate.ok:
         result = RESULT_FAILED
-        reason = f"health gate failed in the {gate.get('phase') or '?'} phase: {_first_line(gate.get('error'))}"
+        reason = f"health gate failed in the {gate.phase or '?'} phase: {_first_line(gate.error)}"
     elif op_errors:
         result, reason = RESULT_FAILED, "failed at: " + "; ".join(op_errors)
     elif finished is None:
         result, reason = RESULT_FAILED, "the deploy stopped before this host finished"
-    elif finished.get("failed"):
+    elif finished.failed:
         result, reason = RESULT_FAILED, "pyinfra failed the host (see the log above)"
     else:
         result = RESULT_OK
-        changes = finished.get("changes") or 0
-        reason = f"{changes} change(s)" if changes else "no change"
-        before = observed.get("engine_active")
-        if before and engine and before != engine:
-            reason += f", upgraded from {before}"
-    vram = observed.get("vram_mib")
+        reason = f"{finished.changes} change(s)" if finished.changes else "no change"
+        if observed.engine_active and engine and observed.engine_active != engine:
+            reason += f", upgraded from {observed.engine_active}"
+    vram = observed.vram_mib
     untouched = result in UNTOUCHED
     return {
         "host": name,
         "batch": batch,
-        "gpu": observed.get("gpu"),
-        "vram_gb": round(vram / 1024) if isinstance(vram, (int, float)) else None,
-        "wsl_version": observed.get("wsl_version"),
+        "gpu": observed.gpu,
+        "vram_gb": round(vram / 1024) if vram is not None else None,
+        "wsl_version": observed.wsl_version,
         "engine_version": engine,
         # what the host should serve; "-" (None) where the deploy did nothing on it
-        "model": None if untouched else observed.get("model"),
-        "health": "-" if untouched or not records else health,
+        "model": None if untouched else observed.model,
+        "health": "-" if untouched or not entries else health,
         "tokens_per_s": None if untouched else tps,
         "tokens_per_s_source": None if untouched else tps_source,
         # None ("-"): the deploy did nothing here, so it owes no `wsl.exe --shutdown` either
-        "restart_pending": bool(restart_files) if observed and not untouched else None,
+        "restart_pending": bool(restart_files) if seen is not None and not untouched else None,
         "restart_pending_files": [] if untouched else restart_files,
         "result": result,
         "reason": reason,
-        "changes": (finished or {}).get("changes"),
+        "changes": finished.changes if finished is not None else None,
     }
 
 

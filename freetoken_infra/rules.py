@@ -28,6 +28,7 @@ from facts.resources import ResourcesInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
 from facts.wsl import WslKernelInfo, WslVersionInfo
 from freetoken_infra.core import wsl_ini
+from freetoken_infra.core.gate_record import GateResult
 from freetoken_infra.core.hardware import HARDWARE_PROFILES, nominal_vram_gb
 from freetoken_infra.core.launch import (
     LaunchPlan,
@@ -76,7 +77,7 @@ class Observations:
     model: ModelDirInfo | None = None
     health: EngineHealthInfo | None = None
     guard_state: dict | None = None
-    gate_record: dict | None = None  # the host's last health gate record (None: none)
+    gate_record: GateResult | None = None  # the host's last health gate record (None: none or unreadable)
     restart_pending: list[str] | None = None  # Windows-side files changed since WSL started
 
 

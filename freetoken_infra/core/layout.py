@@ -37,6 +37,7 @@ NODE_EXPORTER_BINARY = "/usr/bin/prometheus-node-exporter"
 NODE_EXPORTER_DROPIN = f"{UNIT_DIR}/{NODE_EXPORTER_UNIT}.d/freetoken.conf"
 
 GATE_SCRIPT = f"{LIB_DIR}/health_gate.py"
+GATE_RECORD_MODULE = f"{LIB_DIR}/gate_record.py"  # the gate result's schema, imported by health_gate.py
 GUARD_SCRIPT = f"{LIB_DIR}/guard.py"
 FETCH_SCRIPT = f"{LIB_DIR}/fetch_model.py"
 CACHE_SCRIPT = f"{LIB_DIR}/model_cache.py"

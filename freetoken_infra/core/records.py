@@ -1,10 +1,12 @@
 """The run record: what a deploy run saw and did, per host, as JSON lines.
 
 The deploy appends records to the file named by $FREETOKEN_RUN_RECORD (set by the rollout;
-nothing is recorded without it): what the facts saw at preflight, the health gate's result, a
-rollback, failed operations, and at disconnect whether pyinfra failed the host and how many
-operations changed something. The operations write it, the report and the rollout read it:
-one structured path, no console text scraped.
+nothing is recorded without it): what the facts saw at preflight (``Observed``), the health
+gate's result (``core.gate_record.GateResult``), a rollback, a connection lost, failed
+operations, and at disconnect whether pyinfra failed the host and how many operations changed
+something. Each line is one ``RunRecord`` (``to_json``/``from_json``, one round trip); the
+operations write them, the report and the rollout read them: one structured path, no console
+text scraped.
 
 Within the run, the same results live on one object attached to the run's pyinfra State
 (``RunRecords``), never in module globals.
@@ -14,30 +16,183 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import click
 from pyinfra.api.state import BaseStateCallback
 
+from freetoken_infra.core.gate_record import GateResult
 from freetoken_infra.core.pyinfra_internals import changed_operations, connection_lost, is_active, reached_host_names
 
 RECORD_ENV = "FREETOKEN_RUN_RECORD"
 
 
-def record(host_name: str, **fields: Any) -> None:
-    """Append one record for `host_name` to $FREETOKEN_RUN_RECORD (no-op when unset)."""
+class RunRecordError(ValueError):
+    """A run record line that is not one the deploy writes."""
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A failed upgrade switched back: ``from_version`` (JSON ``from``) to ``to``; ``ok``: the
+    old version passed its gate again."""
+
+    from_version: str = field(metadata={"json": "from"})
+    to: str
+    reason: str
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The host's connection dropped during ``step``."""
+
+    step: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """At disconnect: whether pyinfra failed the host, how many operations changed something."""
+
+    failed: bool
+    changes: int = 0
+
+
+@dataclass(frozen=True)
+class HealthSeen:
+    """The engine's ``/health`` before the run (``status`` "down" when it did not answer)."""
+
+    status: str | None = None
+    version: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the preflight saw on a host (``report.record_host``); ``health`` and ``last_gate``
+    only on a host it let on."""
+
+    gpu: str | None = None
+    vram_mib: int | None = None
+    wsl_version: str | None = None
+    wsl_kind: str | None = None
+    engine_active: str | None = None
+    engine_version: str | None = None
+    model: str | None = None
+    blockers: tuple[str, ...] = ()
+    restart_only: bool = False
+    health: HealthSeen | None = None
+    last_gate: GateResult | None = None
+    restart_pending: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One line of the run record: a host and what one event said of it."""
+
+    host: str
+    observed: Observed | None = None
+    gate: GateResult | None = None
+    rollback: Rollback | None = None
+    lost: Lost | None = None
+    unreachable: str | None = None
+    op_error: str | None = None
+    finished: Finished | None = None
+    restart_pending: tuple[str, ...] = ()  # Windows-side files whose change waits for a WSL restart
+
+    def to_json(self) -> str:
+        doc = _dump(self)
+        return json.dumps({k: v for k, v in doc.items() if v not in (None, [])})
+
+    @classmethod
+    def from_json(cls, text: str) -> RunRecord:
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise RunRecordError(f"not JSON ({exc})") from None
+        return cls.from_dict(doc)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> RunRecord:
+        entry: RunRecord = _load(cls, doc, "run record")
+        return entry
+
+
+def _json_name(f: Any) -> str:
+    return str(f.metadata.get("json", f.name))
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, GateResult):
+        return value.to_dict()
+    if is_dataclass(value) and not isinstance(value, type):
+        return {_json_name(f): _dump(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_dump(v) for v in value]
+    return value
+
+
+def _load(cls: Any, doc: Any, where: str) -> Any:
+    """A record dataclass from its JSON document, every field's type checked."""
+    if not isinstance(doc, dict):
+        raise RunRecordError(f"{where}: not a JSON object")
+    hints = get_type_hints(cls)
+    values = {}
+    for f in fields(cls):
+        name = _json_name(f)
+        if name in doc:
+            values[f.name] = _typed(hints[f.name], doc[name], f"{where}: {name}")
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required field is missing
+        raise RunRecordError(f"{where}: {exc}") from None
+
+
+def _typed(kind: Any, value: Any, where: str) -> Any:
+    origin, args = get_origin(kind), get_args(kind)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (kind,) = [a for a in args if a is not type(None)]
+        return _typed(kind, value, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise RunRecordError(f"{where}: not a list")
+        return tuple(_typed(args[0], v, where) for v in value)
+    if kind is GateResult:
+        try:
+            return GateResult.from_dict(value, where)
+        except ValueError as exc:
+            raise RunRecordError(str(exc)) from None
+    if is_dataclass(kind):
+        return _load(kind, value, where)
+    number = (int, float) if kind is float else (kind,)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, number):
+        raise RunRecordError(f"{where}: not {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def write(entry: RunRecord) -> None:
+    """Append ``entry`` to $FREETOKEN_RUN_RECORD (no-op when unset)."""
     path = os.environ.get(RECORD_ENV)
     if not path:
         return
-    line = json.dumps({"host": host_name, **fields}, default=str)
     with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
+        f.write(entry.to_json() + "\n")
 
 
-def read_records(path: str) -> dict[str, list[dict[str, Any]]]:
-    """The records of one deploy run, by host (a torn last line is ignored)."""
-    by_host: dict[str, list[dict[str, Any]]] = {}
+def record(host_name: str, **fields: Any) -> None:
+    """Append one record for `host_name` (``RunRecord``'s fields) to $FREETOKEN_RUN_RECORD."""
+    write(RunRecord(host_name, **fields))
+
+
+def read_records(path: str) -> dict[str, list[RunRecord]]:
+    """The records of one deploy run, by host (a torn last line, or any line that is not a
+    record, is left out)."""
+    by_host: dict[str, list[RunRecord]] = {}
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -45,11 +200,10 @@ def read_records(path: str) -> dict[str, list[dict[str, Any]]]:
         return by_host
     for line in lines:
         try:
-            doc = json.loads(line)
-        except ValueError:
+            entry = RunRecord.from_json(line)
+        except RunRecordError:
             continue
-        if isinstance(doc, dict) and isinstance(doc.get("host"), str):
-            by_host.setdefault(doc["host"], []).append(doc)
+        by_host.setdefault(entry.host, []).append(entry)
     return by_host
 
 
@@ -72,15 +226,16 @@ class RunRecords(BaseStateCallback):
     health gate's results and each host's previous gate, and what pyinfra's callbacks say: an
     operation that failed, a connection lost, a host it could not connect to, a host done. The
     same events go to the run record file ($FREETOKEN_RUN_RECORD) a rollout reads. When every
-    host of the run is done, the functions in ``at_end`` run (the health gate's table).
+    host of the run is done, the functions in ``at_end`` run (the health gate's table, which the
+    preflight registers).
     """
 
     def __init__(self) -> None:
         self.settings: dict[str, Any] | None = None  # host name -> Settings (preflight.fleet_settings)
         self.preflight: dict[str, Any] = {}  # host name -> rules.HostPreflight
         self.summary_printed = False
-        self.gates: dict[str, dict[str, Any]] = {}  # host name -> this run's gate result
-        self.last_gates: dict[str, dict[str, Any] | None] = {}  # host name -> its previous gate record
+        self.gates: dict[str, GateResult] = {}  # host name -> this run's gate result
+        self.last_gates: dict[str, GateResult | None] = {}  # host name -> its previous gate record
         self.failed_ops: dict[str, list[str]] = {}
         self.lost: dict[str, str] = {}  # host name -> the step during which its connection dropped
         self.done: set[str] = set()
@@ -116,19 +271,15 @@ class RunRecords(BaseStateCallback):
         self.failed_ops.setdefault(host.name, []).extend(names)
         # A step other than the gate lost the connection: pyinfra logged the socket error; the
         # run says what it means, once, and the fleet report gets the reason.
-        if (
-            self.at_end
-            and connection_lost(host)
-            and not self.gates.get(host.name, {}).get("cut_off")
-            and host.name not in self.lost
-        ):
+        gate = self.gates.get(host.name)
+        if self.last_gates and connection_lost(host) and not (gate and gate.cut_off) and host.name not in self.lost:
             self.lost_during(host.name, "; ".join(names))
 
     def lost_during(self, host_name: str, step: str, say: bool = True) -> str:
         """The host's connection dropped during ``step``: kept for the gate table, written for
         the fleet report, and (``say``) printed as its one line. Returns that line."""
         self.lost[host_name] = step
-        record(host_name, lost={"step": step})
+        record(host_name, lost=Lost(step))
         line = lost_line(host_name, step)
         if say:
             click.echo(line, err=True)
@@ -137,7 +288,7 @@ class RunRecords(BaseStateCallback):
     def host_disconnect(self, state: Any, host: Any) -> None:  # type: ignore[override]
         if self.preflight:
             changes = changed_operations(state, host)
-            record(host.name, finished={"failed": not is_active(state, host), "changes": changes})
+            record(host.name, finished=Finished(not is_active(state, host), changes))
         self.done.add(host.name)
         if reached_host_names(state) <= self.done:
             for report in self.at_end:

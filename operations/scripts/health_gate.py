@@ -31,10 +31,12 @@ The API key is read from --key-file (an env-style file with ``FREETOKEN_API_KEY=
 the service reads), never from the command line (which ``ps`` shows to every user) and it is
 never printed.
 
-Output: progress lines, then ONE final JSON line (also written to --json-out):
+Output: progress lines, then ONE final JSON line (also written to --json-out), a
+``GateResult`` of ``freetoken_infra/core/gate_record.py`` (uploaded beside this script, the one
+schema the controller reads it with):
     {"ok": bool, "phase": "health"|"version"|"chat"|"answer"|"stream"|"done", "load_wait_s": float|null,
      "decode_tps": float|null, "completion_tokens": int|null, "error": str|null,
-     "version": str|null}
+     "version": str|null, ...}
 ``version`` is the engine version ``/health`` reported once ok (null before that); ``question``
 and ``answer`` what was asked and answered (answer: its first 200 characters).
 ``phase`` is where the gate stopped ("done" when everything passed). Exit 0 only when ok.
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import socket
@@ -51,6 +54,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+if TYPE_CHECKING:  # the same module, as the type checker finds it in the checkout
+    from freetoken_infra.core import gate_record
+else:
+    try:  # uploaded beside this script on the target
+        import gate_record
+    except ImportError:  # run from a checkout of the project
+        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+        from freetoken_infra.core import gate_record
 
 KEY_VARIABLE = "FREETOKEN_API_KEY"
 POLL_INTERVAL_S = 0.5
@@ -69,8 +84,8 @@ _NUMBER = re.compile(r"-?\d+")
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-# freetoken_infra/core/text.py ``printable``, copied: this script runs alone on the target (the
-# deploy uploads it by itself; tests/verify sends it as one file). A test keeps the two the same.
+# freetoken_infra/core/text.py ``printable``, copied (the deploy uploads only the gate record's
+# schema beside this script). A test keeps the two the same.
 _FORMAT_CONTROLS = frozenset(
     [0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C, 0xFEFF]
 )
@@ -339,18 +354,8 @@ class Gate:
         return tps, tokens
 
 
-def run(args, out=sys.stdout, rng: random.Random | None = None) -> dict:
-    result = {
-        "ok": False,
-        "phase": "health",
-        "load_wait_s": None,
-        "decode_tps": None,
-        "completion_tokens": None,
-        "error": None,
-        "version": None,
-        "question": None,
-        "answer": None,
-    }
+def run(args, out=sys.stdout, rng: random.Random | None = None) -> gate_record.GateResult:
+    result: dict = {"ok": False, "phase": "health"}
     rng = rng or random.Random()
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     try:
@@ -381,7 +386,7 @@ def run(args, out=sys.stdout, rng: random.Random | None = None) -> dict:
         result["error"] = str(exc)
     except KeyboardInterrupt:
         result["error"] = "interrupted"
-    return result
+    return gate_record.GateResult(**result)
 
 
 def main(argv=None) -> int:
@@ -397,7 +402,7 @@ def main(argv=None) -> int:
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2 to measure decode speed")
     result = run(args)
-    line = json.dumps(result, sort_keys=False)
+    line = result.to_json()
     print(line, flush=True)
     if args.json_out:
         try:
@@ -406,7 +411,7 @@ def main(argv=None) -> int:
         except OSError as exc:
             print(f"cannot write {args.json_out}: {exc}", file=sys.stderr)
             return 1
-    return 0 if result["ok"] else 1
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ each for real over SSH, twice."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
+from pyinfra.api import FunctionCommand
 from pyinfra.api.exceptions import OperationError
 
 from facts.cuda import CudaToolchainInfo, NvccInfo
 from facts.engine import EngineInstallInfo
+from freetoken_infra.core.gate_record import Gated, GateResult
 from freetoken_infra.core.launch import derive_plan
 from freetoken_infra.core.layout import (
     CACHE_NGINX_CONF,
@@ -27,18 +29,22 @@ from freetoken_infra.core.layout import (
     ENGINE_COMPLETE_MARKER,
     FETCH_SCRIPT,
     FETCH_UNIT,
+    GATE_RECORD_FILE,
+    GATE_RECORD_MODULE,
+    GATE_SCRIPT,
     GATEWAY_CONFIG,
     GATEWAY_ENGINE_KEY_MAP,
     GATEWAY_KEYS_MAP,
     GATEWAY_SCRAPE_CONFIG,
     GATEWAY_TLS_PEM,
+    LIB_DIR,
     MANIFEST_MODULE,
     OWN_DIR_SCRIPT,
     QUANT_MODULE,
     UNIT_DIR,
 )
 from freetoken_infra.core.settings import Settings
-from operations import cuda, engine, model, service, windows
+from operations import cuda, engine, health, model, service, windows
 from operations import gateway as gw
 from tests.unit.fakehost import FakeHost
 
@@ -391,3 +397,74 @@ def test_windows_autostart_exists_then_created_then_refused():
         FakeHost(facts={"ScheduledTaskExists": False}).commands(windows.windows_autostart, "FreeToken", "")
     with pytest.raises(OperationError, match="is not a WSL distribution name"):
         FakeHost(facts={"ScheduledTaskExists": False}).commands(windows.windows_autostart, "FreeToken", "a;b")
+
+
+# --------------------------------------------------------------------------- health gate
+def gate_host(**files) -> FakeHost:
+    """A host with the gate script and its schema uploaded as the operation leaves them."""
+    uploaded_files = {
+        GATE_SCRIPT: (source("operations", "scripts", "health_gate.py"), 755),
+        GATE_RECORD_MODULE: (source("freetoken_infra", "core", "gate_record.py"), 644),
+    }
+    return FakeHost(files={**uploaded_files, **files})
+
+
+def test_health_gate_uploads_its_script_and_schema_then_always_gates():
+    """The gate never decides it has nothing to do (its skip is the plan's ``_if``, below): on a
+    bare host it uploads the script and the schema it imports, on a converged one only the
+    check runs, with the plan's values and the host's previous record."""
+    s = Settings()
+    key = "/etc/freetoken/api.env"
+    subject = Gated(engine_version=s.engine_version, unit_sha256="u1")
+    previous = GateResult(ok=True, phase="done", gated=subject)
+    args = (s, key, GATE_SCRIPT, "0.2.0", subject, previous, GATE_RECORD_FILE)
+    assert FakeHost(dirs=[LIB_DIR]).commands(health._health_gate, *args) == [
+        *uploaded(GATE_SCRIPT, "755"),
+        *uploaded(GATE_RECORD_MODULE),
+        "call run_gate",
+    ]
+    assert gate_host().commands(health._health_gate, *args) == ["call run_gate"]
+    stale = gate_host(**{GATE_RECORD_MODULE: ("# an older schema\n", 644)})
+    assert stale.commands(health._health_gate, *args) == [*uploaded(GATE_RECORD_MODULE), "call run_gate"]
+    (gate,) = [c for c in gate_host().yielded(health._health_gate, *args) if isinstance(c, FunctionCommand)]
+    assert gate.function is health.run_gate and gate.args == (s, key, GATE_SCRIPT, {})
+    assert gate.kwargs == {
+        "rollback_to": "0.2.0",
+        "result_path": GATE_RECORD_FILE,
+        "subject": subject,
+        "previous": previous,
+    }
+
+
+def test_health_gate_reads_the_previous_record_from_the_host():
+    s = Settings()
+    record = GateResult(ok=True, phase="done", decode_tps=23.5, gated=Gated(engine_version=s.engine_version))
+    seen: list = []
+
+    def read(path):
+        seen.append(health.gate_record(s, path))
+        yield from ()
+
+    reader = type("Op", (), {"_inner": staticmethod(read)})
+    gate_host(**{GATE_RECORD_FILE: record.to_json() + "\n"}).yielded(reader, GATE_RECORD_FILE)
+    FakeHost().yielded(reader, GATE_RECORD_FILE)
+    assert seen == [record, None]
+
+
+def test_health_gate_is_skipped_when_the_last_passed_gate_is_for_exactly_what_serves():
+    """Converged: nothing changed and the host's last passed gate was for exactly what is
+    installed and serving now, so the gate's ``_if`` is false and pyinfra does not run it; the
+    same host with any reason to gate (here a failed last gate) gates whatever changed."""
+    from tests.unit.test_plan import passed_record, planned, serving
+    from tests.unit.test_rules import healthy
+
+    def nothing_changed() -> bool:
+        return False
+
+    record = passed_record(planned())
+    c = planned(obs=healthy(health=serving(), gate_record=record)).converge
+    assert c is not None and c.gate.why is None
+    conditions = c.gate.run_if(nothing_changed)
+    assert conditions and not any(condition() for condition in conditions)
+    failed = planned(obs=healthy(health=serving(), gate_record=replace(record, ok=False, phase="answer"))).converge
+    assert failed is not None and failed.gate.run_if(nothing_changed) == []  # no condition: it runs

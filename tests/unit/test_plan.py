@@ -14,6 +14,7 @@ from facts.init import InitInfo
 from facts.windows import IniFileInfo
 from freetoken_infra import plan, rules
 from freetoken_infra.core.addresses import AddressError, fleet_address
+from freetoken_infra.core.gate_record import Gated, GateResult
 from freetoken_infra.core.layout import RESTART_MESSAGE
 from freetoken_infra.core.settings import Settings
 from tests.unit.test_rules import healthy
@@ -254,7 +255,7 @@ def test_a_cache_host_whose_bind_cannot_resolve_stops_before_any_change():
 # --------------------------------------------------------------------------- the gate
 def passed_record(p: plan.ConvergePlan, manifest="m1", **gated):
     assert p.converge is not None
-    return {"ok": True, "phase": "done", "gated": {**p.converge.gate.subject, "manifest_sha256": manifest, **gated}}
+    return GateResult(ok=True, phase="done", gated=replace(p.converge.gate.subject, manifest_sha256=manifest, **gated))
 
 
 def gate_of(**kwargs) -> plan.GatePlan:
@@ -278,9 +279,9 @@ def test_the_gate_is_skipped_when_the_last_passed_gate_is_for_exactly_what_serve
     "obs_changes,seen_changes,why",
     [
         ({"gate_record": None}, {}, "no gate record on the host"),
-        ({"gate_record": {"ok": False, "phase": "answer"}}, {}, "the last gate did not pass (answer)"),
-        ({"gate_record": {"ok": False}}, {}, "the last gate did not pass (?)"),
-        ({"gate_record": {"ok": True, "decode_tps": 23.5}}, {}, "the last gate does not say what it gated"),
+        ({"gate_record": GateResult(ok=False, phase="answer")}, {}, "the last gate did not pass (answer)"),
+        ({"gate_record": GateResult(ok=False)}, {}, "the last gate did not pass (?)"),
+        ({"gate_record": GateResult(ok=True, decode_tps=23.5)}, {}, "the last gate does not say what it gated"),
         ({}, {"manifest": "m2"}, "the last passed gate was for another manifest_sha256"),
         ({"health": serving("0.1.9")}, {}, "the engine serving reports version 0.1.9, not "),
         ({}, {"running": False}, "the engine was not serving before this run"),
@@ -310,11 +311,11 @@ def test_the_gate_runs_when_the_unit_environment_model_or_launch_differ():
 
 
 def test_why_gate_reads_the_record():
-    subject = {"engine_version": "0.2.1", "unit_sha256": "u1", "environment_sha256": "e1", "model": "m@main"}
-    doc = {"ok": True, "phase": "done", "gated": {**subject, "manifest_sha256": None}}
+    subject = Gated(engine_version="0.2.1", unit_sha256="u1", environment_sha256="e1", model="m@main")
+    doc = GateResult(ok=True, phase="done", gated=subject)
     assert plan.why_gate(doc, subject, None, "0.2.1") is None
-    assert "another unit_sha256" in (plan.why_gate(doc, {**subject, "unit_sha256": "u2"}, None, "0.2.1") or "")
-    assert "another launch" in (plan.why_gate(doc, {**subject, "launch": ["x"]}, None, "0.2.1") or "")
+    assert "another unit_sha256" in (plan.why_gate(doc, replace(subject, unit_sha256="u2"), None, "0.2.1") or "")
+    assert "another launch" in (plan.why_gate(doc, replace(subject, launch=("x",)), None, "0.2.1") or "")
 
 
 def test_the_gate_subject_hashes_what_the_steps_render():
@@ -322,10 +323,10 @@ def test_the_gate_subject_hashes_what_the_steps_render():
     assert c is not None
     s = Settings()
     assert c.gate.subject == plan.gate_subject(
-        s, RENDER.engine_unit(s, c.launch), RENDER.engine_environment(s), list(c.gate.subject["launch"])
+        s, RENDER.engine_unit(s, c.launch), RENDER.engine_environment(s), list(c.gate.subject.launch or ())
     )
-    assert c.gate.subject["engine_version"] == s.engine_version
-    assert c.gate.subject["model"] == f"{s.model_repo}@{s.model_revision}"
+    assert c.gate.subject.engine_version == s.engine_version
+    assert c.gate.subject.model == f"{s.model_repo}@{s.model_revision}"
 
 
 # --------------------------------------------------------------------------- rollback
@@ -345,12 +346,14 @@ def test_the_rollback_target_is_only_an_installed_other_version():
 def test_a_run_cut_off_after_the_switch_rolls_back_to_the_last_passed_gates_version():
     upgrade = Settings(engine_version="0.2.2")
     both = {"0.2.1": "0.2.1", "0.2.2": "0.2.2"}
-    cut = {"ok": False, "phase": "started", "last_passed": {"ok": True, "gated": {"engine_version": "0.2.1"}}}
+    cut = GateResult.from_dict(
+        {"ok": False, "phase": "started", "last_passed": {"ok": True, "gated": {"engine_version": "0.2.1"}}}
+    )
     assert plan.rollback_target(info("0.2.2", both), upgrade, cut) == "0.2.1"
     assert plan.rollback_target(info("0.2.2", {"0.2.2": "0.2.2"}), upgrade, cut) is None  # not installed
     assert plan.rollback_target(info("0.2.2", both), upgrade, None) is None
     # An older record names the version only.
-    old = {"ok": False, "last_passed": {"ok": True, "version": "0.2.1"}}
+    old = GateResult.from_dict({"ok": False, "last_passed": {"ok": True, "version": "0.2.1"}})
     assert plan.rollback_target(info("0.2.2", both), upgrade, old) == "0.2.1"
 
 

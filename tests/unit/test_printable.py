@@ -20,9 +20,9 @@ from pyinfra.api.exceptions import OperationError
 
 from freetoken_infra.core.text import printable, printable_block
 from freetoken_infra.fleet import ServerStatus, format_status
-from freetoken_infra.report import ending_line, findings_table, format_fleet_report
+from freetoken_infra.report import ending_line, findings_table, format_fleet_report, format_gate_report
 from freetoken_infra.rules import Finding
-from operations.health import format_gate_report, run_gate
+from operations.health import run_gate
 from operations.model import format_progress, wait_for_fetch
 from tests.unit.test_fetch_model import FakeHost
 from tests.unit.test_health_gate import KEY, SCRIPT, LocalHost, _State, settings_for
@@ -49,7 +49,7 @@ def test_printable_escapes_controls_and_keeps_text_readable():
 
 
 def test_the_gate_scripts_copy_is_the_core_function():
-    """health_gate.py runs alone on the target, so it carries a copy: the same on every input."""
+    """health_gate.py carries a copy (only its schema is uploaded beside it): the same on every input."""
     spec = importlib.util.spec_from_file_location("health_gate_copy", SCRIPT)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

@@ -18,7 +18,8 @@ from pyinfra.connectors.util import CommandOutput, OutputLine
 from facts.restart import RestartPending, parse_restart_pending_output
 from freetoken_infra import rollout as rollout_mod
 from freetoken_infra.core import records
-from freetoken_infra.core.records import RunRecords, read_records
+from freetoken_infra.core.gate_record import GateResult
+from freetoken_infra.core.records import RunRecord, RunRecords, read_records
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.report import format_fleet_report, host_row
 from freetoken_infra.rollout import (
@@ -311,15 +312,16 @@ def test_fleet_table_has_every_column_and_a_summary():
 
 def test_records_round_trip_through_the_file(tmp_path, monkeypatch):
     path = tmp_path / "run.jsonl"
-    records.record("ws1", gate=GATE_OK)  # unset: nothing written anywhere
+    gate = GateResult.from_dict(GATE_OK)
+    records.record("ws1", gate=gate)  # unset: nothing written anywhere
     monkeypatch.setenv(records.RECORD_ENV, str(path))
-    records.record("ws1", gate=GATE_OK)
+    records.record("ws1", gate=gate)
     records.record("ws2", op_error="x")
     with path.open("a") as f:
         f.write('{"host": "ws1", "torn')
     assert read_records(str(path)) == {
-        "ws1": [{"host": "ws1", "gate": GATE_OK}],
-        "ws2": [{"host": "ws2", "op_error": "x"}],
+        "ws1": [RunRecord("ws1", gate=gate)],
+        "ws2": [RunRecord("ws2", op_error="x")],
     }
 
 
@@ -445,8 +447,8 @@ def test_failed_upgrade_rolls_back_and_serves_the_old_version(blue_green, tmp_pa
     assert not (base / "active.rollback").exists()
     assert rollback_command(settings, "0.2.1") in host.commands
     # the old version serves again, proven by the second gate (a real chat and stream)
-    assert RunRecords.of(state).gates["ws1"]["ok"] is True and RunRecords.of(state).gates["ws1"]["version"] == "0.2.1"
-    assert RunRecords.of(state).gates["ws1"]["rolled_back_from"] == "0.2.3"
+    assert RunRecords.of(state).gates["ws1"].ok is True and RunRecords.of(state).gates["ws1"].version == "0.2.1"
+    assert RunRecords.of(state).gates["ws1"].rolled_back_from == "0.2.3"
     assert json.loads(kept.read_text())["version"] == "0.2.1"
     row = host_row("ws1", read_records(str(record_file))["ws1"])
     assert row["engine_version"] == "0.2.1" and row["health"] == "ok" and row["tokens_per_s"] > 0
@@ -861,7 +863,7 @@ def test_an_unreachable_host_is_parked_from_the_structured_record(tmp_path, monk
         None, type("H", (), {"name": "ws2"})(), OSError("Could not connect (timed out)\nmore")
     )
     by_host = read_records(str(tmp_path / "run.jsonl"))
-    assert by_host == {"ws2": [{"host": "ws2", "unreachable": "Could not connect (timed out)"}]}
+    assert by_host == {"ws2": [RunRecord("ws2", unreachable="Could not connect (timed out)")]}
     row = host_row("ws2", by_host["ws2"])
     assert (row["result"], row["reason"]) == ("parked", "unreachable: Could not connect (timed out)")
     assert row["restart_pending"] is None and row["health"] == "-"

@@ -21,8 +21,9 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken_infra.core.gate_record import GateRecordError, parse_output
 from freetoken_infra.core.layout import KEY_VAR
-from operations.health import GATE_SCRIPT_SOURCE, gate_command, parse_gate_output
+from operations.health import GATE_RECORD_SOURCE, GATE_SCRIPT_SOURCE, gate_command
 
 
 class ProbeError(AssertionError):
@@ -64,14 +65,24 @@ def run_python(host, source: str, *args: str) -> Any:
 
 
 def health_gate(host, settings, key_file: str | None, wait_s: float) -> dict:
-    """The deploy's health gate script, shipped from this checkout and run by the target's
-    python3 from stdin, waiting at most ``wait_s`` for ``/health`` ok. Returns its JSON result
-    (``ok``, ``phase``, ``decode_tps``, ``error``)."""
+    """The deploy's health gate script, shipped from this checkout with its schema beside it
+    (as the deploy uploads them) into a fresh folder, run by the target's python3, waiting at
+    most ``wait_s`` for ``/health`` ok. Returns its JSON result (``ok``, ``phase``,
+    ``decode_tps``, ``error``)."""
     script = base64.b64encode(GATE_SCRIPT_SOURCE.read_bytes()).decode()
+    schema = base64.b64encode(GATE_RECORD_SOURCE.read_bytes()).decode()
     quick = settings.model_copy(update={"health_timeout_s": max(1, int(wait_s))})
-    command = f"echo {script} | base64 -d | " + gate_command(quick, key_file, script_path="/dev/stdin")
+    command = (
+        'd="$(mktemp -d)" && cd "$d" && '
+        f"echo {script} | base64 -d > health_gate.py && echo {schema} | base64 -d > {GATE_RECORD_SOURCE.name} && "
+        + gate_command(quick, key_file, script_path="health_gate.py")
+        + '; rc=$?; cd / && rm -rf "$d"; exit $rc'
+    )
     result = host.run(command)
-    doc = parse_gate_output(result.stdout.splitlines())
+    try:
+        doc = parse_output(result.stdout.splitlines())
+    except GateRecordError as exc:
+        return {"ok": False, "phase": "health", "decode_tps": None, "error": str(exc)}
     if doc is None:
         return {
             "ok": False,
@@ -80,7 +91,7 @@ def health_gate(host, settings, key_file: str | None, wait_s: float) -> dict:
             "error": f"the gate printed no result (exit {result.rc}): "
             f"{(result.stderr or result.stdout).strip()[-500:]}",
         }
-    return doc
+    return doc.to_dict()
 
 
 # --------------------------------------------------------------------------- model files
