@@ -35,6 +35,16 @@ class GpuInfo:
 
 
 @dataclass(frozen=True)
+class GpuProcess:
+    """One row of the plain table's "Processes:" section (the name is the host's text)."""
+
+    gpu: int
+    pid: int
+    name: str
+    used_mib: int | None  # None where the table says N/A
+
+
+@dataclass(frozen=True)
 class GpuReport:
     gpus: tuple[GpuInfo, ...]
     cuda_version: str | None
@@ -42,6 +52,9 @@ class GpuReport:
     error: str | None
     # The table header's driver version ("Driver Version:", or "KMD Version:" from the 600s on).
     driver_version: str | None = None
+    # The table's "Processes:" rows. Under WSL they stay empty while Windows' apps hold memory
+    # (microsoft/WSL#7162): an empty list says nothing about who holds the card.
+    processes: tuple[GpuProcess, ...] = ()
 
 
 def _unavailable(value: str) -> bool:
@@ -121,6 +134,13 @@ _TABLE_GPU_RE = re.compile(r"^\s*\|\s+(\d+)\s+(.+?)\s+(?:On|Off|WDDM|TCC)\s+\|")
 _TABLE_MEM_RE = re.compile(r"\|\s*(\d+)MiB\s*/\s*(\d+)MiB\s*\|")
 
 
+# A row of the "Processes:" section, 535 and later columns (GPU, GI, CI, PID, Type, name, memory):
+# "|    0   N/A  N/A             821      C   python3                               21090MiB |".
+_TABLE_PROCESS_RE = re.compile(
+    r"^\|\s+(\d+)\s+\S+\s+\S+\s+(\d+)\s+(?:C\+G|M\+C|[CGM])\s+(.+?)\s+(?:(\d+)MiB|N/A)\s*\|$"
+)
+
+
 @dataclass(frozen=True)
 class TableGpu:
     """A GPU as the plain table shows it (names longer than the column end in ``...``)."""
@@ -163,6 +183,20 @@ def parse_table_gpus(table: str) -> tuple[TableGpu, ...]:
     return tuple(gpus)
 
 
+def parse_table_processes(table: str) -> tuple[GpuProcess, ...]:
+    """The rows below the table's ``Processes:`` heading (none: "No running processes found")."""
+    _, heading, rest = table.partition("| Processes:")
+    if not heading:
+        return ()
+    found = []
+    for line in rest.splitlines():
+        match = _TABLE_PROCESS_RE.match(line.rstrip())
+        if match:
+            gpu, pid, name, used = match.groups()
+            found.append(GpuProcess(int(gpu), int(pid), name, int(used) if used else None))
+    return tuple(found)
+
+
 def parse_nvidia_smi_output(lines: list[str]) -> GpuReport:
     secs = section_map(lines)
     if "missing" in secs:
@@ -174,7 +208,9 @@ def parse_nvidia_smi_output(lines: list[str]) -> GpuReport:
     gpus, error = parse_query_csv(query)
     if error and query_rc not in (0, None):
         error = f"{error} (exit {query_rc})"
-    return GpuReport(gpus, parse_cuda_version(table), smi_path, error, parse_driver_version(table))
+    return GpuReport(
+        gpus, parse_cuda_version(table), smi_path, error, parse_driver_version(table), parse_table_processes(table)
+    )
 
 
 class NvidiaGpus(FactBase[GpuReport]):

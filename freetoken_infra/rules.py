@@ -31,6 +31,8 @@ from freetoken_infra.core import wsl_ini
 from freetoken_infra.core.gate_record import GateResult
 from freetoken_infra.core.hardware import HARDWARE_PROFILES, nominal_vram_gb
 from freetoken_infra.core.launch import (
+    DEFAULT_MEMORY_RATIO,
+    VRAM_DESKTOP_RESERVE_GB,
     LaunchPlan,
     derive_plan,
     estimated_vram_gb,
@@ -486,6 +488,47 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
     return Finding("launch_plan", "pass", summary)
 
 
+def check_gpu_free(settings: Settings, obs: Observations) -> Finding | None:
+    """The plan against what the card has free now, not its size (issue 22): memory held by
+    other processes (under WSL the owner's Windows apps and games, which nvidia-smi counts as
+    used but does not list, microsoft/WSL#7162) is not the engine's to take. Judged only while
+    no engine of ours holds memory (not answering ``/health`` ok or loading): a serving engine's
+    own share is in the card's used memory too. The engine may use ``memory_ratio`` of the card;
+    what others hold comes off that, and never less than the desktop's reserve."""
+    gpu = primary_gpu(obs)
+    plan = plan_for(settings, obs)
+    need = estimated_vram_gb(plan) if plan is not None else None
+    if gpu is None or plan is None or need is None or not gpu.memory_total_mib:
+        return None
+    if "memory.used" in gpu.unavailable_fields:
+        return None
+    if obs.health is not None and obs.health.status in ("ok", "loading"):
+        return None
+    total = gpu.memory_total_mib / 1024
+    held = gpu.memory_used_mib / 1024
+    room = total * (plan.memory_ratio or DEFAULT_MEMORY_RATIO) - max(held, VRAM_DESKTOP_RESERVE_GB)
+    holders = [p for p in obs.gpus.processes if p.gpu == gpu.index]
+    who = (
+        "held by " + ", ".join(f"{p.name} (pid {p.pid}, {_mib_text(p.used_mib)})" for p in holders)
+        if holders
+        else "nvidia-smi names no process (under WSL it never lists Windows' apps, microsoft/WSL#7162)"
+    )
+    evidence = f"{held:.1f} GiB of {total:.1f} GiB in use, {who}; the plan needs ~{need:.1f} GB"
+    if need > room:
+        return Finding(
+            "gpu_free",
+            "block",
+            f"{evidence}, {max(room, 0.0):.1f} left to it",
+            "wait until the owner's apps or games let go of the GPU (Task Manager's GPU memory column, or "
+            "nvidia-smi on Windows, names them), then re-run; the engine is not started into memory it cannot have",
+        )
+    return Finding("gpu_free", "pass", f"{evidence} of {room:.1f} left to it")
+
+
+def _mib_text(mib: int | None) -> str:
+    return "memory not reported" if mib is None else f"{mib / 1024:.1f} GiB"
+
+
 def check_guard(obs: Observations) -> Finding | None:
     state = obs.guard_state
     if not state or not state.get("tripped"):
@@ -515,9 +558,9 @@ def evaluate(settings: Settings, obs: Observations) -> list[Finding]:
         check_hardware_profile(settings, obs),
         check_launch_plan(settings, obs),
     ]
-    guard = check_guard(obs)
-    if guard:
-        findings.append(guard)
+    for extra in (check_gpu_free(settings, obs), check_guard(obs)):
+        if extra:
+            findings.append(extra)
     return findings
 
 

@@ -3,7 +3,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from facts.gpu import NvidiaGpus, parse_cuda_version, parse_nvidia_smi_output, parse_query_csv
+from facts.gpu import (
+    GpuProcess,
+    NvidiaGpus,
+    parse_cuda_version,
+    parse_nvidia_smi_output,
+    parse_query_csv,
+    parse_table_processes,
+)
 
 FIX = Path(__file__).parent.parent / "fixtures" / "real"
 
@@ -144,3 +151,45 @@ def test_kmd_header_gives_driver_and_cuda_version():
 def test_old_header_gives_driver_and_cuda_version():
     report = parse_nvidia_smi_output(smi_lines("nvidia-smi-query-5060ti.csv", 0, "nvidia-smi-5060ti.txt"))
     assert report.cuda_version == "13.0" and report.driver_version == "581.29"
+
+
+# ---- who holds the card: the table's "Processes:" rows, on real H200 captures (Linux, 580.159.04;
+# tests/fixtures/real/README.md). Under WSL the rows stay empty (microsoft/WSL#7162).
+
+
+def h200_lines(table_fixture: str) -> list[str]:
+    query = (FIX / "nvidia-smi-580-h200-query-20g.txt").read_text().splitlines()
+    gpu_line = next(line for line in query if line.startswith("0, NVIDIA H200"))
+    lines = ["@@ft:path /usr/bin/nvidia-smi", "@@ft:query", gpu_line, "@@ft:query-rc 0", "@@ft:table"]
+    return lines + (FIX / table_fixture).read_text().splitlines() + ["@@ft:table-rc 0"]
+
+
+def test_a_process_holding_the_card_is_named_with_its_memory():
+    report = parse_nvidia_smi_output(h200_lines("nvidia-smi-580-h200-process-20g.txt"))
+    (gpu,) = report.gpus
+    assert (gpu.memory_total_mib, gpu.memory_used_mib, gpu.memory_free_mib) == (143771, 21099, 122058)
+    assert report.processes == (GpuProcess(gpu=0, pid=821, name="python3", used_mib=21090),)
+
+
+def test_no_running_processes_is_an_empty_list():
+    report = parse_nvidia_smi_output(h200_lines("nvidia-smi-580-h200.txt"))
+    assert report.error is None and report.processes == ()
+    assert parse_table_processes((FIX / "nvidia-smi-5060ti.txt").read_text()) == ()
+
+
+def test_process_rows_of_other_layouts():
+    # Windows' WDDM rows report no memory ("N/A", XuehaiPan/nvitop#55); a name with spaces stays whole.
+    table = "\n".join(
+        [
+            "| Processes:                                                                              |",
+            "|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |",
+            "|=========================================================================================|",
+            "|    0   N/A  N/A            4824    C+G   ...ShellExperienceHost.exe            N/A      |",
+            "|    1   N/A  N/A           13048      C   my trainer                             512MiB |",
+        ]
+    )
+    assert parse_table_processes(table) == (
+        GpuProcess(0, 4824, "...ShellExperienceHost.exe", None),
+        GpuProcess(1, 13048, "my trainer", 512),
+    )
+    assert parse_table_processes(table.replace("| Processes:", "| Other:")) == ()

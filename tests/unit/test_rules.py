@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 
 from facts.cuda import CudaToolchainInfo, NvccInfo
-from facts.engine import EngineInstallInfo
-from facts.gpu import GpuInfo, GpuReport
+from facts.engine import EngineHealthInfo, EngineInstallInfo
+from facts.gpu import GpuInfo, GpuProcess, GpuReport
 from facts.gpu_memory import GpuMemoryProbeResult
 from facts.init import InitInfo
 from facts.model import ModelDirInfo, QuantSummary
@@ -376,3 +376,64 @@ def test_wsl_conf_that_cannot_be_merged_is_a_blocker_naming_the_line():
     f = finding("systemd", healthy(init=InitInfo("init", None), wslconf=parse_ini("/etc/wsl.conf", data)))
     assert (f.status, f.deploy_fixes) == ("block", False)
     assert "line 3" in f.evidence and "by hand" in f.remedy
+
+
+# ---- gpu_free: the plan against what the card has free now (issue 22 item 5). The H200 numbers
+# are the real capture's (tests/fixtures/real/nvidia-smi-580-h200-query-20g.txt); 136 GiB held is
+# the second capture's doctor line ("2.7 GiB free of 139.8 GiB"), which then still passed its plan.
+
+H200_20G = GpuInfo(0, "NVIDIA H200", (9, 0), 143771, 21099, 122058, "580.159.04")
+H200_136G = replace(H200_20G, memory_used_mib=143771 - 2765, memory_free_mib=2765)
+
+
+def on_card(gpu, processes=(), **changes):
+    return healthy(gpus=GpuReport((gpu,), "13.0", "/usr/bin/nvidia-smi", None, "580.159.04", processes), **changes)
+
+
+def test_a_card_held_by_another_process_blocks_and_names_it():
+    held = (GpuProcess(0, 821, "python3", 143771 - 2765 - 10),)
+    f = finding("gpu_free", on_card(H200_136G, held))
+    assert f.status == "block"
+    assert "137.7 GiB of 140.4 GiB in use, held by python3 (pid 821, 137.7 GiB)" in f.evidence
+    assert "needs ~19.4 GB" in f.evidence and "0.0 left to it" in f.evidence
+    assert "re-run" in f.remedy
+    # ...while the card's own size still fits the plan: the rule that passed on the real host
+    assert finding("launch_plan", on_card(H200_136G, held)).status == "pass"
+
+
+def test_twenty_gib_held_on_an_h200_leaves_room_for_the_plan():
+    f = finding("gpu_free", on_card(H200_20G, (GpuProcess(0, 821, "python3", 21090),)))
+    assert f.status == "pass"
+    assert f.evidence.startswith("20.6 GiB of 140.4 GiB in use, held by python3 (pid 821, 20.6 GiB)")
+    assert f.evidence.endswith("of 105.8 left to it")
+
+
+@pytest.mark.parametrize("used_mib,status", [(1021, "pass"), (7 * 1024, "pass"), (9 * 1024, "block")])
+def test_a_game_on_a_16gb_card_under_wsl(used_mib, status):
+    # Under WSL nvidia-smi lists no Windows process: the rule says so rather than naming none.
+    gpu = replace(RTX5060TI, memory_used_mib=used_mib, memory_free_mib=16311 - used_mib)
+    f = finding("gpu_free", on_card(gpu))
+    assert f.status == status
+    assert "names no process (under WSL it never lists Windows' apps" in f.evidence
+
+
+def test_a_larger_memory_ratio_leaves_more_room():
+    gpu = replace(RTX5060TI, memory_used_mib=9 * 1024)
+    assert finding("gpu_free", on_card(gpu), Settings(launch_memory_ratio=1.0)).status == "pass"
+
+
+@pytest.mark.parametrize("status", ["ok", "loading"])
+def test_an_engine_of_ours_holding_the_card_is_not_judged(status):
+    health = EngineHealthInfo(True, status, None, None, None, "0.2.1", None, None, None)
+    findings = rules.evaluate(Settings(), on_card(H200_136G, health=health))
+    assert [f for f in findings if f.check == "gpu_free"] == []
+
+
+def test_unknown_used_memory_is_not_judged():
+    gpu = replace(H200_136G, unavailable_fields=("memory.used",))
+    assert [f for f in rules.evaluate(Settings(), on_card(gpu)) if f.check == "gpu_free"] == []
+
+
+def test_a_held_card_stops_the_converge_before_anything_changes():
+    findings = rules.evaluate(Settings(), on_card(H200_136G))
+    assert [f.check for f in findings if f.status == "block"] == ["gpu_free"]
