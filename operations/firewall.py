@@ -43,6 +43,7 @@ from freetoken_infra.core.layout import (
     UNIT_DIR,
 )
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.units import Section, UnitFile, managed_by, render
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -77,7 +78,7 @@ def ruleset(settings: Settings, gateways: Sequence[Address]) -> str:
         f"tcp dport {_ports(engine + metrics)} reject with tcp reset",
     ]
     body = "\n".join(f"\t\t{r}" for r in rules)
-    return f"""# Managed by freetoken-infra (operations/firewall.py); changes here are overwritten.
+    return f"""# {managed_by("operations/firewall.py")}
 # The engine's and node_exporter's ports: loopback, the gateway host(s) and the firewall_*_from
 # settings only. Loaded by {FIREWALL_UNIT}; other tables are left alone.
 add table inet {FIREWALL_TABLE}
@@ -94,25 +95,39 @@ table inet {FIREWALL_TABLE} {{
 def unit() -> str:
     """The unit that loads the rule set at boot, before the network (as Debian's nftables.service
     does, and after it: its `flush ruleset` would remove ours)."""
-    return f"""# Managed by freetoken-infra (operations/firewall.py); changes here are overwritten.
-[Unit]
-Description=freetoken-infra: the engine's and node_exporter's ports from the gateway only
-DefaultDependencies=no
-Wants=network-pre.target
-After=nftables.service
-Before=network-pre.target shutdown.target
-Conflicts=shutdown.target
-
-[Service]
-Type=oneshot
-RemainAfterExit=yes
-ExecStart={FIREWALL_NFT} -f {FIREWALL_RULES}
-ExecReload={FIREWALL_NFT} -f {FIREWALL_RULES}
-ExecStop={FIREWALL_NFT} delete table inet {FIREWALL_TABLE}
-
-[Install]
-WantedBy=sysinit.target
-"""
+    load = f"{FIREWALL_NFT} -f {FIREWALL_RULES}"
+    return render(
+        UnitFile(
+            header=managed_by("operations/firewall.py"),
+            sections=(
+                Section(
+                    "Unit",
+                    (
+                        (
+                            "Description",
+                            "freetoken-infra: the engine's and node_exporter's ports from the gateway only",
+                        ),
+                        ("DefaultDependencies", "no"),
+                        ("Wants", "network-pre.target"),
+                        ("After", "nftables.service"),
+                        ("Before", "network-pre.target shutdown.target"),
+                        ("Conflicts", "shutdown.target"),
+                    ),
+                ),
+                Section(
+                    "Service",
+                    (
+                        ("Type", "oneshot"),
+                        ("RemainAfterExit", "yes"),
+                        ("ExecStart", load),
+                        ("ExecReload", load),
+                        ("ExecStop", f"{FIREWALL_NFT} delete table inet {FIREWALL_TABLE}"),
+                    ),
+                ),
+                Section("Install", (("WantedBy", "sysinit.target"),)),
+            ),
+        )
+    )
 
 
 UNIT_PATH = f"{UNIT_DIR}/{FIREWALL_UNIT}"

@@ -23,7 +23,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
-from operations.model import unit_command, unit_word
+from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command, unit_word
 
 _LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "guard.py")
 
@@ -52,50 +52,47 @@ def guard_service_unit(settings: Settings) -> str:
         "--textfile",
         guard_textfile(settings),
     ]
-    return "\n".join(
-        [
-            "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
-            "[Unit]",
-            "Description=FreeToken memory guard: stop the engine when swap or GPU memory runs out",
-            f"After={ENGINE_UNIT}",
-            "",
-            "[Service]",
-            "Type=oneshot",
+    about = Section(
+        "Unit",
+        (
+            ("Description", "FreeToken memory guard: stop the engine when swap or GPU memory runs out"),
+            ("After", ENGINE_UNIT),
+        ),
+    )
+    service = Section(
+        "Service",
+        (
+            ("Type", "oneshot"),
             # Root, not the engine's user: it must be able to stop the engine.
-            "ExecStart=" + unit_command(args),
-            "SyslogIdentifier=freetoken-guard",
+            ("ExecStart", unit_command(args)),
+            ("SyslogIdentifier", "freetoken-guard"),
             # `systemctl stop` waits for the engine to exit; a hung nvidia-smi must not pile up runs.
-            "TimeoutStartSec=600",
-            "NoNewPrivileges=yes",
-            "PrivateTmp=yes",
-            "ProtectSystem=strict",
-            "ProtectHome=read-only",
+            ("TimeoutStartSec", "600"),
+            ("NoNewPrivileges", "yes"),
+            ("PrivateTmp", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "read-only"),
             # '-': no failure when the folder is not there yet. Root's own folder only, never the
             # engine's state_dir (the guard is root: a link planted there would aim its writes).
-            f"ReadWritePaths=-{unit_word(DEPLOY_STATE_DIR, variables=False)}",
-            "",
-        ]
+            ("ReadWritePaths", f"-{unit_word(DEPLOY_STATE_DIR, variables=False)}"),
+        ),
     )
+    return render(UnitFile(header=managed_by("operations/guard.py"), sections=(about, service)))
 
 
 def guard_timer_unit(settings: Settings) -> str:
-    return "\n".join(
-        [
-            "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
-            "[Unit]",
-            f"Description=Run the FreeToken memory guard every {settings.guard_interval_s} s",
-            "",
-            "[Timer]",
-            "OnBootSec=60",
-            f"OnUnitActiveSec={settings.guard_interval_s}s",
-            "AccuracySec=1s",
-            f"Unit={GUARD_SERVICE}",
-            "",
-            "[Install]",
-            "WantedBy=timers.target",
-            "",
-        ]
+    timer = Section(
+        "Timer",
+        (
+            ("OnBootSec", "60"),
+            ("OnUnitActiveSec", f"{settings.guard_interval_s}s"),
+            ("AccuracySec", "1s"),
+            ("Unit", GUARD_SERVICE),
+        ),
     )
+    about = Section("Unit", (("Description", f"Run the FreeToken memory guard every {settings.guard_interval_s} s"),))
+    install = Section("Install", (("WantedBy", "timers.target"),))
+    return render(UnitFile(header=managed_by("operations/guard.py"), sections=(about, timer, install)))
 
 
 def _changed(commands) -> tuple[list, bool]:

@@ -45,6 +45,7 @@ from freetoken_infra.core.layout import (
 from freetoken_infra.core.pyinfra_internals import current_op_elevation
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.text import printable
+from freetoken_infra.core.units import Entry, Section, UnitFile, managed_by, render, unit_command, unit_word
 from operations import ownership
 
 TOKEN_CREDENTIAL = "hub-token"
@@ -80,45 +81,12 @@ def as_fetch_user(settings: Settings, *argv: str) -> str:
     return " ".join([f"setpriv --reuid={user} --regid={user} --clear-groups --", *(shlex.quote(a) for a in argv)])
 
 
-def unit_word(value: str, variables: bool = True) -> str:
-    """One word of a unit file line, as systemd reads it back.
-
-    systemd expands ``%`` specifiers in every setting, splits list and command lines on
-    whitespace (quotes and backslashes are its escapes) and expands ``$VAR`` in the arguments of
-    ``Exec*=`` lines only: ``variables=False`` for an executable path or a path list
-    (``ReadWritePaths=``), where a doubled ``$$`` would stay doubled. A lone ``;`` would end the
-    command.
-    """
-    value = value.replace("%", "%%")
-    if variables:
-        value = value.replace("$", "$$")
-    if value == ";":
-        return "\\;"
-    if any(c in value for c in " \t\"'\\"):
-        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return value
-
-
-def unit_command(argv: Sequence[str]) -> str:
-    """An ``Exec*=`` line's value: the executable path (no ``$`` expansion there), then its
-    arguments, each escaped for systemd."""
-    return " ".join([unit_word(argv[0], variables=False), *(unit_word(a) for a in argv[1:])])
-
-
 def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: str | None = None) -> list[str]:
     """The downloader's command line (no token in it: at most the name of its file; an endpoint
     with a user:password comes from the unit's environment file instead, ``fetch_env_path``)."""
     endpoint = [] if endpoint_has_credentials(settings) else ["--endpoint", str(settings.hub_endpoint).rstrip("/")]
     argv = [
-        "/usr/bin/python3",
-        FETCH_SCRIPT,
-        *endpoint,
-        "--repo",
-        settings.model_repo,
-        "--revision",
-        settings.model_revision,
-        "--dest",
-        settings.model_dir,
+        *_fetcher(settings, *endpoint),
         "--status-file",
         fetch_status_file(settings),
         "--disk-margin-gb",
@@ -146,17 +114,13 @@ def fetch_env_path(settings: Settings) -> str:
 def check_argv(settings: Settings) -> list[str]:
     """``fetch_model.py --check``: exit 0 only when the model directory holds the verified model
     (no network, no hashing). The engine's unit runs it before every start."""
-    return [
-        "/usr/bin/python3",
-        FETCH_SCRIPT,
-        "--check",
-        "--repo",
-        settings.model_repo,
-        "--revision",
-        settings.model_revision,
-        "--dest",
-        settings.model_dir,
-    ]
+    return _fetcher(settings, "--check")
+
+
+def _fetcher(settings: Settings, *options: str) -> list[str]:
+    """``fetch_model.py`` with ``options``, then the model it is about: repo, revision, folder."""
+    repo = ["--repo", settings.model_repo, "--revision", settings.model_revision, "--dest", settings.model_dir]
+    return ["/usr/bin/python3", FETCH_SCRIPT, *options, *repo]
 
 
 def cache_listen(bind: str, port: int) -> str:
@@ -179,7 +143,7 @@ def cache_nginx_conf(settings: Settings, bind: str) -> str:
     gated = bool(settings.hub_token_file)
     user = settings.service_user
     lines = [
-        "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
+        f"# {managed_by('operations/model.py')}",
         f"# The LAN model cache ({CACHE_UNIT}): the verified model {settings.model_repo}, read-only.",
         "daemon off;",
         "worker_processes 2;",
@@ -255,99 +219,105 @@ def cache_unit(settings: Settings, bind: str) -> str:
         as_fetch_user(settings, "/usr/bin/python3", "-I", CACHE_SCRIPT, "files", "--dir", settings.model_dir)
         + f" > {run}/files.conf.new && mv -f {run}/files.conf.new {run}/files.conf"
     )
-    pre = [f"ExecStartPre=/bin/sh -c {unit_word(files)}"]
-    token_lines = []
+    pre: list[Entry] = [("ExecStartPre", f"/bin/sh -c {unit_word(files)}")]
+    token: list[Entry] = []
     if settings.hub_token_file:
-        token_lines = [f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}"]
+        token = [("LoadCredential", f"{TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}")]
         # %d: systemd's credentials folder (root's); every other word is one of our constants.
-        token = f"umask 077 && /usr/bin/python3 -I {CACHE_SCRIPT} token %d/{TOKEN_CREDENTIAL} > {run}/token.conf"
-        pre.insert(0, f'ExecStartPre=/bin/sh -c "{token}"')
-    return "\n".join(
-        [
-            "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
-            "[Unit]",
-            f"Description=LAN cache of the verified model {settings.model_repo} for the fleet (nginx)",
-            "Wants=network-online.target",
-            "After=network-online.target",
-            "",
-            "[Service]",
+        derive = f"umask 077 && /usr/bin/python3 -I {CACHE_SCRIPT} token %d/{TOKEN_CREDENTIAL} > {run}/token.conf"
+        pre.insert(0, ("ExecStartPre", f'/bin/sh -c "{derive}"'))
+    about = Section(
+        "Unit",
+        (
+            ("Description", f"LAN cache of the verified model {settings.model_repo} for the fleet (nginx)"),
+            ("Wants", "network-online.target"),
+            ("After", "network-online.target"),
+        ),
+    )
+    service = Section(
+        "Service",
+        (
             # The master stays root (it reads the key map and re-reads on reload); its workers
             # run as the service user (``user`` in the configuration).
-            f"RuntimeDirectory={run.rsplit('/', 1)[1]}",
-            "RuntimeDirectoryMode=0700",
-            *token_lines,
+            ("RuntimeDirectory", run.rsplit("/", 1)[1]),
+            ("RuntimeDirectoryMode", "0700"),
+            *token,
             *pre,
-            f"ExecStart=/usr/sbin/nginx -e stderr -c {CACHE_NGINX_CONF}",
+            ("ExecStart", f"/usr/sbin/nginx -e stderr -c {CACHE_NGINX_CONF}"),
             # A new revision verified: serve its files (the deploy reloads after a fetch).
-            f"ExecReload=/bin/sh -c {unit_word(files)}",
-            "ExecReload=/bin/kill -HUP $MAINPID",
-            "Restart=on-failure",
-            "RestartSec=5",
-            "LimitNOFILE=16384",
-            "SyslogIdentifier=freetoken-model-cache",
-            "CapabilityBoundingSet=CAP_CHOWN CAP_SETUID CAP_SETGID CAP_KILL",
-            "NoNewPrivileges=yes",
-            "PrivateTmp=yes",
-            "ProtectSystem=strict",
-            "ProtectHome=read-only",
-            "",
-            "[Install]",
-            "WantedBy=multi-user.target",
-            "",
-        ]
+            ("ExecReload", f"/bin/sh -c {unit_word(files)}"),
+            ("ExecReload", "/bin/kill -HUP $MAINPID"),
+            ("Restart", "on-failure"),
+            ("RestartSec", "5"),
+            ("LimitNOFILE", "16384"),
+            ("SyslogIdentifier", "freetoken-model-cache"),
+            ("CapabilityBoundingSet", "CAP_CHOWN CAP_SETUID CAP_SETGID CAP_KILL"),
+            ("NoNewPrivileges", "yes"),
+            ("PrivateTmp", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "read-only"),
+        ),
     )
+    install = Section("Install", (("WantedBy", "multi-user.target"),))
+    return render(UnitFile(header=managed_by("operations/model.py"), sections=(about, service, install)))
 
 
 def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
     """Text of ``freetoken-model-fetch.service``."""
     exec_words = [unit_command(fetch_argv(settings, sources))]
-    lines = [
-        "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
-        "[Unit]",
-        f"Description=Fetch the FreeToken model {settings.model_repo}@{settings.model_revision} (resumable, verified)",
-        "Wants=network-online.target",
-        "After=network-online.target",
-        "",
-        "[Service]",
-        "Type=oneshot",
-        # Its own user: the only one that writes the model; the engine's user only reads it.
-        f"User={settings.fetch_user}",
-        f"Group={settings.fetch_user}",
-        "UMask=0022",
+    # Its own user: the only one that writes the model; the engine's user only reads it.
+    entries: list[Entry] = [
+        ("Type", "oneshot"),
+        ("User", settings.fetch_user),
+        ("Group", settings.fetch_user),
+        ("UMask", "0022"),
     ]
     if settings.hub_token_file:
         # systemd hands the service a private copy of the root-only token file (%d is the
         # credentials folder): the service user never needs read access to the original, and
         # the token never appears on a command line.
-        lines.append(f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}")
+        entries.append(("LoadCredential", f"{TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}"))
         exec_words += ["--token-file", f"%d/{TOKEN_CREDENTIAL}"]
     if endpoint_has_credentials(settings):
-        lines.append(f"EnvironmentFile={unit_word(fetch_env_path(settings), variables=False)}")
-    lines.append("ExecStart=" + " ".join(exec_words))
+        entries.append(("EnvironmentFile", unit_word(fetch_env_path(settings), variables=False)))
+    entries.append(("ExecStart", " ".join(exec_words)))
     if settings.hub_disable_xet:
         # Field report, pitfall 2: Xet answered 401 through a mirror. fetch_model.py never
         # uses Xet; the variable is set for anything else that reads it.
-        lines.append("Environment=HF_HUB_DISABLE_XET=1")
-    lines += [
-        "Environment=PYTHONUNBUFFERED=1",
-        "SyslogIdentifier=freetoken-model-fetch",
+        entries.append(("Environment", "HF_HUB_DISABLE_XET=1"))
+    entries += [
+        ("Environment", "PYTHONUNBUFFERED=1"),
+        ("SyslogIdentifier", "freetoken-model-fetch"),
         # Hours on a slow link are normal; the script retries stalls itself.
-        "TimeoutStartSec=infinity",
-        "Nice=10",
-        "IOSchedulingClass=best-effort",
-        "IOSchedulingPriority=7",
-        "NoNewPrivileges=yes",
-        "PrivateTmp=yes",
-        "ProtectSystem=strict",
-        "ProtectHome=read-only",
+        ("TimeoutStartSec", "infinity"),
+        ("Nice", "10"),
+        ("IOSchedulingClass", "best-effort"),
+        ("IOSchedulingPriority", "7"),
+        ("NoNewPrivileges", "yes"),
+        ("PrivateTmp", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "read-only"),
         # It downloads from the network: it sees no other user's processes (root's commands).
-        "ProtectProc=invisible",
-        "ProcSubset=pid",
-        f"ReadWritePaths={unit_word(settings.model_dir, variables=False)} "
-        f"{unit_word(fetch_status_dir(settings), variables=False)}",
-        "",
+        ("ProtectProc", "invisible"),
+        ("ProcSubset", "pid"),
+        (
+            "ReadWritePaths",
+            f"{unit_word(settings.model_dir, variables=False)} {unit_word(fetch_status_dir(settings), variables=False)}",
+        ),
     ]
-    return "\n".join(lines)
+    about = Section(
+        "Unit",
+        (
+            (
+                "Description",
+                f"Fetch the FreeToken model {settings.model_repo}@{settings.model_revision} (resumable, verified)",
+            ),
+            ("Wants", "network-online.target"),
+            ("After", "network-online.target"),
+        ),
+    )
+    service = Section("Service", tuple(entries))
+    return render(UnitFile(header=managed_by("operations/model.py"), sections=(about, service)))
 
 
 @operation()

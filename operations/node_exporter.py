@@ -26,7 +26,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
-from operations.model import unit_command
+from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command
 
 
 def scrape_address(settings: Settings, reached_at: str) -> str:
@@ -50,15 +50,9 @@ def dropin(settings: Settings, bind: str) -> str:
         f"--web.listen-address={listen_address(bind, settings.node_exporter_port)}",
         f"--collector.textfile.directory={HostLayout.of(settings).guard_textfile_dir}",
     ]
-    return "\n".join(
-        [
-            "# Managed by freetoken-infra (operations/node_exporter.py); changes here are overwritten.",
-            "[Service]",
-            "ExecStart=",
-            "ExecStart=" + unit_command(argv),
-            "",
-        ]
-    )
+    # The package's ExecStart= emptied first: a service has one command, ours.
+    section = Section("Service", (("ExecStart", ""), ("ExecStart", unit_command(argv))))
+    return render(UnitFile(header=managed_by("operations/node_exporter.py"), sections=(section,)))
 
 
 @operation()

@@ -17,6 +17,7 @@ import pytest
 
 from freetoken_infra.core.launch import derive_plan
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.units import Comment, Section, UnitFile, managed_by, render, unit_command, unit_word
 from operations import firewall, guard, model, node_exporter, service
 
 PINS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "units")
@@ -82,6 +83,46 @@ def test_unit_text_is_byte_identical_to_its_pin(name):
 
 def test_every_pin_is_a_unit_of_this_list():
     assert sorted(f.removesuffix(".txt") for f in os.listdir(PINS)) == sorted(UNITS)
+
+
+def test_render_keeps_order_repeats_keys_and_resets_in_a_dropin():
+    unit = UnitFile(
+        header=managed_by("tests"),
+        sections=(
+            Section("Unit", (("Description", "x"),)),
+            Section(
+                "Service",
+                (("ExecStart", ""), Comment("two\nlines"), ("ExecStartPre", "/a"), ("ExecStartPre", "/b")),
+            ),
+        ),
+    )
+    assert render(unit) == (
+        "# Managed by freetoken-infra (tests); changes here are overwritten.\n"
+        "[Unit]\nDescription=x\n\n"
+        "[Service]\nExecStart=\n# two\n# lines\nExecStartPre=/a\nExecStartPre=/b\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        Section("Service", (("ExecStart", "/bin/true\nExecStartPost=/bin/evil"),)),  # a line of its choosing
+        Section("Service", (("User", "x\r"),)),
+        Section("Service", (("Exec Start", "/bin/true"),)),
+        Section("Service", (("ExecStart=/bin/evil\nUser", "root"),)),
+        Section("Service]\n[Unit", ()),
+    ],
+)
+def test_render_refuses_a_line_break_or_a_key_that_is_not_a_name(section):
+    with pytest.raises(ValueError):
+        render(UnitFile(header="h", sections=(section,)))
+
+
+def test_unit_words_are_escaped_for_systemd():
+    assert unit_word("/srv/100%$x") == "/srv/100%%$$x"
+    assert unit_word("/srv/100%$x", variables=False) == "/srv/100%%$x"
+    assert unit_word("a b") == '"a b"' and unit_word('a"b') == '"a\\"b"' and unit_word(";") == "\\;"
+    assert unit_command(["/usr/bin/$x", "$y", "a b"]) == '/usr/bin/$x $$y "a b"'
 
 
 if __name__ == "__main__":  # regenerate the pins after a deliberate change
