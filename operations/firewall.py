@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Sequence
-from io import StringIO
 
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File
-from pyinfra.operations import apt, files, systemd
+from pyinfra.operations import apt, systemd
 
 from freetoken_infra.core.addresses import Address
 from freetoken_infra.core.layout import (
@@ -44,6 +43,8 @@ from freetoken_infra.core.layout import (
 )
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.units import Section, UnitFile, managed_by, render
+from operations import managed
+from operations.managed import ManagedFile
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -159,17 +160,9 @@ def firewall(settings: Settings, gateways: Sequence[Address], present: bool = Tr
     if FIREWALL_PACKAGE not in (host.get_fact(DebPackages) or {}):
         yield from apt.update._inner()
         yield from apt.packages._inner(packages=[FIREWALL_PACKAGE], no_recommends=True)
-    rules = list(
-        files.put._inner(
-            src=StringIO(ruleset(settings, gateways)), dest=FIREWALL_RULES, user="root", group="root", mode="644"
-        )
+    changed = yield from managed.put(
+        ManagedFile(FIREWALL_RULES, text=ruleset(settings, gateways)),
+        ManagedFile(UNIT_PATH, text=unit(), unit=True),
     )
-    yield from rules
-    unit_put = list(files.put._inner(src=StringIO(unit()), dest=UNIT_PATH, user="root", group="root", mode="644"))
-    yield from unit_put
-    if unit_put:
-        yield from systemd.daemon_reload._inner()
     # A changed rule set is loaded in one nft transaction (reload): never a moment without it.
-    yield from systemd.service._inner(
-        service=FIREWALL_UNIT, running=True, enabled=True, reloaded=bool(rules or unit_put)
-    )
+    yield from managed.running(FIREWALL_UNIT, changed=bool(changed), reload=True)

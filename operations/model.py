@@ -17,7 +17,6 @@ import os
 import shlex
 import time
 from collections.abc import Mapping, Sequence
-from io import StringIO
 from typing import Any
 
 import click
@@ -46,7 +45,8 @@ from freetoken_infra.core.pyinfra_internals import current_op_elevation
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.text import printable
 from freetoken_infra.core.units import Entry, Section, UnitFile, managed_by, render, unit_command, unit_word
-from operations import ownership
+from operations import managed, ownership
+from operations.managed import ManagedFile
 
 TOKEN_CREDENTIAL = "hub-token"
 JOURNAL_LINES = 20
@@ -351,15 +351,16 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
         model_fetcher(name="Model downloader", settings=settings, _sudo=True)
         model_present(name="Model present and verified", settings=settings, _sudo=True)
     """
-    for src, dest in ((_LOCAL_SCRIPT, FETCH_SCRIPT), (_LOCAL_QUANT, QUANT_MODULE), (_LOCAL_MANIFEST, MANIFEST_MODULE)):
-        yield from files.put._inner(
-            src=src,
-            dest=dest,
-            user="root",
-            group="root",
-            mode="644",
-            add_deploy_dir=False,
+    yield from managed.put(
+        *(
+            ManagedFile(dest, local=src)
+            for src, dest in (
+                (_LOCAL_SCRIPT, FETCH_SCRIPT),
+                (_LOCAL_QUANT, QUANT_MODULE),
+                (_LOCAL_MANIFEST, MANIFEST_MODULE),
+            )
         )
+    )
     user = settings.fetch_user
     yield from ownership.system_account(user, home=settings.state_dir)
     yield from ownership.upload_script()
@@ -368,27 +369,15 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
         yield from ownership.owned_dir(path, user, user, "755", reclaim, adopt_from=settings.service_user)
 
     env_file = fetch_env_path(settings)
+    written = [ManagedFile(f"{UNIT_DIR}/{FETCH_UNIT}", text=fetch_unit(settings, sources), unit=True)]
     if endpoint_has_credentials(settings):  # read by systemd as root, before the unit's User=
         if not current_host.get_fact(File, path=env_file):
             yield f"install -m 600 -o root -g root /dev/null {shlex.quote(env_file)}"
         endpoint = str(settings.hub_endpoint).rstrip("/")
-        yield from files.put._inner(
-            src=StringIO(f"HF_ENDPOINT={endpoint}\n"), dest=env_file, user="root", group="root", mode="600"
-        )
+        written.insert(0, ManagedFile(env_file, text=f"HF_ENDPOINT={endpoint}\n", mode="600"))
     else:
         yield from files.file._inner(path=env_file, present=False)
-    unit_commands = list(
-        files.put._inner(
-            src=StringIO(fetch_unit(settings, sources)),
-            dest=f"{UNIT_DIR}/{FETCH_UNIT}",
-            user="root",
-            group="root",
-            mode="644",
-        )
-    )
-    yield from unit_commands
-    if unit_commands:
-        yield from systemd.daemon_reload._inner()
+    yield from managed.put(*written)
 
 
 @operation()
@@ -440,24 +429,12 @@ def model_cache(settings: Settings, present: bool = True, bind: str | None = Non
         yield from apt.packages._inner(packages=[CACHE_NGINX_PACKAGE], no_recommends=True)
     if bind is None:
         raise OperationError("model_cache: no bind address given")
-    changed = []
-    for src, dest in (
-        (_LOCAL_CACHE_SCRIPT, CACHE_SCRIPT),
-        (StringIO(cache_nginx_conf(settings, bind)), CACHE_NGINX_CONF),
-        (StringIO(cache_unit(settings, bind)), unit_path),
-    ):
-        commands = list(
-            files.put._inner(src=src, dest=dest, user="root", group="root", mode="644", add_deploy_dir=False)
-        )
-        changed.append(bool(commands))
-        yield from commands
-    yield from systemd.service._inner(
-        service=CACHE_UNIT,
-        running=True,
-        enabled=True,
-        restarted=any(changed),
-        daemon_reload=changed[-1],
+    changed = yield from managed.put(
+        ManagedFile(CACHE_SCRIPT, local=_LOCAL_CACHE_SCRIPT),
+        ManagedFile(CACHE_NGINX_CONF, text=cache_nginx_conf(settings, bind)),
+        ManagedFile(unit_path, text=cache_unit(settings, bind), unit=True),
     )
+    yield from managed.running(CACHE_UNIT, changed=bool(changed))
 
 
 @operation()

@@ -11,8 +11,6 @@ disables it (the package stays).
 
 from __future__ import annotations
 
-from io import StringIO
-
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.deb import DebPackages
@@ -27,6 +25,8 @@ from freetoken_infra.core.layout import (
 )
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command
+from operations import managed
+from operations.managed import ManagedFile
 
 
 def scrape_address(settings: Settings, reached_at: str) -> str:
@@ -81,20 +81,9 @@ def node_exporter(settings: Settings, bind: str):
     yield from files.directory._inner(
         path=HostLayout.of(settings).guard_textfile_dir, user="root", group="root", mode="755"
     )
-    put = list(
-        files.put._inner(
-            src=StringIO(dropin(settings, bind)),
-            dest=NODE_EXPORTER_DROPIN,
-            user="root",
-            group="root",
-            mode="644",
-        )
-    )
-    yield from put
-    if put:
-        yield from systemd.daemon_reload._inner()
+    changed = yield from managed.put(ManagedFile(NODE_EXPORTER_DROPIN, text=dropin(settings, bind), unit=True))
     if not installed:
         # Started by the package with the drop-in already in place: never on every interface.
         yield from apt.update._inner()
         yield from apt.packages._inner(packages=[NODE_EXPORTER_PACKAGE], no_recommends=True)
-    yield from systemd.service._inner(service=NODE_EXPORTER_UNIT, running=True, enabled=True, restarted=bool(put))
+    yield from managed.running(NODE_EXPORTER_UNIT, changed=bool(changed))

@@ -5,22 +5,19 @@ so it depends on no `wsl.exe` session - pitfall 4A).
 
 from __future__ import annotations
 
-import io
-import shlex
-
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import File
 from pyinfra.operations import files
 
-from facts.files import FileText
 from freetoken_infra.core import redact
 from freetoken_infra.core.launch import LaunchPlan, engine_command
 from freetoken_infra.core.layout import ENGINE_UNIT, KEY_VAR, UNIT_DIR, HostLayout
 from freetoken_infra.core.settings import ControllerSourceError, Settings, controller_key
 from freetoken_infra.core.units import Comment, Entry, Section, UnitFile, render, unit_command, unit_word
-from operations import preview
+from operations import managed
+from operations.managed import ManagedFile
 from operations.model import check_argv
 
 UNIT_PATH = f"{UNIT_DIR}/{ENGINE_UNIT}"
@@ -161,46 +158,20 @@ def api_key(settings: Settings):
             f"printf '{KEY_VAR}=%s\\n' \"$key\" > {path}.tmp && mv {path}.tmp {path}"
         )
         return
-    content = f"{KEY_VAR}={key_from_controller(settings)}\n"
-    if preview.diff_wanted():  # --diff: whether the key changes, never its value
-        preview.log_env_diff(path, host.get_fact(FileText, path=path), content)
-    yield from preview.put_without_pyinfra_diff(
-        src=io.StringIO(content), dest=path, user="root", group="root", mode="600"
-    )
+    content = f"{KEY_VAR}={key_from_controller(settings)}\n"  # secret: --diff says it changes, never its value
+    yield from managed.put(ManagedFile(path, text=content, mode="600", secret=True))
 
 
 @operation()
 def unit(settings: Settings, plan: LaunchPlan):
     """
-    The engine's environment file (0600) and unit file, with a daemon-reload when
-    the unit changed.
+    The engine's environment file (0600) and unit file, each written atomically, with a
+    daemon-reload when the unit changed (the deploy restarts the engine when either did).
 
     + settings: the host's Settings
     + plan: the launch plan (freetoken_infra.core.launch.derive_plan)
     """
-    env = engine_environment(settings)
-    current_env = host.get_fact(FileText, path=env_path(settings))
-    text = engine_unit(settings, plan)
-    current_unit = host.get_fact(FileText, path=UNIT_PATH)
-    # --diff: both files' diffs before the first command (pyinfra's change detection stops at
-    # the first), the environment's with secret values masked
-    preview.log_env_diff(env_path(settings), current_env, env)
-    preview.log_diff(
-        UNIT_PATH, None if current_unit is None else preview.text_lines(current_unit), preview.text_lines(text)
+    yield from managed.put(
+        ManagedFile(env_path(settings), text=engine_environment(settings), mode="600", atomic=True, secret=True),
+        ManagedFile(UNIT_PATH, text=engine_unit(settings, plan), atomic=True, unit=True),
     )
-    if current_env != env:
-        yield from _put_atomically(env, env_path(settings), mode="600")
-    else:
-        yield from files.file._inner(path=env_path(settings), user="root", group="root", mode="600")
-    if current_unit != text:
-        yield from _put_atomically(text, UNIT_PATH, mode="644")
-        yield "systemctl daemon-reload"
-
-
-def _put_atomically(text: str, path: str, mode: str):
-    """Upload beside ``path`` and rename over it: a run cut mid-upload leaves the old file whole
-    (the next run, seeing it differ, writes it again)."""
-    tmp = f"{path}.new"
-    # pyinfra's own diff would show the temporary file's name: the preview printed ours
-    yield from preview.put_without_pyinfra_diff(src=io.StringIO(text), dest=tmp, user="root", group="root", mode=mode)
-    yield f"mv -f {shlex.quote(tmp)} {shlex.quote(path)}"
