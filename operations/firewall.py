@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Sequence
-from io import StringIO
 
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File
-from pyinfra.operations import apt, files, systemd
+from pyinfra.operations import apt, systemd
 
 from freetoken_infra.core.addresses import Address
 from freetoken_infra.core.layout import (
@@ -43,6 +42,9 @@ from freetoken_infra.core.layout import (
     UNIT_DIR,
 )
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.units import Section, UnitFile, managed_by, render
+from operations import managed
+from operations.managed import ManagedFile
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -77,7 +79,7 @@ def ruleset(settings: Settings, gateways: Sequence[Address]) -> str:
         f"tcp dport {_ports(engine + metrics)} reject with tcp reset",
     ]
     body = "\n".join(f"\t\t{r}" for r in rules)
-    return f"""# Managed by freetoken-infra (operations/firewall.py); changes here are overwritten.
+    return f"""# {managed_by("operations/firewall.py")}
 # The engine's and node_exporter's ports: loopback, the gateway host(s) and the firewall_*_from
 # settings only. Loaded by {FIREWALL_UNIT}; other tables are left alone.
 add table inet {FIREWALL_TABLE}
@@ -94,25 +96,39 @@ table inet {FIREWALL_TABLE} {{
 def unit() -> str:
     """The unit that loads the rule set at boot, before the network (as Debian's nftables.service
     does, and after it: its `flush ruleset` would remove ours)."""
-    return f"""# Managed by freetoken-infra (operations/firewall.py); changes here are overwritten.
-[Unit]
-Description=freetoken-infra: the engine's and node_exporter's ports from the gateway only
-DefaultDependencies=no
-Wants=network-pre.target
-After=nftables.service
-Before=network-pre.target shutdown.target
-Conflicts=shutdown.target
-
-[Service]
-Type=oneshot
-RemainAfterExit=yes
-ExecStart={FIREWALL_NFT} -f {FIREWALL_RULES}
-ExecReload={FIREWALL_NFT} -f {FIREWALL_RULES}
-ExecStop={FIREWALL_NFT} delete table inet {FIREWALL_TABLE}
-
-[Install]
-WantedBy=sysinit.target
-"""
+    load = f"{FIREWALL_NFT} -f {FIREWALL_RULES}"
+    return render(
+        UnitFile(
+            header=managed_by("operations/firewall.py"),
+            sections=(
+                Section(
+                    "Unit",
+                    (
+                        (
+                            "Description",
+                            "freetoken-infra: the engine's and node_exporter's ports from the gateway only",
+                        ),
+                        ("DefaultDependencies", "no"),
+                        ("Wants", "network-pre.target"),
+                        ("After", "nftables.service"),
+                        ("Before", "network-pre.target shutdown.target"),
+                        ("Conflicts", "shutdown.target"),
+                    ),
+                ),
+                Section(
+                    "Service",
+                    (
+                        ("Type", "oneshot"),
+                        ("RemainAfterExit", "yes"),
+                        ("ExecStart", load),
+                        ("ExecReload", load),
+                        ("ExecStop", f"{FIREWALL_NFT} delete table inet {FIREWALL_TABLE}"),
+                    ),
+                ),
+                Section("Install", (("WantedBy", "sysinit.target"),)),
+            ),
+        )
+    )
 
 
 UNIT_PATH = f"{UNIT_DIR}/{FIREWALL_UNIT}"
@@ -144,17 +160,9 @@ def firewall(settings: Settings, gateways: Sequence[Address], present: bool = Tr
     if FIREWALL_PACKAGE not in (host.get_fact(DebPackages) or {}):
         yield from apt.update._inner()
         yield from apt.packages._inner(packages=[FIREWALL_PACKAGE], no_recommends=True)
-    rules = list(
-        files.put._inner(
-            src=StringIO(ruleset(settings, gateways)), dest=FIREWALL_RULES, user="root", group="root", mode="644"
-        )
+    changed = yield from managed.put(
+        ManagedFile(FIREWALL_RULES, text=ruleset(settings, gateways)),
+        ManagedFile(UNIT_PATH, text=unit(), unit=True),
     )
-    yield from rules
-    unit_put = list(files.put._inner(src=StringIO(unit()), dest=UNIT_PATH, user="root", group="root", mode="644"))
-    yield from unit_put
-    if unit_put:
-        yield from systemd.daemon_reload._inner()
     # A changed rule set is loaded in one nft transaction (reload): never a moment without it.
-    yield from systemd.service._inner(
-        service=FIREWALL_UNIT, running=True, enabled=True, reloaded=bool(rules or unit_put)
-    )
+    yield from managed.running(FIREWALL_UNIT, changed=bool(changed), reload=True)

@@ -8,7 +8,6 @@ by OOM, not OOM text in a prompt or reply it logged) (field report, operations a
 from __future__ import annotations
 
 import os
-from io import StringIO
 
 from pyinfra.api import operation
 from pyinfra.operations import files, systemd
@@ -23,7 +22,9 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
-from operations.model import unit_command, unit_word
+from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command, unit_word
+from operations import managed
+from operations.managed import ManagedFile
 
 _LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "guard.py")
 
@@ -52,55 +53,47 @@ def guard_service_unit(settings: Settings) -> str:
         "--textfile",
         guard_textfile(settings),
     ]
-    return "\n".join(
-        [
-            "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
-            "[Unit]",
-            "Description=FreeToken memory guard: stop the engine when swap or GPU memory runs out",
-            f"After={ENGINE_UNIT}",
-            "",
-            "[Service]",
-            "Type=oneshot",
+    about = Section(
+        "Unit",
+        (
+            ("Description", "FreeToken memory guard: stop the engine when swap or GPU memory runs out"),
+            ("After", ENGINE_UNIT),
+        ),
+    )
+    service = Section(
+        "Service",
+        (
+            ("Type", "oneshot"),
             # Root, not the engine's user: it must be able to stop the engine.
-            "ExecStart=" + unit_command(args),
-            "SyslogIdentifier=freetoken-guard",
+            ("ExecStart", unit_command(args)),
+            ("SyslogIdentifier", "freetoken-guard"),
             # `systemctl stop` waits for the engine to exit; a hung nvidia-smi must not pile up runs.
-            "TimeoutStartSec=600",
-            "NoNewPrivileges=yes",
-            "PrivateTmp=yes",
-            "ProtectSystem=strict",
-            "ProtectHome=read-only",
+            ("TimeoutStartSec", "600"),
+            ("NoNewPrivileges", "yes"),
+            ("PrivateTmp", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "read-only"),
             # '-': no failure when the folder is not there yet. Root's own folder only, never the
             # engine's state_dir (the guard is root: a link planted there would aim its writes).
-            f"ReadWritePaths=-{unit_word(DEPLOY_STATE_DIR, variables=False)}",
-            "",
-        ]
+            ("ReadWritePaths", f"-{unit_word(DEPLOY_STATE_DIR, variables=False)}"),
+        ),
     )
+    return render(UnitFile(header=managed_by("operations/guard.py"), sections=(about, service)))
 
 
 def guard_timer_unit(settings: Settings) -> str:
-    return "\n".join(
-        [
-            "# Managed by freetoken-infra (operations/guard.py); changes here are overwritten.",
-            "[Unit]",
-            f"Description=Run the FreeToken memory guard every {settings.guard_interval_s} s",
-            "",
-            "[Timer]",
-            "OnBootSec=60",
-            f"OnUnitActiveSec={settings.guard_interval_s}s",
-            "AccuracySec=1s",
-            f"Unit={GUARD_SERVICE}",
-            "",
-            "[Install]",
-            "WantedBy=timers.target",
-            "",
-        ]
+    timer = Section(
+        "Timer",
+        (
+            ("OnBootSec", "60"),
+            ("OnUnitActiveSec", f"{settings.guard_interval_s}s"),
+            ("AccuracySec", "1s"),
+            ("Unit", GUARD_SERVICE),
+        ),
     )
-
-
-def _changed(commands) -> tuple[list, bool]:
-    commands = list(commands)
-    return commands, bool(commands)
+    about = Section("Unit", (("Description", f"Run the FreeToken memory guard every {settings.guard_interval_s} s"),))
+    install = Section("Install", (("WantedBy", "timers.target"),))
+    return render(UnitFile(header=managed_by("operations/guard.py"), sections=(about, timer, install)))
 
 
 @operation()
@@ -126,14 +119,6 @@ def guard(settings: Settings):
         yield from systemd.service._inner(service=GUARD_TIMER, running=False, enabled=False)
         return
 
-    yield from files.put._inner(
-        src=_LOCAL_SCRIPT,
-        dest=GUARD_SCRIPT,
-        user="root",
-        group="root",
-        mode="755",
-        add_deploy_dir=False,
-    )
     # node_exporter (not root) reads the metrics; the guard creates the folder too, but a
     # collector pointed at it before the first run must find it.
     yield from files.directory._inner(
@@ -142,37 +127,14 @@ def guard(settings: Settings):
         group="root",
         mode="755",
     )
-
-    service_cmds, service_changed = _changed(
-        files.put._inner(
-            src=StringIO(guard_service_unit(settings)),
-            dest=f"{UNIT_DIR}/{GUARD_SERVICE}",
-            user="root",
-            group="root",
-            mode="644",
-        )
+    timer = f"{UNIT_DIR}/{GUARD_TIMER}"
+    changed = yield from managed.put(
+        ManagedFile(GUARD_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
+        ManagedFile(f"{UNIT_DIR}/{GUARD_SERVICE}", text=guard_service_unit(settings), unit=True),
+        ManagedFile(timer, text=guard_timer_unit(settings), unit=True),
     )
-    yield from service_cmds
-    timer_cmds, timer_changed = _changed(
-        files.put._inner(
-            src=StringIO(guard_timer_unit(settings)),
-            dest=f"{UNIT_DIR}/{GUARD_TIMER}",
-            user="root",
-            group="root",
-            mode="644",
-        )
-    )
-    yield from timer_cmds
-
-    if service_changed or timer_changed:
-        yield from systemd.daemon_reload._inner()
-    # A running timer keeps its old interval until restarted.
-    yield from systemd.service._inner(
-        service=GUARD_TIMER,
-        running=True,
-        enabled=True,
-        restarted=timer_changed,
-    )
+    # A running timer keeps its old interval until restarted; the service is read at its next run.
+    yield from managed.running(GUARD_TIMER, changed=timer in changed)
 
 
 @operation()

@@ -17,7 +17,6 @@ import os
 import shlex
 import time
 from collections.abc import Mapping, Sequence
-from io import StringIO
 from typing import Any
 
 import click
@@ -45,7 +44,9 @@ from freetoken_infra.core.layout import (
 from freetoken_infra.core.pyinfra_internals import current_op_elevation
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.text import printable
-from operations import ownership
+from freetoken_infra.core.units import Entry, Section, UnitFile, managed_by, render, unit_command, unit_word
+from operations import managed, ownership
+from operations.managed import ManagedFile
 
 TOKEN_CREDENTIAL = "hub-token"
 JOURNAL_LINES = 20
@@ -80,45 +81,12 @@ def as_fetch_user(settings: Settings, *argv: str) -> str:
     return " ".join([f"setpriv --reuid={user} --regid={user} --clear-groups --", *(shlex.quote(a) for a in argv)])
 
 
-def unit_word(value: str, variables: bool = True) -> str:
-    """One word of a unit file line, as systemd reads it back.
-
-    systemd expands ``%`` specifiers in every setting, splits list and command lines on
-    whitespace (quotes and backslashes are its escapes) and expands ``$VAR`` in the arguments of
-    ``Exec*=`` lines only: ``variables=False`` for an executable path or a path list
-    (``ReadWritePaths=``), where a doubled ``$$`` would stay doubled. A lone ``;`` would end the
-    command.
-    """
-    value = value.replace("%", "%%")
-    if variables:
-        value = value.replace("$", "$$")
-    if value == ";":
-        return "\\;"
-    if any(c in value for c in " \t\"'\\"):
-        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return value
-
-
-def unit_command(argv: Sequence[str]) -> str:
-    """An ``Exec*=`` line's value: the executable path (no ``$`` expansion there), then its
-    arguments, each escaped for systemd."""
-    return " ".join([unit_word(argv[0], variables=False), *(unit_word(a) for a in argv[1:])])
-
-
 def fetch_argv(settings: Settings, sources: Sequence[str] = (), token_file: str | None = None) -> list[str]:
     """The downloader's command line (no token in it: at most the name of its file; an endpoint
     with a user:password comes from the unit's environment file instead, ``fetch_env_path``)."""
     endpoint = [] if endpoint_has_credentials(settings) else ["--endpoint", str(settings.hub_endpoint).rstrip("/")]
     argv = [
-        "/usr/bin/python3",
-        FETCH_SCRIPT,
-        *endpoint,
-        "--repo",
-        settings.model_repo,
-        "--revision",
-        settings.model_revision,
-        "--dest",
-        settings.model_dir,
+        *_fetcher(settings, *endpoint),
         "--status-file",
         fetch_status_file(settings),
         "--disk-margin-gb",
@@ -146,17 +114,13 @@ def fetch_env_path(settings: Settings) -> str:
 def check_argv(settings: Settings) -> list[str]:
     """``fetch_model.py --check``: exit 0 only when the model directory holds the verified model
     (no network, no hashing). The engine's unit runs it before every start."""
-    return [
-        "/usr/bin/python3",
-        FETCH_SCRIPT,
-        "--check",
-        "--repo",
-        settings.model_repo,
-        "--revision",
-        settings.model_revision,
-        "--dest",
-        settings.model_dir,
-    ]
+    return _fetcher(settings, "--check")
+
+
+def _fetcher(settings: Settings, *options: str) -> list[str]:
+    """``fetch_model.py`` with ``options``, then the model it is about: repo, revision, folder."""
+    repo = ["--repo", settings.model_repo, "--revision", settings.model_revision, "--dest", settings.model_dir]
+    return ["/usr/bin/python3", FETCH_SCRIPT, *options, *repo]
 
 
 def cache_listen(bind: str, port: int) -> str:
@@ -179,7 +143,7 @@ def cache_nginx_conf(settings: Settings, bind: str) -> str:
     gated = bool(settings.hub_token_file)
     user = settings.service_user
     lines = [
-        "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
+        f"# {managed_by('operations/model.py')}",
         f"# The LAN model cache ({CACHE_UNIT}): the verified model {settings.model_repo}, read-only.",
         "daemon off;",
         "worker_processes 2;",
@@ -255,99 +219,105 @@ def cache_unit(settings: Settings, bind: str) -> str:
         as_fetch_user(settings, "/usr/bin/python3", "-I", CACHE_SCRIPT, "files", "--dir", settings.model_dir)
         + f" > {run}/files.conf.new && mv -f {run}/files.conf.new {run}/files.conf"
     )
-    pre = [f"ExecStartPre=/bin/sh -c {unit_word(files)}"]
-    token_lines = []
+    pre: list[Entry] = [("ExecStartPre", f"/bin/sh -c {unit_word(files)}")]
+    token: list[Entry] = []
     if settings.hub_token_file:
-        token_lines = [f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}"]
+        token = [("LoadCredential", f"{TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}")]
         # %d: systemd's credentials folder (root's); every other word is one of our constants.
-        token = f"umask 077 && /usr/bin/python3 -I {CACHE_SCRIPT} token %d/{TOKEN_CREDENTIAL} > {run}/token.conf"
-        pre.insert(0, f'ExecStartPre=/bin/sh -c "{token}"')
-    return "\n".join(
-        [
-            "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
-            "[Unit]",
-            f"Description=LAN cache of the verified model {settings.model_repo} for the fleet (nginx)",
-            "Wants=network-online.target",
-            "After=network-online.target",
-            "",
-            "[Service]",
+        derive = f"umask 077 && /usr/bin/python3 -I {CACHE_SCRIPT} token %d/{TOKEN_CREDENTIAL} > {run}/token.conf"
+        pre.insert(0, ("ExecStartPre", f'/bin/sh -c "{derive}"'))
+    about = Section(
+        "Unit",
+        (
+            ("Description", f"LAN cache of the verified model {settings.model_repo} for the fleet (nginx)"),
+            ("Wants", "network-online.target"),
+            ("After", "network-online.target"),
+        ),
+    )
+    service = Section(
+        "Service",
+        (
             # The master stays root (it reads the key map and re-reads on reload); its workers
             # run as the service user (``user`` in the configuration).
-            f"RuntimeDirectory={run.rsplit('/', 1)[1]}",
-            "RuntimeDirectoryMode=0700",
-            *token_lines,
+            ("RuntimeDirectory", run.rsplit("/", 1)[1]),
+            ("RuntimeDirectoryMode", "0700"),
+            *token,
             *pre,
-            f"ExecStart=/usr/sbin/nginx -e stderr -c {CACHE_NGINX_CONF}",
+            ("ExecStart", f"/usr/sbin/nginx -e stderr -c {CACHE_NGINX_CONF}"),
             # A new revision verified: serve its files (the deploy reloads after a fetch).
-            f"ExecReload=/bin/sh -c {unit_word(files)}",
-            "ExecReload=/bin/kill -HUP $MAINPID",
-            "Restart=on-failure",
-            "RestartSec=5",
-            "LimitNOFILE=16384",
-            "SyslogIdentifier=freetoken-model-cache",
-            "CapabilityBoundingSet=CAP_CHOWN CAP_SETUID CAP_SETGID CAP_KILL",
-            "NoNewPrivileges=yes",
-            "PrivateTmp=yes",
-            "ProtectSystem=strict",
-            "ProtectHome=read-only",
-            "",
-            "[Install]",
-            "WantedBy=multi-user.target",
-            "",
-        ]
+            ("ExecReload", f"/bin/sh -c {unit_word(files)}"),
+            ("ExecReload", "/bin/kill -HUP $MAINPID"),
+            ("Restart", "on-failure"),
+            ("RestartSec", "5"),
+            ("LimitNOFILE", "16384"),
+            ("SyslogIdentifier", "freetoken-model-cache"),
+            ("CapabilityBoundingSet", "CAP_CHOWN CAP_SETUID CAP_SETGID CAP_KILL"),
+            ("NoNewPrivileges", "yes"),
+            ("PrivateTmp", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "read-only"),
+        ),
     )
+    install = Section("Install", (("WantedBy", "multi-user.target"),))
+    return render(UnitFile(header=managed_by("operations/model.py"), sections=(about, service, install)))
 
 
 def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
     """Text of ``freetoken-model-fetch.service``."""
     exec_words = [unit_command(fetch_argv(settings, sources))]
-    lines = [
-        "# Managed by freetoken-infra (operations/model.py); changes here are overwritten.",
-        "[Unit]",
-        f"Description=Fetch the FreeToken model {settings.model_repo}@{settings.model_revision} (resumable, verified)",
-        "Wants=network-online.target",
-        "After=network-online.target",
-        "",
-        "[Service]",
-        "Type=oneshot",
-        # Its own user: the only one that writes the model; the engine's user only reads it.
-        f"User={settings.fetch_user}",
-        f"Group={settings.fetch_user}",
-        "UMask=0022",
+    # Its own user: the only one that writes the model; the engine's user only reads it.
+    entries: list[Entry] = [
+        ("Type", "oneshot"),
+        ("User", settings.fetch_user),
+        ("Group", settings.fetch_user),
+        ("UMask", "0022"),
     ]
     if settings.hub_token_file:
         # systemd hands the service a private copy of the root-only token file (%d is the
         # credentials folder): the service user never needs read access to the original, and
         # the token never appears on a command line.
-        lines.append(f"LoadCredential={TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}")
+        entries.append(("LoadCredential", f"{TOKEN_CREDENTIAL}:{unit_word(settings.hub_token_file, variables=False)}"))
         exec_words += ["--token-file", f"%d/{TOKEN_CREDENTIAL}"]
     if endpoint_has_credentials(settings):
-        lines.append(f"EnvironmentFile={unit_word(fetch_env_path(settings), variables=False)}")
-    lines.append("ExecStart=" + " ".join(exec_words))
+        entries.append(("EnvironmentFile", unit_word(fetch_env_path(settings), variables=False)))
+    entries.append(("ExecStart", " ".join(exec_words)))
     if settings.hub_disable_xet:
         # Field report, pitfall 2: Xet answered 401 through a mirror. fetch_model.py never
         # uses Xet; the variable is set for anything else that reads it.
-        lines.append("Environment=HF_HUB_DISABLE_XET=1")
-    lines += [
-        "Environment=PYTHONUNBUFFERED=1",
-        "SyslogIdentifier=freetoken-model-fetch",
+        entries.append(("Environment", "HF_HUB_DISABLE_XET=1"))
+    entries += [
+        ("Environment", "PYTHONUNBUFFERED=1"),
+        ("SyslogIdentifier", "freetoken-model-fetch"),
         # Hours on a slow link are normal; the script retries stalls itself.
-        "TimeoutStartSec=infinity",
-        "Nice=10",
-        "IOSchedulingClass=best-effort",
-        "IOSchedulingPriority=7",
-        "NoNewPrivileges=yes",
-        "PrivateTmp=yes",
-        "ProtectSystem=strict",
-        "ProtectHome=read-only",
+        ("TimeoutStartSec", "infinity"),
+        ("Nice", "10"),
+        ("IOSchedulingClass", "best-effort"),
+        ("IOSchedulingPriority", "7"),
+        ("NoNewPrivileges", "yes"),
+        ("PrivateTmp", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "read-only"),
         # It downloads from the network: it sees no other user's processes (root's commands).
-        "ProtectProc=invisible",
-        "ProcSubset=pid",
-        f"ReadWritePaths={unit_word(settings.model_dir, variables=False)} "
-        f"{unit_word(fetch_status_dir(settings), variables=False)}",
-        "",
+        ("ProtectProc", "invisible"),
+        ("ProcSubset", "pid"),
+        (
+            "ReadWritePaths",
+            f"{unit_word(settings.model_dir, variables=False)} {unit_word(fetch_status_dir(settings), variables=False)}",
+        ),
     ]
-    return "\n".join(lines)
+    about = Section(
+        "Unit",
+        (
+            (
+                "Description",
+                f"Fetch the FreeToken model {settings.model_repo}@{settings.model_revision} (resumable, verified)",
+            ),
+            ("Wants", "network-online.target"),
+            ("After", "network-online.target"),
+        ),
+    )
+    service = Section("Service", tuple(entries))
+    return render(UnitFile(header=managed_by("operations/model.py"), sections=(about, service)))
 
 
 @operation()
@@ -381,15 +351,16 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
         model_fetcher(name="Model downloader", settings=settings, _sudo=True)
         model_present(name="Model present and verified", settings=settings, _sudo=True)
     """
-    for src, dest in ((_LOCAL_SCRIPT, FETCH_SCRIPT), (_LOCAL_QUANT, QUANT_MODULE), (_LOCAL_MANIFEST, MANIFEST_MODULE)):
-        yield from files.put._inner(
-            src=src,
-            dest=dest,
-            user="root",
-            group="root",
-            mode="644",
-            add_deploy_dir=False,
+    yield from managed.put(
+        *(
+            ManagedFile(dest, local=src)
+            for src, dest in (
+                (_LOCAL_SCRIPT, FETCH_SCRIPT),
+                (_LOCAL_QUANT, QUANT_MODULE),
+                (_LOCAL_MANIFEST, MANIFEST_MODULE),
+            )
         )
+    )
     user = settings.fetch_user
     yield from ownership.system_account(user, home=settings.state_dir)
     yield from ownership.upload_script()
@@ -398,27 +369,15 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
         yield from ownership.owned_dir(path, user, user, "755", reclaim, adopt_from=settings.service_user)
 
     env_file = fetch_env_path(settings)
+    written = [ManagedFile(f"{UNIT_DIR}/{FETCH_UNIT}", text=fetch_unit(settings, sources), unit=True)]
     if endpoint_has_credentials(settings):  # read by systemd as root, before the unit's User=
         if not current_host.get_fact(File, path=env_file):
             yield f"install -m 600 -o root -g root /dev/null {shlex.quote(env_file)}"
         endpoint = str(settings.hub_endpoint).rstrip("/")
-        yield from files.put._inner(
-            src=StringIO(f"HF_ENDPOINT={endpoint}\n"), dest=env_file, user="root", group="root", mode="600"
-        )
+        written.insert(0, ManagedFile(env_file, text=f"HF_ENDPOINT={endpoint}\n", mode="600"))
     else:
         yield from files.file._inner(path=env_file, present=False)
-    unit_commands = list(
-        files.put._inner(
-            src=StringIO(fetch_unit(settings, sources)),
-            dest=f"{UNIT_DIR}/{FETCH_UNIT}",
-            user="root",
-            group="root",
-            mode="644",
-        )
-    )
-    yield from unit_commands
-    if unit_commands:
-        yield from systemd.daemon_reload._inner()
+    yield from managed.put(*written)
 
 
 @operation()
@@ -470,24 +429,12 @@ def model_cache(settings: Settings, present: bool = True, bind: str | None = Non
         yield from apt.packages._inner(packages=[CACHE_NGINX_PACKAGE], no_recommends=True)
     if bind is None:
         raise OperationError("model_cache: no bind address given")
-    changed = []
-    for src, dest in (
-        (_LOCAL_CACHE_SCRIPT, CACHE_SCRIPT),
-        (StringIO(cache_nginx_conf(settings, bind)), CACHE_NGINX_CONF),
-        (StringIO(cache_unit(settings, bind)), unit_path),
-    ):
-        commands = list(
-            files.put._inner(src=src, dest=dest, user="root", group="root", mode="644", add_deploy_dir=False)
-        )
-        changed.append(bool(commands))
-        yield from commands
-    yield from systemd.service._inner(
-        service=CACHE_UNIT,
-        running=True,
-        enabled=True,
-        restarted=any(changed),
-        daemon_reload=changed[-1],
+    changed = yield from managed.put(
+        ManagedFile(CACHE_SCRIPT, local=_LOCAL_CACHE_SCRIPT),
+        ManagedFile(CACHE_NGINX_CONF, text=cache_nginx_conf(settings, bind)),
+        ManagedFile(unit_path, text=cache_unit(settings, bind), unit=True),
     )
+    yield from managed.running(CACHE_UNIT, changed=bool(changed))
 
 
 @operation()

@@ -11,8 +11,6 @@ disables it (the package stays).
 
 from __future__ import annotations
 
-from io import StringIO
-
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.deb import DebPackages
@@ -26,7 +24,9 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
-from operations.model import unit_command
+from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command
+from operations import managed
+from operations.managed import ManagedFile
 
 
 def scrape_address(settings: Settings, reached_at: str) -> str:
@@ -50,15 +50,9 @@ def dropin(settings: Settings, bind: str) -> str:
         f"--web.listen-address={listen_address(bind, settings.node_exporter_port)}",
         f"--collector.textfile.directory={HostLayout.of(settings).guard_textfile_dir}",
     ]
-    return "\n".join(
-        [
-            "# Managed by freetoken-infra (operations/node_exporter.py); changes here are overwritten.",
-            "[Service]",
-            "ExecStart=",
-            "ExecStart=" + unit_command(argv),
-            "",
-        ]
-    )
+    # The package's ExecStart= emptied first: a service has one command, ours.
+    section = Section("Service", (("ExecStart", ""), ("ExecStart", unit_command(argv))))
+    return render(UnitFile(header=managed_by("operations/node_exporter.py"), sections=(section,)))
 
 
 @operation()
@@ -87,20 +81,9 @@ def node_exporter(settings: Settings, bind: str):
     yield from files.directory._inner(
         path=HostLayout.of(settings).guard_textfile_dir, user="root", group="root", mode="755"
     )
-    put = list(
-        files.put._inner(
-            src=StringIO(dropin(settings, bind)),
-            dest=NODE_EXPORTER_DROPIN,
-            user="root",
-            group="root",
-            mode="644",
-        )
-    )
-    yield from put
-    if put:
-        yield from systemd.daemon_reload._inner()
+    changed = yield from managed.put(ManagedFile(NODE_EXPORTER_DROPIN, text=dropin(settings, bind), unit=True))
     if not installed:
         # Started by the package with the drop-in already in place: never on every interface.
         yield from apt.update._inner()
         yield from apt.packages._inner(packages=[NODE_EXPORTER_PACKAGE], no_recommends=True)
-    yield from systemd.service._inner(service=NODE_EXPORTER_UNIT, running=True, enabled=True, restarted=bool(put))
+    yield from managed.running(NODE_EXPORTER_UNIT, changed=bool(changed))

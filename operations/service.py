@@ -5,22 +5,20 @@ so it depends on no `wsl.exe` session - pitfall 4A).
 
 from __future__ import annotations
 
-import io
-import shlex
-
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import File
 from pyinfra.operations import files
 
-from facts.files import FileText
 from freetoken_infra.core import redact
 from freetoken_infra.core.launch import LaunchPlan, engine_command
 from freetoken_infra.core.layout import ENGINE_UNIT, KEY_VAR, UNIT_DIR, HostLayout
 from freetoken_infra.core.settings import ControllerSourceError, Settings, controller_key
-from operations import preview
-from operations.model import check_argv, unit_command, unit_word
+from freetoken_infra.core.units import Comment, Entry, Section, UnitFile, render, unit_command, unit_word
+from operations import managed
+from operations.managed import ManagedFile
+from operations.model import check_argv
 
 UNIT_PATH = f"{UNIT_DIR}/{ENGINE_UNIT}"
 
@@ -61,53 +59,69 @@ def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
     model_home = any(p.startswith("/home/") for p in (settings.model_dir, settings.cache_dir))
     # No '-': a missing key file must stop the start (fail closed), never start an engine that
     # answers without authentication. Only api_key_source = "none" runs without a key.
-    key_line = "" if settings.api_key_source == "none" else f"EnvironmentFile={key_path(settings)}\n"
-    return f"""# Managed by freetoken-infra; local edits are overwritten on the next deploy.
-[Unit]
-Description=FreeToken OpenAI-compatible LLM endpoint ({settings.served_model_name})
-After=network-online.target
-Wants=network-online.target
-
-[Service]
-Type=simple
-User={settings.service_user}
-Group={settings.service_user}
-WorkingDirectory={settings.cache_dir}
-EnvironmentFile={env_path(settings)}
-{key_line}# The engine never starts on a model whose download did not verify (complete, and every
-# file as it was when its hash was checked).
-ExecStartPre={unit_command(check_argv(settings))}
-ExecStart={unit_command(engine_command(settings, plan))}
-Restart=on-failure
-# FreeToken 0.2.1 ends itself with SIGTERM when a backend worker dies, which
-# on-failure alone would take for a clean stop.
-RestartForceExitStatus=SIGTERM
-RestartSec=5
-# Cold start: experts 45 s + CUDA graphs 42 s + warm-up 16 s, up to 3 min on first JIT.
-TimeoutStartSec={settings.start_timeout_s}
-TimeoutStopSec=30
-# Hardening: a dedicated user, no privilege gain, read-only system (the model too: it belongs
-# to the download's user), its caches the only folder it writes, no sight of other users'
-# processes (root's commands), and only the GPU's paravirtual device (/dev/dxg) among devices.
-# No ProcSubset=pid: torch and the engine read /proc/meminfo and /proc/cpuinfo (system-wide, not
-# per-process files), which it would hide.
-NoNewPrivileges=yes
-ProtectSystem=strict
-ProtectHome={"read-only" if model_home else "yes"}
-ReadWritePaths={unit_word(settings.cache_dir, variables=False)}
-ProtectProc=invisible
-PrivateTmp=yes
-DevicePolicy=closed
-DeviceAllow=/dev/dxg rw
-ProtectKernelTunables=yes
-ProtectKernelModules=yes
-ProtectControlGroups=yes
-RestrictSUIDSGID=yes
-LockPersonality=yes
-
-[Install]
-WantedBy=multi-user.target
-"""
+    key: tuple[Entry, ...] = () if settings.api_key_source == "none" else (("EnvironmentFile", key_path(settings)),)
+    unit = UnitFile(
+        header="Managed by freetoken-infra; local edits are overwritten on the next deploy.",
+        sections=(
+            Section(
+                "Unit",
+                (
+                    ("Description", f"FreeToken OpenAI-compatible LLM endpoint ({settings.served_model_name})"),
+                    ("After", "network-online.target"),
+                    ("Wants", "network-online.target"),
+                ),
+            ),
+            Section(
+                "Service",
+                (
+                    ("Type", "simple"),
+                    ("User", settings.service_user),
+                    ("Group", settings.service_user),
+                    ("WorkingDirectory", settings.cache_dir),
+                    ("EnvironmentFile", env_path(settings)),
+                    *key,
+                    Comment(
+                        "The engine never starts on a model whose download did not verify (complete, and every\n"
+                        "file as it was when its hash was checked)."
+                    ),
+                    ("ExecStartPre", unit_command(check_argv(settings))),
+                    ("ExecStart", unit_command(engine_command(settings, plan))),
+                    ("Restart", "on-failure"),
+                    Comment(
+                        "FreeToken 0.2.1 ends itself with SIGTERM when a backend worker dies, which\n"
+                        "on-failure alone would take for a clean stop."
+                    ),
+                    ("RestartForceExitStatus", "SIGTERM"),
+                    ("RestartSec", "5"),
+                    Comment("Cold start: experts 45 s + CUDA graphs 42 s + warm-up 16 s, up to 3 min on first JIT."),
+                    ("TimeoutStartSec", str(settings.start_timeout_s)),
+                    ("TimeoutStopSec", "30"),
+                    Comment(
+                        "Hardening: a dedicated user, no privilege gain, read-only system (the model too: it belongs\n"
+                        "to the download's user), its caches the only folder it writes, no sight of other users'\n"
+                        "processes (root's commands), and only the GPU's paravirtual device (/dev/dxg) among devices.\n"
+                        "No ProcSubset=pid: torch and the engine read /proc/meminfo and /proc/cpuinfo (system-wide, not\n"
+                        "per-process files), which it would hide."
+                    ),
+                    ("NoNewPrivileges", "yes"),
+                    ("ProtectSystem", "strict"),
+                    ("ProtectHome", "read-only" if model_home else "yes"),
+                    ("ReadWritePaths", unit_word(settings.cache_dir, variables=False)),
+                    ("ProtectProc", "invisible"),
+                    ("PrivateTmp", "yes"),
+                    ("DevicePolicy", "closed"),
+                    ("DeviceAllow", "/dev/dxg rw"),
+                    ("ProtectKernelTunables", "yes"),
+                    ("ProtectKernelModules", "yes"),
+                    ("ProtectControlGroups", "yes"),
+                    ("RestrictSUIDSGID", "yes"),
+                    ("LockPersonality", "yes"),
+                ),
+            ),
+            Section("Install", (("WantedBy", "multi-user.target"),)),
+        ),
+    )
+    return render(unit)
 
 
 def key_from_controller(settings: Settings) -> str:
@@ -144,46 +158,20 @@ def api_key(settings: Settings):
             f"printf '{KEY_VAR}=%s\\n' \"$key\" > {path}.tmp && mv {path}.tmp {path}"
         )
         return
-    content = f"{KEY_VAR}={key_from_controller(settings)}\n"
-    if preview.diff_wanted():  # --diff: whether the key changes, never its value
-        preview.log_env_diff(path, host.get_fact(FileText, path=path), content)
-    yield from preview.put_without_pyinfra_diff(
-        src=io.StringIO(content), dest=path, user="root", group="root", mode="600"
-    )
+    content = f"{KEY_VAR}={key_from_controller(settings)}\n"  # secret: --diff says it changes, never its value
+    yield from managed.put(ManagedFile(path, text=content, mode="600", secret=True))
 
 
 @operation()
 def unit(settings: Settings, plan: LaunchPlan):
     """
-    The engine's environment file (0600) and unit file, with a daemon-reload when
-    the unit changed.
+    The engine's environment file (0600) and unit file, each written atomically, with a
+    daemon-reload when the unit changed (the deploy restarts the engine when either did).
 
     + settings: the host's Settings
     + plan: the launch plan (freetoken_infra.core.launch.derive_plan)
     """
-    env = engine_environment(settings)
-    current_env = host.get_fact(FileText, path=env_path(settings))
-    text = engine_unit(settings, plan)
-    current_unit = host.get_fact(FileText, path=UNIT_PATH)
-    # --diff: both files' diffs before the first command (pyinfra's change detection stops at
-    # the first), the environment's with secret values masked
-    preview.log_env_diff(env_path(settings), current_env, env)
-    preview.log_diff(
-        UNIT_PATH, None if current_unit is None else preview.text_lines(current_unit), preview.text_lines(text)
+    yield from managed.put(
+        ManagedFile(env_path(settings), text=engine_environment(settings), mode="600", atomic=True, secret=True),
+        ManagedFile(UNIT_PATH, text=engine_unit(settings, plan), atomic=True, unit=True),
     )
-    if current_env != env:
-        yield from _put_atomically(env, env_path(settings), mode="600")
-    else:
-        yield from files.file._inner(path=env_path(settings), user="root", group="root", mode="600")
-    if current_unit != text:
-        yield from _put_atomically(text, UNIT_PATH, mode="644")
-        yield "systemctl daemon-reload"
-
-
-def _put_atomically(text: str, path: str, mode: str):
-    """Upload beside ``path`` and rename over it: a run cut mid-upload leaves the old file whole
-    (the next run, seeing it differ, writes it again)."""
-    tmp = f"{path}.new"
-    # pyinfra's own diff would show the temporary file's name: the preview printed ours
-    yield from preview.put_without_pyinfra_diff(src=io.StringIO(text), dest=tmp, user="root", group="root", mode=mode)
-    yield f"mv -f {shlex.quote(tmp)} {shlex.quote(path)}"

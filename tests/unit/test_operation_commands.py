@@ -1,12 +1,14 @@
 """Every operation against faked facts (tests/unit/fakehost.py): nothing to do on a converged
 host, and the right commands for each drift. Operations with their own test module are tested
 there the same way: firewall (test_firewall), node_exporter (test_node_exporter), guard and
-clear_guard_state (test_guard), the engine's pip.conf (test_trust_secrets). The fleet tests run
-each for real over SSH, twice."""
+clear_guard_state (test_guard), the engine's pip.conf (test_trust_secrets). The way they all
+write their files and units (operations/managed.py) is tested at the end, with what each reads on
+a no-op run. The fleet tests run each for real over SSH, twice."""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import pytest
@@ -44,8 +46,9 @@ from freetoken_infra.core.layout import (
     UNIT_DIR,
 )
 from freetoken_infra.core.settings import Settings
-from operations import cuda, engine, health, model, service, windows
+from operations import cuda, engine, firewall, guard, health, managed, model, node_exporter, service, windows
 from operations import gateway as gw
+from operations.managed import ManagedFile
 from tests.unit.fakehost import FakeHost
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -468,3 +471,163 @@ def test_health_gate_is_skipped_when_the_last_passed_gate_is_for_exactly_what_se
     assert conditions and not any(condition() for condition in conditions)
     failed = planned(obs=healthy(health=serving(), gate_record=replace(record, ok=False, phase="answer"))).converge
     assert failed is not None and failed.gate.run_if(nothing_changed) == []  # no condition: it runs
+
+
+# --------------------------------------------------------------------------- managed files
+# operations/managed.py: the one way every operation above writes its files and units.
+
+UNIT_A, UNIT_B = f"{UNIT_DIR}/a.service", f"{UNIT_DIR}/b.timer"
+CONF, ENV = "/etc/freetoken/a.conf", "/etc/freetoken/a.env"
+
+
+def managed_put(*files_):
+    """``managed.put`` as an operation of its own, and what it returned (the paths written)."""
+    said: list = []
+
+    def run():
+        said.append((yield from managed.put(*files_)))
+
+    return type("Op", (), {"_inner": staticmethod(run)}), said
+
+
+def managed_files(**text):
+    return [
+        ManagedFile(CONF, text=text.get("conf", "a=1\n")),
+        ManagedFile(UNIT_A, text=text.get("a", "[Unit]\n"), unit=True),
+        ManagedFile(UNIT_B, text=text.get("b", "[Timer]\n"), unit=True),
+        ManagedFile(ENV, text=text.get("env", "API_KEY=k1\n"), mode="600", atomic=True, secret=True),
+    ]
+
+
+def managed_host(**files_) -> FakeHost:
+    on_host = {CONF: "a=1\n", UNIT_A: "[Unit]\n", UNIT_B: "[Timer]\n", ENV: ("API_KEY=k1\n", 600)}
+    return FakeHost(files={**on_host, **files_})
+
+
+def test_managed_put_on_a_converged_host_yields_nothing_and_reads_what_files_put_reads():
+    host = managed_host()
+    op, said = managed_put(*managed_files())
+    assert host.commands(op) == [] and said == [frozenset()]
+    asked = Counter(name for name, _ in host.asked)
+    # files.put's size and hash for three; the atomic secret file's text, then its owner and mode
+    assert asked == {"File": 4, "Sha1File": 3, "FileText": 1, "Directory": 3}
+
+
+def test_managed_put_writes_what_differs_then_reloads_systemd_once():
+    op, said = managed_put(*managed_files(a="[Unit]\nX=1\n", b="[Timer]\nY=1\n"))
+    assert managed_host().commands(op) == [*uploaded(UNIT_A), *uploaded(UNIT_B), "systemctl daemon-reload"]
+    assert said == [frozenset({UNIT_A, UNIT_B})]
+    # Not a unit: no reload. A unit's mode put right counts as a change (systemd may have refused it).
+    op, said = managed_put(*managed_files(conf="a=2\n"))
+    assert managed_host().commands(op) == uploaded(CONF) and said == [frozenset({CONF})]
+    op, said = managed_put(*managed_files())
+    assert managed_host(**{UNIT_A: ("[Unit]\n", 664)}).commands(op) == [
+        f"chmod 644 {UNIT_A}",
+        "systemctl daemon-reload",
+    ]
+
+
+def test_managed_put_atomically_writes_beside_and_renames_over():
+    op, said = managed_put(*managed_files(env="API_KEY=k2\n"))
+    assert managed_host().commands(op) == [*uploaded(f"{ENV}.new", "600"), f"mv -f {ENV}.new {ENV}"]
+    # A secret file's mode is checked even when its text is right; a plain atomic file's is not.
+    op, _ = managed_put(*managed_files())
+    assert managed_host(**{ENV: ("API_KEY=k1\n", 644)}).commands(op) == [f"chmod 600 {ENV}"]
+    plain = ManagedFile(UNIT_A, text="[Unit]\n", atomic=True, unit=True)
+    op, said = managed_put(plain)
+    assert managed_host(**{UNIT_A: ("[Unit]\n", 600)}).commands(op) == [] and said == [frozenset()]
+    # A path with a space is one shell word.
+    odd = ManagedFile("/etc/free token/x.env", text="A=1\n", atomic=True)
+    op, _ = managed_put(odd)
+    assert FakeHost().commands(op)[-1] == "mv -f '/etc/free token/x.env.new' '/etc/free token/x.env'"
+
+
+def test_managed_put_shows_every_diff_before_its_first_command_and_never_a_secret(caplog):
+    """pyinfra's change detection reads an operation up to its first command: every file's diff
+    must be printed by then. A secret's diff says that it changes, never its value."""
+    changed = managed_files(conf="a=2\n", b="[Timer]\nY=1\n", env="API_KEY=k2\n")
+
+    def up_to_the_first_command():
+        yield next(managed.put(*changed))
+
+    op = type("Op", (), {"_inner": staticmethod(up_to_the_first_command)})
+    host = managed_host()
+    host.diff = True
+    with caplog.at_level("INFO"):
+        assert host.commands(op) == [f"upload {CONF}"]
+    logged = caplog.text
+    for path in (CONF, UNIT_B, ENV):
+        assert f"Will modify {path}" in logged
+    assert "k1" not in logged and "k2" not in logged
+
+
+def test_managed_running_restarts_or_reloads_only_what_changed():
+    up = FakeHost(running={"a.service"}, enabled={"a.service"})
+    op = type("Op", (), {"_inner": staticmethod(lambda changed, reload: managed.running("a.service", changed, reload))})
+    assert up.commands(op, False, False) == []
+    assert up.commands(op, True, False) == ["systemctl restart a.service"]
+    assert up.commands(op, True, True) == ["systemctl reload a.service"]
+    assert FakeHost().commands(op, True, False) == ["systemctl start a.service", "systemctl enable a.service"]
+
+
+def test_a_managed_file_is_text_or_a_local_file_and_only_text_is_written_atomically():
+    with pytest.raises(ValueError):
+        ManagedFile(CONF)
+    with pytest.raises(ValueError):
+        ManagedFile(CONF, text="x", local="/tmp/x")
+    with pytest.raises(ValueError):
+        ManagedFile(CONF, local="/tmp/x", atomic=True)
+
+
+def _noop_hosts():
+    """Each operation that writes managed files, on a host where all of it is in place."""
+    from tests.unit import test_firewall, test_guard, test_node_exporter
+
+    s = Settings()
+    plan = derive_plan(s, 16311, (12, 0))
+    engine = {
+        service.env_path(s): (service.engine_environment(s), 600),
+        service.UNIT_PATH: service.engine_unit(s, plan),
+    }
+    cache = Settings(model_cache_host="ws1")
+    return {
+        "service.unit": (FakeHost(files=engine), service.unit, (s, plan), {}),
+        "guard": (test_guard.guard_host(test_guard.converged_files(s), timer_on=True), guard.guard, (s,), {}),
+        "firewall": (test_firewall.converged(), firewall.firewall, (test_firewall.ON_LAN, test_firewall.GW), {}),
+        "model_fetcher": (fetcher_host(s), model.model_fetcher, (s,), {}),
+        "model_cache": (cache_host(cache, "192.0.2.11"), model.model_cache, (cache,), {"bind": "192.0.2.11"}),
+        "node_exporter": (test_node_exporter.converged(s), node_exporter.node_exporter, (s, "127.0.0.1"), {}),
+    }
+
+
+# The facts each reads on a no-op run, counted before its files went through operations/managed.py:
+# a no-op run costs no more than it did (another issue measures what a no-op run costs).
+NOOP_FACTS = {
+    "service.unit": {"File": 1, "FileText": 2},
+    "guard": {"Directory": 4, "File": 3, "Sha1File": 3, "SystemdEnabled": 1, "SystemdStatus": 1},
+    "firewall": {"DebPackages": 1, "Directory": 2, "File": 2, "Sha1File": 2, "SystemdEnabled": 1, "SystemdStatus": 1},
+    "model_fetcher": {"Account": 1, "DirOwnership": 2, "Directory": 5, "File": 6, "Sha1File": 5},
+    "model_cache": {
+        "DebPackages": 1,
+        "Directory": 3,
+        "File": 3,
+        "Sha1File": 3,
+        "SystemdEnabled": 1,
+        "SystemdStatus": 1,
+    },
+    "node_exporter": {
+        "DebPackages": 1,
+        "Directory": 2,
+        "File": 1,
+        "Sha1File": 1,
+        "SystemdEnabled": 1,
+        "SystemdStatus": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOOP_FACTS))
+def test_a_no_op_run_yields_nothing_and_reads_no_more_facts_than_before(name):
+    host, op, args, kwargs = _noop_hosts()[name]
+    assert host.commands(op, *args, **kwargs) == []
+    assert Counter(fact for fact, _ in host.asked) == NOOP_FACTS[name]

@@ -1,0 +1,111 @@
+"""systemd unit files and drop-ins as data, written by one function.
+
+Every unit the deploy writes (the engine, the guard's service and timer, the model's fetch and
+cache services, the firewall, node_exporter's drop-in) is a ``UnitFile``: the comment on top,
+then its sections in order, each an ordered list of ``(key, value)`` settings and comments. A
+key may repeat (two ``ExecStartPre=``, or ``ExecStart=`` with an empty value to reset the
+package's own in a drop-in). ``render`` turns one into the text uploaded: one way, so that every
+unit has the same layout and a change to it is a change to data.
+
+Values are written as given: a value built from settings goes through ``unit_word`` or
+``unit_command`` (systemd's own quoting and specifier escapes) where it is declared, since
+what a word needs depends on the setting it is in. ``render`` refuses a line break anywhere (a
+value with one would add a setting of its choosing) and a key that is not a plain name.
+
+Standard library only, no pyinfra: tested in ``tests/unit/test_units.py`` against the text of
+every unit as it was pinned before this module existed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_KEY = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+_SECTION = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+
+
+@dataclass(frozen=True)
+class Comment:
+    """A comment among the settings: each line of ``text`` written as ``# line``."""
+
+    text: str
+
+
+Entry = tuple[str, str] | Comment
+
+
+@dataclass(frozen=True)
+class Section:
+    """``[name]`` and its settings, in order: ``(key, value)`` pairs (a key may repeat) and
+    comments."""
+
+    name: str
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class UnitFile:
+    """A unit file or drop-in: the comment on top (who writes it), then its sections."""
+
+    header: str
+    sections: tuple[Section, ...]
+
+
+def managed_by(module: str) -> str:
+    """The comment on top of a unit written by ``module`` (``operations/guard.py``)."""
+    return f"Managed by freetoken-infra ({module}); changes here are overwritten."
+
+
+def _comment(text: str) -> list[str]:
+    return [f"# {line}" for line in text.split("\n")]
+
+
+def render(unit: UnitFile) -> str:
+    """The text of ``unit``: the header comment, each section's ``[name]`` and its lines, a blank
+    line between sections, a line break at the end."""
+    lines = _comment(unit.header)
+    for i, section in enumerate(unit.sections):
+        if not _SECTION.fullmatch(section.name):
+            raise ValueError(f"not a unit section name: {section.name!r}")
+        if i:
+            lines.append("")
+        lines.append(f"[{section.name}]")
+        for entry in section.entries:
+            if isinstance(entry, Comment):
+                lines += _comment(entry.text)
+                continue
+            key, value = entry
+            if not _KEY.fullmatch(key):
+                raise ValueError(f"[{section.name}]: not a unit setting name: {key!r}")
+            lines.append(f"{key}={value}")
+    for line in lines:
+        if "\n" in line or "\r" in line:
+            raise ValueError(f"a line break inside a unit line: {line!r}")
+    return "\n".join(lines) + "\n"
+
+
+def unit_word(value: str, variables: bool = True) -> str:
+    """One word of a unit file line, as systemd reads it back.
+
+    systemd expands ``%`` specifiers in every setting, splits list and command lines on
+    whitespace (quotes and backslashes are its escapes) and expands ``$VAR`` in the arguments of
+    ``Exec*=`` lines only: ``variables=False`` for an executable path or a path list
+    (``ReadWritePaths=``), where a doubled ``$$`` would stay doubled. A lone ``;`` would end the
+    command.
+    """
+    value = value.replace("%", "%%")
+    if variables:
+        value = value.replace("$", "$$")
+    if value == ";":
+        return "\\;"
+    if any(c in value for c in " \t\"'\\"):
+        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return value
+
+
+def unit_command(argv: Sequence[str]) -> str:
+    """An ``Exec*=`` line's value: the executable path (no ``$`` expansion there), then its
+    arguments, each escaped for systemd."""
+    return " ".join([unit_word(argv[0], variables=False), *(unit_word(a) for a in argv[1:])])
