@@ -8,6 +8,7 @@ import pytest
 
 from freetoken_infra import fleet
 from freetoken_infra.core.layout import GATEWAY_ENGINE_KEY_MAP, GATEWAY_KEYS_MAP, SESSION_HEADER
+from freetoken_infra.core.records import HostRow
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
 from operations import gateway as gw
 from operations.gateway import GatewayBackend, GatewayError
@@ -277,7 +278,7 @@ def test_a_rollout_drains_each_batch_before_its_deploy_and_readies_only_what_pas
 
     def run_batch(index, hosts, inventory, deploy, data, out=None):
         log.append(("deploy", list(hosts)))
-        return rollout.BatchRun(hosts, 0, [{"host": h, "result": outcome[h]} for h in hosts])
+        return rollout.BatchRun(hosts, 0, [HostRow(host=h, result=outcome[h]) for h in hosts])
 
     monkeypatch.setattr(rollout, "run_batch", run_batch)
     gateway = FakeGateway(["ws1", "ws2", "ws3"], log)
@@ -305,7 +306,7 @@ def test_a_host_not_behind_the_gateway_is_rolled_out_without_drain(monkeypatch):
     monkeypatch.setattr(
         rollout,
         "run_batch",
-        lambda i, hosts, *a, **k: rollout.BatchRun(hosts, 0, [{"host": h, "result": RESULT_OK} for h in hosts]),
+        lambda i, hosts, *a, **k: rollout.BatchRun(hosts, 0, [HostRow(host=h, result=RESULT_OK) for h in hosts]),
     )
     out = io.StringIO()
     rollout.rollout("inv.py", [["ws1", "ws9"]], gateway=FakeGateway(["ws1"], log), out=out)
