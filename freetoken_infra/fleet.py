@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import os
 import shlex
 import subprocess
@@ -33,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken_infra.core.gate_record import GateRecordError, GateResult
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
     GATEWAY_BACKENDS,
@@ -271,13 +271,11 @@ class Fleet:
             # Read as the service user, who owns the file (root never reads a path it can write).
             path = shlex.quote(HostLayout.of(settings).last_gate_file)
             try:
-                doc = json.loads(
-                    remote.run(f"runuser -u {shlex.quote(settings.service_user)} -- head -c 65536 {path}", timeout=8)
-                )
-                tps = doc.get("decode_tps")
-                return name, float(tps) if isinstance(tps, (int, float)) else None
-            except (FleetError, ValueError, AttributeError):
+                text = remote.run(f"runuser -u {shlex.quote(settings.service_user)} -- head -c 65536 {path}", timeout=8)
+                tps = GateResult.from_json(text, f"{name}: gate record").decode_tps
+            except (FleetError, GateRecordError):
                 return name, None
+            return name, float(tps) if tps is not None else None
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             return dict(pool.map(one, self.hosts.items()))

@@ -248,6 +248,43 @@ def test_remote_from_inventory_data():
     assert fleet.remote_for("@local", {}).ssh_argv is None
 
 
+class RecordRemote:
+    """A host whose last gate record file holds `text` (a FleetError: it cannot be reached)."""
+
+    def __init__(self, text):
+        self.text, self.commands = text, []
+
+    def run(self, command, timeout=20):
+        self.commands.append(command)
+        if isinstance(self.text, Exception):
+            raise self.text
+        return self.text
+
+
+def test_status_reads_each_hosts_last_gate_as_a_gate_record():
+    """The tok/s of `fleet status` is the decode_tps of the host's gate record, read as the typed
+    GateResult: a record that is not one (forged, torn, not JSON) or a host that does not answer
+    shows "-", never a value the schema refuses."""
+    from freetoken_infra.core.gate_record import GateResult
+
+    texts = {
+        "ws1": GateResult(ok=True, phase="done", decode_tps=23.5).to_json(),
+        "ws2": GateResult(ok=True, phase="done", decode_tps=24).to_json(),  # an int in the JSON
+        "ws3": GateResult(ok=False, phase="chat", error="HTTP 401").to_json(),  # measured nothing
+        "ws4": json.dumps({"ok": True, "decode_tps": "fast"}),
+        "ws5": json.dumps({"decode_tps": 99.0}),  # no ok: not a gate record
+        "ws6": '{"ok": true, "decode_tps": 2',
+        "ws7": json.dumps({"ok": True, "decode_tps": True}),
+        "ws8": fleet.FleetError("ws8: no answer within 8 s"),
+    }
+    remotes = {name: RecordRemote(text) for name, text in texts.items()}
+    hosts = {name: (Settings(), remote) for name, remote in remotes.items()}
+    tps = fleet.Fleet(RecordRemote(""), hosts).gate_tps()
+    assert tps == {"ws1": 23.5, "ws2": 24.0, "ws3": None} | {f"ws{i}": None for i in range(4, 9)}
+    assert isinstance(tps["ws2"], float)
+    assert "head -c 65536" in remotes["ws1"].commands[0] and "runuser -u" in remotes["ws1"].commands[0]
+
+
 # ------------------------------------------------------------------ rollouts behind the gateway
 class FakeGateway:
     """Records what a rollout asks of the gateway, in order, with the hosts' streams."""
