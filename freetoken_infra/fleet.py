@@ -40,7 +40,7 @@ from freetoken_infra.core.layout import (
     GATEWAY_RUNTIME_SOCKET,
     HostLayout,
 )
-from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.settings import InventoryError, Settings, load_inventory_settings
 from freetoken_infra.core.text import printable
 
 DEFAULT_INVENTORY = "inventories/fleet.py"
@@ -200,16 +200,9 @@ class Fleet:
 
     @classmethod
     def from_inventory(cls, inventory: str, data: dict | None = None) -> Fleet:
-        from freetoken_infra.core.pyinfra_internals import InventoryLoadError, load_inventory
-        from freetoken_infra.core.settings import SettingsError, validate_inventory
-
         try:
-            inv = load_inventory(inventory, data)
-        except InventoryLoadError as exc:
-            raise FleetError(f"{inventory}: {exc}") from None
-        try:
-            settings = validate_inventory(inv)
-        except SettingsError as exc:
+            inv, settings = load_inventory_settings(inventory, data)
+        except InventoryError as exc:
             raise FleetError(str(exc)) from None
         gateways = [h for h in inv if GATEWAY_GROUP in h.groups]
         if not gateways:

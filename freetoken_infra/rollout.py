@@ -55,7 +55,7 @@ from typing import Any, TextIO
 
 from freetoken_infra.core.records import RECORD_ENV, HostRow, HostRowError, read_records
 from freetoken_infra.core.redact import redact_command
-from freetoken_infra.core.settings import natural_key
+from freetoken_infra.core.settings import InventoryError, load_inventory_settings, natural_key
 from freetoken_infra.fleet import GATEWAY_GROUP, Fleet, FleetError
 from freetoken_infra.report import (
     RESULT_FAILED,
@@ -188,16 +188,9 @@ def parse_data(items: Sequence[str]) -> dict:
 def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[str]:
     """Host names of the inventory (as the pyinfra CLI loads it, group_data included), after
     validating every host's settings; RolloutError naming host and field otherwise."""
-    from freetoken_infra.core.pyinfra_internals import InventoryLoadError, load_inventory
-    from freetoken_infra.core.settings import SettingsError, validate_inventory
-
     try:
-        inv = load_inventory(inventory, data)
-    except InventoryLoadError as exc:
-        raise RolloutError(f"{inventory}: {exc}") from None
-    try:
-        settings = validate_inventory(inv)
-    except SettingsError as exc:
+        _, settings = load_inventory_settings(inventory, data)
+    except InventoryError as exc:
         raise RolloutError(str(exc)) from None
     names = [name for name, s in settings.items() if s.runs_engine]  # not a gateway-only host
     if limit:

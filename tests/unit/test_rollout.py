@@ -152,6 +152,41 @@ def test_example_fleet_inventory_loads_and_every_host_validates():
     assert doc["rollout_hosts"] == list(hosts)
 
 
+def test_the_rollout_and_the_fleet_load_an_inventory_through_one_function(tmp_path):
+    """core.settings.load_inventory_settings: the file as the pyinfra CLI loads it and every
+    host's settings, or one error naming the file or the host and field; the rollout and the
+    fleet say the same, each as its own error."""
+    (tmp_path / "good.py").write_text('hosts = ["@local"]\ngateway = [("gw", {"ssh_hostname": "127.0.0.1"})]\n')
+    (tmp_path / "broken.py").write_text("hosts = [\n")
+    (tmp_path / "bad.py").write_text('hosts = [("ws1", {"listen_port": 70000})]\n')
+    run = _in_subprocess(
+        "import json, sys\n"
+        "from freetoken_infra.core.settings import InventoryError, load_inventory_settings\n"
+        "from freetoken_infra.fleet import Fleet, FleetError\n"
+        "from freetoken_infra.rollout import RolloutError, load_hosts\n"
+        f"folder = {str(tmp_path)!r}\n"
+        "inv, settings = load_inventory_settings(folder + '/good.py')\n"
+        "out = {'good': [sorted(h.name for h in inv), sorted(settings)]}\n"
+        "for name in ('broken', 'bad'):\n"
+        "    said = []\n"
+        "    for load, error in ((load_inventory_settings, InventoryError), (load_hosts, RolloutError),\n"
+        "                        (Fleet.from_inventory, FleetError)):\n"
+        "        try:\n"
+        "            load(folder + f'/{name}.py', {})\n"
+        "        except error as exc:\n"
+        "            said.append(str(exc))\n"
+        "    out[name] = said\n"
+        "print(json.dumps(out))\n"
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["good"] == [["@local", "gw"], ["@local", "gw"]]
+    for name in ("broken", "bad"):
+        assert len(out[name]) == 3 and len(set(out[name])) == 1, out[name]
+    assert out["broken"][0].startswith(f"{tmp_path}/broken.py: ")
+    assert "host ws1: setting 'listen_port' = 70000 is invalid" in out["bad"][0]
+
+
 def test_a_bad_setting_stops_the_rollout_before_any_host():
     rollout = [sys.executable, "-m", "freetoken_infra.rollout", "inventories/fleet.py"]
     run = subprocess.run(
