@@ -95,6 +95,16 @@ class EngineHealthInfo:
     http_status: int | None = None
     uptime_s: float | None = None
 
+    @classmethod
+    def not_reached(cls, error: str) -> EngineHealthInfo:
+        """Nothing answered at ``/health`` (or the check could not run): why, in ``error``."""
+        return cls(False, None, None, None, None, None, None, None, error)
+
+    @classmethod
+    def unreadable(cls, http_status: int | None, error: str) -> EngineHealthInfo:
+        """Something answered at ``/health`` but its body says nothing we can read: why, in ``error``."""
+        return cls(True, None, None, None, None, None, None, None, error, http_status)
+
 
 # python3 is always on the targets; urllib with proxies disabled (http_proxy in the
 # environment must not capture a loopback health check). The body is the engine's text, not
@@ -130,31 +140,9 @@ def parse_health_body(http_status: int | None, body: str) -> EngineHealthInfo:
     try:
         data = json.loads(body)
     except ValueError:
-        return EngineHealthInfo(
-            True,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            f"non-JSON /health body: {body.strip()[:200]!r}",
-            http_status,
-        )
+        return EngineHealthInfo.unreadable(http_status, f"non-JSON /health body: {body.strip()[:200]!r}")
     if not isinstance(data, dict):
-        return EngineHealthInfo(
-            True,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            f"unexpected /health JSON: {body.strip()[:200]!r}",
-            http_status,
-        )
+        return EngineHealthInfo.unreadable(http_status, f"unexpected /health JSON: {body.strip()[:200]!r}")
     raw_progress = data.get("progress")
     progress: dict[str, Any] = raw_progress if isinstance(raw_progress, dict) else {}
     uptime = data.get("uptime_s")
@@ -184,28 +172,17 @@ def parse_health_output(lines: list[str]) -> EngineHealthInfo:
                 why = json.loads(line[len(MARKER + "unreachable ") :])
             except ValueError:
                 why = None
-            return EngineHealthInfo(False, None, None, None, None, None, None, None, str(why) if why else "unreachable")
+            return EngineHealthInfo.not_reached(str(why) if why else "unreachable")
         if line.startswith(MARKER + "no-python"):
-            return EngineHealthInfo(False, None, None, None, None, None, None, None, "python3 not found")
+            return EngineHealthInfo.not_reached("python3 not found")
         if line.startswith(MARKER + "http "):
             http_status = parse_int(line.split()[1])
         elif line.startswith(MARKER + "body") and http_status is not None:
             raw = b64decode_lines([line[len(MARKER + "body") :]])
             if raw is None:
-                return EngineHealthInfo(
-                    True,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    "the /health body did not arrive intact (bad base64)",
-                    http_status,
-                )
+                return EngineHealthInfo.unreadable(http_status, "the /health body did not arrive intact (bad base64)")
             return parse_health_body(http_status, raw.decode("utf-8", "replace"))
-    return EngineHealthInfo(False, None, None, None, None, None, None, None, "no output")
+    return EngineHealthInfo.not_reached("no output")
 
 
 class EngineHealth(FactBase[EngineHealthInfo]):
@@ -229,7 +206,7 @@ class EngineHealth(FactBase[EngineHealthInfo]):
 
     @staticmethod
     def default() -> EngineHealthInfo:
-        return EngineHealthInfo(False, None, None, None, None, None, None, None, "no output")
+        return EngineHealthInfo.not_reached("no output")
 
     def process(self, output: list[str]) -> EngineHealthInfo:
         return parse_health_output(output)

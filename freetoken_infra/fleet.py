@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import os
 import shlex
 import subprocess
@@ -33,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken_infra.core.gate_record import GateRecordError, GateResult
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
     GATEWAY_BACKENDS,
@@ -40,7 +40,7 @@ from freetoken_infra.core.layout import (
     GATEWAY_RUNTIME_SOCKET,
     HostLayout,
 )
-from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.settings import InventoryError, Settings, load_inventory_settings
 from freetoken_infra.core.text import printable
 
 DEFAULT_INVENTORY = "inventories/fleet.py"
@@ -200,16 +200,9 @@ class Fleet:
 
     @classmethod
     def from_inventory(cls, inventory: str, data: dict | None = None) -> Fleet:
-        from freetoken_infra.core.pyinfra_internals import InventoryLoadError, load_inventory
-        from freetoken_infra.core.settings import SettingsError, validate_inventory
-
         try:
-            inv = load_inventory(inventory, data)
-        except InventoryLoadError as exc:
-            raise FleetError(f"{inventory}: {exc}") from None
-        try:
-            settings = validate_inventory(inv)
-        except SettingsError as exc:
+            inv, settings = load_inventory_settings(inventory, data)
+        except InventoryError as exc:
             raise FleetError(str(exc)) from None
         gateways = [h for h in inv if GATEWAY_GROUP in h.groups]
         if not gateways:
@@ -271,13 +264,11 @@ class Fleet:
             # Read as the service user, who owns the file (root never reads a path it can write).
             path = shlex.quote(HostLayout.of(settings).last_gate_file)
             try:
-                doc = json.loads(
-                    remote.run(f"runuser -u {shlex.quote(settings.service_user)} -- head -c 65536 {path}", timeout=8)
-                )
-                tps = doc.get("decode_tps")
-                return name, float(tps) if isinstance(tps, (int, float)) else None
-            except (FleetError, ValueError, AttributeError):
+                text = remote.run(f"runuser -u {shlex.quote(settings.service_user)} -- head -c 65536 {path}", timeout=8)
+                tps = GateResult.from_json(text, f"{name}: gate record").decode_tps
+            except (FleetError, GateRecordError):
                 return name, None
+            return name, float(tps) if tps is not None else None
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             return dict(pool.map(one, self.hosts.items()))

@@ -16,10 +16,18 @@ import click
 from freetoken_infra.core.gate_record import CUT_OFF, GateResult
 from freetoken_infra.core.layout import RESTART_MESSAGE
 from freetoken_infra.core.pyinfra_internals import active_host_names, reached_host_names
-from freetoken_infra.core.records import (
+from freetoken_infra.core.records import (  # the results are re-exported: the rollout's words
     RECORD_ENV,
+    RESULT_FAILED,
+    RESULT_NOT_RUN,
+    RESULT_OK,
+    RESULT_PARKED,
+    RESULT_REFUSED,
+    RESULTS,
+    UNTOUCHED,
     Finished,
     HealthSeen,
+    HostRow,
     Lost,
     Observed,
     Rollback,
@@ -175,19 +183,8 @@ def format_gate_report(results: Mapping[str, GateRow | GateResult], floor_tps: f
 
 
 # --------------------------------------------------------------------------- fleet report
-# What a rollout (freetoken_infra.rollout) prints at its end: one row per host, from the run
-# record (freetoken_infra.core.records) each batch's deploy writes.
-
-RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN = "ok", "failed", "not run"
-# A host pyinfra could not connect to (a PC that is off tonight): nothing was done on it, it is
-# no failure of the rollout, and a catch-up run converges it later.
-RESULT_PARKED = "parked"
-# A host the preflight stopped before any change (a blocker such as an old WSL): nothing was done.
-RESULT_REFUSED = "refused"
-RESULTS = (RESULT_OK, RESULT_PARKED, RESULT_REFUSED, RESULT_FAILED, RESULT_NOT_RUN)
-# Results of a row where the deploy changed nothing on the host: its "what we did" columns
-# (model, health, tok/s, restart) say "-".
-UNTOUCHED = (RESULT_PARKED, RESULT_REFUSED, RESULT_NOT_RUN)
+# What a rollout (freetoken_infra.rollout) prints at its end: one row per host (core.records.HostRow),
+# from the run record (freetoken_infra.core.records) each batch's deploy writes.
 
 
 def record_host(host_name: str, pre: HostPreflight) -> None:
@@ -229,7 +226,7 @@ def host_row(
     not_run: str | None = None,
     unreachable: str | None = None,
     no_result: str = "no result from the deploy",
-) -> dict[str, Any]:
+) -> HostRow:
     """One report row from a host's records (``read_records``; a JSON document is read as one).
     `not_run`: why the rollout never got to it; `unreachable`: pyinfra's connection error when
     the deploy recorded nothing (the host is parked); `no_result`: the reason when it recorded
@@ -311,69 +308,65 @@ def host_row(
             reason += f", upgraded from {observed.engine_active}"
     vram = observed.vram_mib
     untouched = result in UNTOUCHED
-    return {
-        "host": name,
-        "batch": batch,
-        "gpu": observed.gpu,
-        "vram_gb": round(vram / 1024) if vram is not None else None,
-        "wsl_version": observed.wsl_version,
-        "engine_version": engine,
+    return HostRow(
+        host=name,
+        batch=batch,
+        gpu=observed.gpu,
+        vram_gb=round(vram / 1024) if vram is not None else None,
+        wsl_version=observed.wsl_version,
+        engine_version=engine,
         # what the host should serve; "-" (None) where the deploy did nothing on it
-        "model": None if untouched else observed.model,
-        "health": "-" if untouched or not entries else health,
-        "tokens_per_s": None if untouched else tps,
-        "tokens_per_s_source": None if untouched else tps_source,
+        model=None if untouched else observed.model,
+        health="-" if untouched or not entries else health,
+        tokens_per_s=None if untouched else tps,
+        tokens_per_s_source=None if untouched else tps_source,
         # None ("-"): the deploy did nothing here, so it owes no `wsl.exe --shutdown` either
-        "restart_pending": bool(restart_files) if seen is not None and not untouched else None,
-        "restart_pending_files": [] if untouched else restart_files,
-        "result": result,
-        "reason": reason,
-        "changes": finished.changes if finished is not None else None,
-    }
+        restart_pending=bool(restart_files) if seen is not None and not untouched else None,
+        restart_pending_files=() if untouched else tuple(restart_files),
+        result=result,
+        reason=reason,
+        changes=finished.changes if finished is not None else None,
+    )
 
 
-def fleet_counts(rows: list[dict]) -> str:
+def fleet_counts(rows: Sequence[HostRow]) -> str:
     """``3 host(s): 1 ok, 1 parked, 1 refused, 0 failed, 0 not run``."""
-    count = {k: sum(1 for r in rows if r["result"] == k) for k in RESULTS}
+    count = {k: sum(1 for r in rows if r.result == k) for k in RESULTS}
     return f"{len(rows)} host(s): " + ", ".join(f"{count[k]} {k}" for k in RESULTS)
 
 
-def ending_line(row: dict) -> str:
+def ending_line(row: HostRow) -> str:
     """One plain line of why for a host that is not ok (printed as its batch ends)."""
-    result, reason = row["result"], printable(row.get("reason") or "")
+    result, reason = row.result, printable(row.reason)
     if result == RESULT_PARKED:
-        return f"{row['host']} parked: {reason}; nothing was done on it (catch it up when it is back)"
+        return f"{row.host} parked: {reason}; nothing was done on it (catch it up when it is back)"
     if result == RESULT_REFUSED:
-        return f"{row['host']} refused: {reason}; nothing was changed on it (its findings say what to do)"
+        return f"{row.host} refused: {reason}; nothing was changed on it (its findings say what to do)"
     if result == RESULT_NOT_RUN:
-        return f"{row['host']} not run: {reason}"
-    return f"{row['host']} {result}: {reason}"
+        return f"{row.host} not run: {reason}"
+    return f"{row.host} {result}: {reason}"
 
 
-def format_fleet_report(rows: list[dict]) -> str:
+def format_fleet_report(rows: Sequence[HostRow]) -> str:
     """The fleet table (one line per host, the reason last) and a one-line summary."""
     header = ("host", "GPU", "VRAM", "WSL", "engine", "model", "health", "tok/s", "restart", "result")
     table = []
     for r in rows:
-        tps = r.get("tokens_per_s")
-        tps_text = (
-            "-"
-            if not isinstance(tps, (int, float))
-            else (f"{tps:.1f}" + ("*" if r.get("tokens_per_s_source") == "last gate" else ""))
-        )
-        restart = r.get("restart_pending")
+        tps = r.tokens_per_s
+        tps_text = "-" if tps is None else f"{tps:.1f}" + ("*" if r.tokens_per_s_source == "last gate" else "")
+        restart = r.restart_pending
         table.append(
             (
-                r["host"],
-                r.get("gpu") or "-",
-                f"{r['vram_gb']} GB" if r.get("vram_gb") is not None else "-",
-                r.get("wsl_version") or "-",
-                r.get("engine_version") or "-",
-                r.get("model") or "-",
-                r.get("health") or "-",
+                r.host,
+                r.gpu or "-",
+                f"{r.vram_gb} GB" if r.vram_gb is not None else "-",
+                r.wsl_version or "-",
+                r.engine_version or "-",
+                r.model or "-",
+                r.health or "-",
                 tps_text,
                 "-" if restart is None else ("yes" if restart else "no"),
-                f"{r['result']}: {r['reason']}" if r.get("reason") else r["result"],
+                f"{r.result}: {r.reason}" if r.reason else r.result,
             )
         )
     # Engine version, model, health and reason come from hosts and the engine: escaped.
@@ -387,6 +380,6 @@ def format_fleet_report(rows: list[dict]) -> str:
     lines = ["== fleet report ==", fmt(header), "-" * (sum(widths) + 2 * len(widths) + len("result"))]
     lines += [fmt(row) for row in shown]
     lines.append(fleet_counts(rows))
-    if any(r.get("tokens_per_s_source") == "last gate" for r in rows):
+    if any(r.tokens_per_s_source == "last gate" for r in rows):
         lines.append("* tok/s of the host's last health gate (nothing changed, so the gate did not run again)")
     return "\n".join(lines)

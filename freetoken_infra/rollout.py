@@ -49,13 +49,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from freetoken_infra.core.records import RECORD_ENV, read_records
+from freetoken_infra.core.records import RECORD_ENV, HostRow, HostRowError, read_records
 from freetoken_infra.core.redact import redact_command
-from freetoken_infra.core.settings import natural_key
+from freetoken_infra.core.settings import InventoryError, load_inventory_settings, natural_key
 from freetoken_infra.fleet import GATEWAY_GROUP, Fleet, FleetError
 from freetoken_infra.report import (
     RESULT_FAILED,
@@ -188,16 +188,9 @@ def parse_data(items: Sequence[str]) -> dict:
 def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[str]:
     """Host names of the inventory (as the pyinfra CLI loads it, group_data included), after
     validating every host's settings; RolloutError naming host and field otherwise."""
-    from freetoken_infra.core.pyinfra_internals import InventoryLoadError, load_inventory
-    from freetoken_infra.core.settings import SettingsError, validate_inventory
-
     try:
-        inv = load_inventory(inventory, data)
-    except InventoryLoadError as exc:
-        raise RolloutError(f"{inventory}: {exc}") from None
-    try:
-        settings = validate_inventory(inv)
-    except SettingsError as exc:
+        _, settings = load_inventory_settings(inventory, data)
+    except InventoryError as exc:
         raise RolloutError(str(exc)) from None
     names = [name for name, s in settings.items() if s.runs_engine]  # not a gateway-only host
     if limit:
@@ -227,7 +220,7 @@ def pyinfra_argv(inventory: str, deploy: str, hosts: Sequence[str], data: Sequen
 class BatchRun:
     hosts: list[str]
     returncode: int
-    rows: list[dict] = field(default_factory=list)
+    rows: list[HostRow] = field(default_factory=list)
 
 
 def run_batch(
@@ -266,10 +259,10 @@ def run_batch(
         )
         for h in hosts
     ]
-    if returncode != 0 and rows and all(r["result"] == RESULT_OK for r in rows):
+    if returncode != 0 and rows and all(r.result == RESULT_OK for r in rows):
         # pyinfra failed although no host reported a failure: trust the exit status.
-        for r in rows:
-            r["result"], r["reason"] = RESULT_FAILED, f"pyinfra exited {returncode} (see the log above)"
+        why = f"pyinfra exited {returncode} (see the log above)"
+        rows = [replace(r, result=RESULT_FAILED, reason=why) for r in rows]
     return BatchRun(hosts, returncode, rows)
 
 
@@ -297,9 +290,9 @@ def drain_batch(gateway: Fleet, hosts: Sequence[str], timeout: float, out=sys.st
     return behind
 
 
-def ready_batch(gateway: Fleet, behind: Sequence[str], rows: Sequence[dict], out=sys.stdout) -> None:
+def ready_batch(gateway: Fleet, behind: Sequence[str], rows: Sequence[HostRow], out=sys.stdout) -> None:
     """Put the batch's hosts whose health gate passed back in service; failed ones stay drained."""
-    passed = [r["host"] for r in rows if r["host"] in behind and r["result"] == RESULT_OK]
+    passed = [r.host for r in rows if r.host in behind and r.result == RESULT_OK]
     failed = [h for h in behind if h not in passed]
     if passed:
         gateway.ready(passed)
@@ -318,14 +311,14 @@ def rollout(
     run: BatchRunner | None = None,
     gateway: Fleet | None = None,
     drain_timeout: float = 300.0,
-) -> tuple[list[dict], str | None]:
+) -> tuple[list[HostRow], str | None]:
     """Run the batches in order; (report rows for every host, why it stopped or None).
 
     Per batch: drain it at the gateway (when there is one), converge it (`run`, the pyinfra
     CLI), put the hosts whose gate passed back, end it with one plain line per host that is not
     ok, then decide whether the rollout goes on (``batch_stops``)."""
     run = run or run_batch
-    rows: list[dict] = []
+    rows: list[HostRow] = []
     stopped: str | None = None
     for index, hosts in enumerate(batches):
         if stopped:
@@ -346,7 +339,7 @@ def rollout(
             except FleetError as exc:
                 stopped = f"gateway: {exc} (drained: {', '.join(behind)})"
         end_batch(index, batch.rows, out)
-        count = {k: sum(1 for r in batch.rows if r["result"] == k) for k in RESULTS}
+        count = {k: sum(1 for r in batch.rows if r.result == k) for k in RESULTS}
         failed = len(batch.rows) - count[RESULT_OK] - count[RESULT_PARKED] - count[RESULT_REFUSED]
         if index < len(batches) - 1 and not stopped:  # after the last batch nothing is left to stop
             stopped = batch_stops(
@@ -357,20 +350,20 @@ def rollout(
     return rows, stopped
 
 
-def end_batch(index: int, rows: list[dict], out: TextIO) -> None:
+def end_batch(index: int, rows: Sequence[HostRow], out: TextIO) -> None:
     """After pyinfra's own output: one plain line of why for each host that is not ok."""
-    lines = [ending_line(r) for r in rows if r["result"] != RESULT_OK]
-    ok = [r["host"] for r in rows if r["result"] == RESULT_OK]
+    lines = [ending_line(r) for r in rows if r.result != RESULT_OK]
+    ok = [r.host for r in rows if r.result == RESULT_OK]
     head = f"--> rollout batch {index + 1} ended: " + (f"{', '.join(ok)} ok" if ok else "no host ok")
     print("\n" + head, file=out, flush=True)
     for line in lines:
         print(f"    {line}", file=out, flush=True)
 
 
-def exit_status(rows: list[dict], stopped: str | None) -> int:
+def exit_status(rows: Sequence[HostRow], stopped: str | None) -> int:
     """The rollout's exit status (module docstring): the first of stopped, failed, parked,
     refused that applies, else 0."""
-    results = {r["result"] for r in rows}
+    results = {r.result for r in rows}
     if stopped:
         return EXIT_STOPPED
     if results - {RESULT_OK, RESULT_PARKED, RESULT_REFUSED}:
@@ -512,6 +505,7 @@ def load_report(source: str) -> tuple[Path, dict[str, Any]]:
             f"--from {source}: {path} is not a report this controller's rollout wrote (its signature "
             f"does not match the key in {reports_dir()}); nothing was run"
         )
+    report_rows(doc, source)  # every row checked before anything of the report is used
     return path, doc
 
 
@@ -537,9 +531,21 @@ def replayed_options(doc: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+def report_rows(doc: dict[str, Any], source: str) -> list[HostRow]:
+    """A report's host rows (``load_report``'s document), each checked field by field: the file
+    is signed, but a row the rollout did not write is refused all the same, in one line."""
+    rows = []
+    for i, entry in enumerate(doc["hosts"]):
+        try:
+            rows.append(HostRow.from_dict(entry, f"hosts[{i}]"))
+        except HostRowError as exc:
+            raise RolloutError(f"--from {source}: not a rollout report's host row: {exc}; nothing was run") from None
+    return rows
+
+
 def select_hosts(doc: dict[str, Any], only: Sequence[str], inventory_hosts: Sequence[str], source: str) -> list[str]:
     """The hosts of a report whose result is one of `only`, as they are in the inventory now."""
-    chosen = [r["host"] for r in doc["hosts"] if isinstance(r, dict) and r.get("result") in only]
+    chosen = [r.host for r in report_rows(doc, source) if r.result in only]
     gone = [h for h in chosen if h not in inventory_hosts]
     if gone:
         raise RolloutError(f"--from {source}: {', '.join(gone)} not in the inventory (now)")
@@ -681,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inventory": args.inventory,
         "batches": batches,
         "stopped": stopped,
-        "hosts": rows,
+        "hosts": [r.to_dict() for r in rows],
         # what a catch-up (--from) reuses: the options as given
         "batches_spec": args.batches,
         "max_fail_pct": args.max_fail_pct,
@@ -693,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     write_report(report_path, doc)
     print(f"report: {report_path}", flush=True)
-    behind = [k for k in (RESULT_PARKED, RESULT_FAILED, RESULT_NOT_RUN) if any(r["result"] == k for r in rows)]
+    behind = [k for k in (RESULT_PARKED, RESULT_FAILED, RESULT_NOT_RUN) if any(r.result == k for r in rows)]
     if behind:
         catch_up = ",".join(dict.fromkeys([*parse_only(DEFAULT_ONLY), *behind])).replace(" ", "-")
         print(

@@ -8,6 +8,10 @@ something. Each line is one ``RunRecord`` (``to_json``/``from_json``, one round 
 operations write them, the report and the rollout read them: one structured path, no console
 text scraped.
 
+A rollout turns each host's records into one ``HostRow`` (``report.host_row``): a line of its
+fleet report and an entry of the signed report file it writes (``to_dict``/``from_dict``, one
+round trip), which a catch-up reads back.
+
 Within the run, the same results live on one object attached to the run's pyinfra State
 (``RunRecords``), never in module globals.
 """
@@ -15,10 +19,11 @@ Within the run, the same results live on one object attached to the run's pyinfr
 from __future__ import annotations
 
 import json
+import math
 import os
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import click
@@ -32,6 +37,10 @@ RECORD_ENV = "FREETOKEN_RUN_RECORD"
 
 class RunRecordError(ValueError):
     """A run record line that is not one the deploy writes."""
+
+
+class HostRowError(ValueError):
+    """A fleet report row that is not one the rollout writes."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,67 @@ class RunRecord:
         return entry
 
 
+# --------------------------------------------------------------------------- the fleet report's row
+RESULT_OK, RESULT_FAILED, RESULT_NOT_RUN = "ok", "failed", "not run"
+# A host pyinfra could not connect to (a PC that is off tonight): nothing was done on it, it is
+# no failure of the rollout, and a catch-up run converges it later.
+RESULT_PARKED = "parked"
+# A host the preflight stopped before any change (a blocker such as an old WSL): nothing was done.
+RESULT_REFUSED = "refused"
+RESULTS = (RESULT_OK, RESULT_PARKED, RESULT_REFUSED, RESULT_FAILED, RESULT_NOT_RUN)
+# Results of a row where the deploy changed nothing on the host: its "what we did" columns
+# (model, health, tok/s, restart) say "-".
+UNTOUCHED = (RESULT_PARKED, RESULT_REFUSED, RESULT_NOT_RUN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostRow:
+    """One host's row of a rollout's fleet report (``report.host_row``): a line of the table and
+    an entry of the report file's ``hosts``, whose JSON keys are the field names, in this order.
+
+    ``result`` is one of ``RESULTS`` and ``reason`` says why; ``model``, ``health``, the tok/s and
+    ``restart_pending`` are None ("-") where the deploy did nothing on the host;
+    ``tokens_per_s_source`` is "this run" or "last gate"."""
+
+    host: str
+    batch: int | None = None
+    gpu: str | None = None
+    vram_gb: int | None = None
+    wsl_version: str | None = None
+    engine_version: str | None = None
+    model: str | None = None
+    health: str | None = None
+    tokens_per_s: float | None = None
+    tokens_per_s_source: str | None = None
+    restart_pending: bool | None = None
+    restart_pending_files: tuple[str, ...] = ()
+    result: str
+    reason: str = ""
+    changes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as the report file keeps it (every key, None as null)."""
+        doc: dict[str, Any] = _dump(self)
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str = "host row") -> HostRow:
+        """A row read back from a report file, every field's type checked (keys it does not know
+        are ignored); HostRowError naming the first field that is wrong."""
+        try:
+            row: HostRow = _load(cls, doc, where)
+        except RunRecordError as exc:
+            raise HostRowError(str(exc)) from None
+        if row.result not in RESULTS:
+            raise HostRowError(f"{where}: result: {_short(row.result)} is not one of {', '.join(RESULTS)}")
+        return row
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _json_name(f: Any) -> str:
     return str(f.metadata.get("json", f.name))
 
@@ -145,10 +215,9 @@ def _load(cls: Any, doc: Any, where: str) -> Any:
         name = _json_name(f)
         if name in doc:
             values[f.name] = _typed(hints[f.name], doc[name], f"{where}: {name}")
-    try:
-        return cls(**values)
-    except TypeError as exc:  # a required field is missing
-        raise RunRecordError(f"{where}: {exc}") from None
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise RunRecordError(f"{where}: {name}: missing")
+    return cls(**values)
 
 
 def _typed(kind: Any, value: Any, where: str) -> Any:
@@ -172,6 +241,8 @@ def _typed(kind: Any, value: Any, where: str) -> Any:
     number = (int, float) if kind is float else (kind,)
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, number):
         raise RunRecordError(f"{where}: not {getattr(kind, '__name__', kind)}")
+    if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN and Infinity
+        raise RunRecordError(f"{where}: not a finite number")
     return value
 
 

@@ -679,6 +679,27 @@ def validate_inventory(inventory: Inventory) -> dict[str, Settings]:
     return result
 
 
+class InventoryError(Exception):
+    """An inventory file that did not load, or whose settings are invalid; the message says why."""
+
+
+def load_inventory_settings(path: str, data: dict[str, Any] | None = None) -> tuple[Inventory, dict[str, Settings]]:
+    """The inventory file ``path`` as the pyinfra CLI loads it (``data`` as its ``--data``) and
+    every host's settings (``validate_inventory``), for the CLIs that read an inventory without
+    running a deploy (the rollout, the fleet); InventoryError naming the file, or the host and
+    field, otherwise."""
+    from freetoken_infra.core.pyinfra_internals import InventoryLoadError, load_inventory
+
+    try:
+        inventory = load_inventory(path, data)
+    except InventoryLoadError as exc:
+        raise InventoryError(f"{path}: {exc}") from None
+    try:
+        return inventory, validate_inventory(inventory)
+    except SettingsError as exc:
+        raise InventoryError(str(exc)) from None
+
+
 # --------------------------------------------------------------------------- the settings table
 # The README's settings table is made from the defaults and descriptions above; a unit test
 # checks that it is current. `python -m freetoken_infra.core.settings` rewrites it.

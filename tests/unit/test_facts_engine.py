@@ -9,6 +9,7 @@ import pytest
 
 from facts.engine import (
     EngineHealth,
+    EngineHealthInfo,
     EngineInstall,
     parse_engine_install_output,
     parse_health_body,
@@ -106,6 +107,23 @@ def test_health_refused_and_empty():
     assert not info.reachable and "Connection refused" in info.error
     assert not parse_health_output([]).reachable
     assert not parse_health_output(["@@ft:no-python"]).reachable
+
+
+def test_every_health_that_says_nothing_readable_has_its_reason_and_nothing_else():
+    """The answers that carry no health (EngineHealthInfo.unreadable / not_reached): every other
+    field empty, the HTTP status kept where something answered."""
+    nothing = (None,) * 7
+    assert parse_health_output(["@@ft:http 502", "@@ft:body " + b64("<html>")]) == EngineHealthInfo(
+        True, *nothing, "non-JSON /health body: '<html>'", 502
+    )
+    assert parse_health_body(200, "[1]") == EngineHealthInfo(True, *nothing, "unexpected /health JSON: '[1]'", 200)
+    assert parse_health_output(["@@ft:http 200", "@@ft:body !!"]) == EngineHealthInfo(
+        True, *nothing, "the /health body did not arrive intact (bad base64)", 200
+    )
+    assert parse_health_output(['@@ft:unreachable "URLError: x"']) == EngineHealthInfo(False, *nothing, "URLError: x")
+    assert parse_health_output(["@@ft:unreachable 1x"]) == EngineHealthInfo(False, *nothing, "unreachable")
+    assert parse_health_output(["@@ft:no-python"]) == EngineHealthInfo(False, *nothing, "python3 not found")
+    assert parse_health_output([]) == EngineHealthInfo(False, *nothing, "no output") == EngineHealth.default()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import pytest
 
 from freetoken_infra import fleet
 from freetoken_infra.core.layout import GATEWAY_ENGINE_KEY_MAP, GATEWAY_KEYS_MAP, SESSION_HEADER
+from freetoken_infra.core.records import HostRow
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
 from operations import gateway as gw
 from operations.gateway import GatewayBackend, GatewayError
@@ -247,6 +248,43 @@ def test_remote_from_inventory_data():
     assert fleet.remote_for("@local", {}).ssh_argv is None
 
 
+class RecordRemote:
+    """A host whose last gate record file holds `text` (a FleetError: it cannot be reached)."""
+
+    def __init__(self, text):
+        self.text, self.commands = text, []
+
+    def run(self, command, timeout=20):
+        self.commands.append(command)
+        if isinstance(self.text, Exception):
+            raise self.text
+        return self.text
+
+
+def test_status_reads_each_hosts_last_gate_as_a_gate_record():
+    """The tok/s of `fleet status` is the decode_tps of the host's gate record, read as the typed
+    GateResult: a record that is not one (forged, torn, not JSON) or a host that does not answer
+    shows "-", never a value the schema refuses."""
+    from freetoken_infra.core.gate_record import GateResult
+
+    texts = {
+        "ws1": GateResult(ok=True, phase="done", decode_tps=23.5).to_json(),
+        "ws2": GateResult(ok=True, phase="done", decode_tps=24).to_json(),  # an int in the JSON
+        "ws3": GateResult(ok=False, phase="chat", error="HTTP 401").to_json(),  # measured nothing
+        "ws4": json.dumps({"ok": True, "decode_tps": "fast"}),
+        "ws5": json.dumps({"decode_tps": 99.0}),  # no ok: not a gate record
+        "ws6": '{"ok": true, "decode_tps": 2',
+        "ws7": json.dumps({"ok": True, "decode_tps": True}),
+        "ws8": fleet.FleetError("ws8: no answer within 8 s"),
+    }
+    remotes = {name: RecordRemote(text) for name, text in texts.items()}
+    hosts = {name: (Settings(), remote) for name, remote in remotes.items()}
+    tps = fleet.Fleet(RecordRemote(""), hosts).gate_tps()
+    assert tps == {"ws1": 23.5, "ws2": 24.0, "ws3": None} | {f"ws{i}": None for i in range(4, 9)}
+    assert isinstance(tps["ws2"], float)
+    assert "head -c 65536" in remotes["ws1"].commands[0] and "runuser -u" in remotes["ws1"].commands[0]
+
+
 # ------------------------------------------------------------------ rollouts behind the gateway
 class FakeGateway:
     """Records what a rollout asks of the gateway, in order, with the hosts' streams."""
@@ -277,7 +315,7 @@ def test_a_rollout_drains_each_batch_before_its_deploy_and_readies_only_what_pas
 
     def run_batch(index, hosts, inventory, deploy, data, out=None):
         log.append(("deploy", list(hosts)))
-        return rollout.BatchRun(hosts, 0, [{"host": h, "result": outcome[h]} for h in hosts])
+        return rollout.BatchRun(hosts, 0, [HostRow(host=h, result=outcome[h]) for h in hosts])
 
     monkeypatch.setattr(rollout, "run_batch", run_batch)
     gateway = FakeGateway(["ws1", "ws2", "ws3"], log)
@@ -305,7 +343,7 @@ def test_a_host_not_behind_the_gateway_is_rolled_out_without_drain(monkeypatch):
     monkeypatch.setattr(
         rollout,
         "run_batch",
-        lambda i, hosts, *a, **k: rollout.BatchRun(hosts, 0, [{"host": h, "result": RESULT_OK} for h in hosts]),
+        lambda i, hosts, *a, **k: rollout.BatchRun(hosts, 0, [HostRow(host=h, result=RESULT_OK) for h in hosts]),
     )
     out = io.StringIO()
     rollout.rollout("inv.py", [["ws1", "ws9"]], gateway=FakeGateway(["ws1"], log), out=out)

@@ -610,9 +610,9 @@ def test_the_fleet_report_says_a_host_lost_its_connection():
             {"host": "ws1", "finished": {"failed": True, "changes": 5}},
         ],
     )
-    assert row["result"] == "failed"
-    assert row["reason"] == "connection lost during the health gate; re-run to finish"
-    assert row["health"] == "cut off" and row["tokens_per_s"] is None  # not the last gate's 23.5
+    assert row.result == "failed"
+    assert row.reason == "connection lost during the health gate; re-run to finish"
+    assert row.health == "cut off" and row.tokens_per_s is None  # not the last gate's 23.5
     other = host_row(
         "ws1",
         [
@@ -621,7 +621,7 @@ def test_the_fleet_report_says_a_host_lost_its_connection():
             {"host": "ws1", "finished": {"failed": True, "changes": 3}},
         ],
     )
-    assert other["reason"] == "connection lost during Service: restart; re-run to finish"
+    assert other.reason == "connection lost during Service: restart; re-run to finish"
 
 
 # ---------------------------------------------------------------------------- untrusted records

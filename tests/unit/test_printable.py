@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import OperationError
 
+from freetoken_infra.core.records import HostRow
 from freetoken_infra.core.text import printable, printable_block
 from freetoken_infra.fleet import ServerStatus, format_status
 from freetoken_infra.report import ending_line, findings_table, format_fleet_report, format_gate_report
@@ -134,15 +135,15 @@ def test_the_fetchers_status_and_journal_print_escaped(capsys):
 
 
 def test_reports_and_tables_escape_what_hosts_said():
-    row = {
-        "host": "ws1",
-        "gpu": "RTX",
-        "engine_version": f"0.2.1{OSC}",
-        "model": f"m{CLEAR}",
-        "health": f"failed ({OSC})",
-        "result": "failed",
-        "reason": f"health gate failed in the {HOSTILE} phase",
-    }
+    row = HostRow(
+        host="ws1",
+        gpu="RTX",
+        engine_version=f"0.2.1{OSC}",
+        model=f"m{CLEAR}",
+        health=f"failed ({OSC})",
+        result="failed",
+        reason=f"health gate failed in the {HOSTILE} phase",
+    )
     assert_inert(format_fleet_report([row]))
     assert_inert(ending_line(row))
     assert_inert(findings_table("ws1", [Finding("gpu", "block", f"nvidia-smi said {OSC}", f"fix {CLEAR}")]))

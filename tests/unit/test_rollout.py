@@ -19,7 +19,7 @@ from facts.restart import RestartPending, parse_restart_pending_output
 from freetoken_infra import rollout as rollout_mod
 from freetoken_infra.core import records
 from freetoken_infra.core.gate_record import GateResult
-from freetoken_infra.core.records import RunRecord, RunRecords, read_records
+from freetoken_infra.core.records import HostRow, HostRowError, RunRecord, RunRecords, read_records
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.report import format_fleet_report, host_row
 from freetoken_infra.rollout import (
@@ -152,6 +152,41 @@ def test_example_fleet_inventory_loads_and_every_host_validates():
     assert doc["rollout_hosts"] == list(hosts)
 
 
+def test_the_rollout_and_the_fleet_load_an_inventory_through_one_function(tmp_path):
+    """core.settings.load_inventory_settings: the file as the pyinfra CLI loads it and every
+    host's settings, or one error naming the file or the host and field; the rollout and the
+    fleet say the same, each as its own error."""
+    (tmp_path / "good.py").write_text('hosts = ["@local"]\ngateway = [("gw", {"ssh_hostname": "127.0.0.1"})]\n')
+    (tmp_path / "broken.py").write_text("hosts = [\n")
+    (tmp_path / "bad.py").write_text('hosts = [("ws1", {"listen_port": 70000})]\n')
+    run = _in_subprocess(
+        "import json, sys\n"
+        "from freetoken_infra.core.settings import InventoryError, load_inventory_settings\n"
+        "from freetoken_infra.fleet import Fleet, FleetError\n"
+        "from freetoken_infra.rollout import RolloutError, load_hosts\n"
+        f"folder = {str(tmp_path)!r}\n"
+        "inv, settings = load_inventory_settings(folder + '/good.py')\n"
+        "out = {'good': [sorted(h.name for h in inv), sorted(settings)]}\n"
+        "for name in ('broken', 'bad'):\n"
+        "    said = []\n"
+        "    for load, error in ((load_inventory_settings, InventoryError), (load_hosts, RolloutError),\n"
+        "                        (Fleet.from_inventory, FleetError)):\n"
+        "        try:\n"
+        "            load(folder + f'/{name}.py', {})\n"
+        "        except error as exc:\n"
+        "            said.append(str(exc))\n"
+        "    out[name] = said\n"
+        "print(json.dumps(out))\n"
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["good"] == [["@local", "gw"], ["@local", "gw"]]
+    for name in ("broken", "bad"):
+        assert len(out[name]) == 3 and len(set(out[name])) == 1, out[name]
+    assert out["broken"][0].startswith(f"{tmp_path}/broken.py: ")
+    assert "host ws1: setting 'listen_port' = 70000 is invalid" in out["bad"][0]
+
+
 def test_a_bad_setting_stops_the_rollout_before_any_host():
     rollout = [sys.executable, "-m", "freetoken_infra.rollout", "inventories/fleet.py"]
     run = subprocess.run(
@@ -190,20 +225,20 @@ def test_row_of_a_converged_host_with_a_gate():
         {"host": "ws1", "finished": {"failed": False, "changes": 4}},
     ]
     row = host_row("ws1", records, batch=1)
-    assert row["result"] == "ok" and row["reason"] == "4 change(s), upgraded from 0.2.1"
-    assert (row["gpu"], row["vram_gb"], row["wsl_version"]) == ("NVIDIA GeForce RTX 5060 Ti", 16, "2.7.13")
-    assert (row["engine_version"], row["health"], row["tokens_per_s"]) == ("0.2.2", "ok", 24.2)
-    assert row["tokens_per_s_source"] == "this run"
-    assert row["restart_pending"] is True and row["restart_pending_files"] == ["/mnt/c/Users/dev/.wslconfig"]
+    assert row.result == "ok" and row.reason == "4 change(s), upgraded from 0.2.1"
+    assert (row.gpu, row.vram_gb, row.wsl_version) == ("NVIDIA GeForce RTX 5060 Ti", 16, "2.7.13")
+    assert (row.engine_version, row.health, row.tokens_per_s) == ("0.2.2", "ok", 24.2)
+    assert row.tokens_per_s_source == "this run"
+    assert row.restart_pending is True and row.restart_pending_files == ("/mnt/c/Users/dev/.wslconfig",)
 
 
 def test_row_of_an_unchanged_host_uses_the_last_gate():
     row = host_row(
         "ws2", [{"host": "ws2", "observed": OBSERVED}, {"host": "ws2", "finished": {"failed": False, "changes": 0}}]
     )
-    assert (row["result"], row["reason"]) == ("ok", "no change")
-    assert (row["tokens_per_s"], row["tokens_per_s_source"]) == (23.9, "last gate")
-    assert row["restart_pending"] is False and row["engine_version"] == "0.2.1"
+    assert (row.result, row.reason) == ("ok", "no change")
+    assert (row.tokens_per_s, row.tokens_per_s_source) == (23.9, "last gate")
+    assert row.restart_pending is False and row.engine_version == "0.2.1"
 
 
 def test_rows_of_failed_hosts_say_why():
@@ -217,11 +252,11 @@ def test_rows_of_failed_hosts_say_why():
             {"host": "ws3", "finished": {"failed": True, "changes": 0}},
         ],
     )
-    assert refused["result"] == "refused"
-    assert refused["reason"] == "refused at preflight: wsl_version, gpu_memory"
+    assert refused.result == "refused"
+    assert refused.reason == "refused at preflight: wsl_version, gpu_memory"
     # nothing was done on it: no model, health, tok/s or restart of ours to show (issue 15)
-    assert (refused["model"], refused["health"], refused["tokens_per_s"]) == (None, "-", None)
-    assert refused["restart_pending"] is None and refused["wsl_version"] == "2.7.13"
+    assert (refused.model, refused.health, refused.tokens_per_s) == (None, "-", None)
+    assert refused.restart_pending is None and refused.wsl_version == "2.7.13"
 
     rolled = host_row(
         "ws1",
@@ -241,8 +276,8 @@ def test_rows_of_failed_hosts_say_why():
             {"host": "ws1", "finished": {"failed": True, "changes": 3}},
         ],
     )
-    assert rolled["result"] == "failed" and rolled["engine_version"] == "0.2.1" and rolled["health"] == "ok"
-    assert rolled["reason"] == (
+    assert rolled.result == "failed" and rolled.engine_version == "0.2.1" and rolled.health == "ok"
+    assert rolled.reason == (
         "rolled back to 0.2.1: 0.2.3 failed the health gate in the health phase: engine reports error: x"
     )
 
@@ -253,8 +288,8 @@ def test_rows_of_failed_hosts_say_why():
             {"host": "ws2", "gate": {"ok": False, "phase": "chat", "error": "HTTP 401\nmore"}},
         ],
     )
-    assert gate_failed["reason"] == "health gate failed in the chat phase: HTTP 401"
-    assert gate_failed["health"] == "failed (chat)"
+    assert gate_failed.reason == "health gate failed in the chat phase: HTTP 401"
+    assert gate_failed.health == "failed (chat)"
 
     op_failed = host_row(
         "ws2",
@@ -264,18 +299,18 @@ def test_rows_of_failed_hosts_say_why():
             {"host": "ws2", "finished": {"failed": True, "changes": 1}},
         ],
     )
-    assert op_failed["reason"] == "failed at: CUDA: toolkit packages"
+    assert op_failed.reason == "failed at: CUDA: toolkit packages"
 
-    assert host_row("ws9", [], no_result="no result (exit 1)")["reason"] == "no result (exit 1)"
+    assert host_row("ws9", [], no_result="no result (exit 1)").reason == "no result (exit 1)"
     unreachable = host_row("ws9", [], unreachable="Could not connect (timed out)")
-    assert unreachable["result"] == "parked"
-    assert unreachable["reason"] == "unreachable: Could not connect (timed out)"
-    assert unreachable["health"] == "-" and unreachable["restart_pending"] is None
+    assert unreachable.result == "parked"
+    assert unreachable.reason == "unreachable: Could not connect (timed out)"
+    assert unreachable.health == "-" and unreachable.restart_pending is None
     # connected but recorded nothing: a failure, not parked
-    assert host_row("ws9", [], no_result="no result (exit 1)")["result"] == "failed"
+    assert host_row("ws9", [], no_result="no result (exit 1)").result == "failed"
 
     skipped = host_row("ws4", [], not_run="rollout stopped: the canary failed")
-    assert (skipped["result"], skipped["reason"]) == ("not run", "rollout stopped: the canary failed")
+    assert (skipped.result, skipped.reason) == ("not run", "rollout stopped: the canary failed")
 
 
 def test_fleet_table_has_every_column_and_a_summary():
@@ -307,7 +342,8 @@ def test_fleet_table_has_every_column_and_a_summary():
     assert "not run: rollout stopped: x" in text
     assert "4 host(s): 2 ok, 1 parked, 0 refused, 0 failed, 1 not run" in text
     assert text.rstrip().endswith("did not run again)")
-    json.dumps(rows)  # the --json document is these rows
+    # the --json document is these rows, each one JSON round trip
+    assert [HostRow.from_dict(json.loads(json.dumps(r.to_dict()))) for r in rows] == rows
 
 
 def test_records_round_trip_through_the_file(tmp_path, monkeypatch):
@@ -451,8 +487,8 @@ def test_failed_upgrade_rolls_back_and_serves_the_old_version(blue_green, tmp_pa
     assert RunRecords.of(state).gates["ws1"].rolled_back_from == "0.2.3"
     assert json.loads(kept.read_text())["version"] == "0.2.1"
     row = host_row("ws1", read_records(str(record_file))["ws1"])
-    assert row["engine_version"] == "0.2.1" and row["health"] == "ok" and row["tokens_per_s"] > 0
-    assert row["result"] == "failed" and row["reason"].startswith("rolled back to 0.2.1: 0.2.3 failed")
+    assert row.engine_version == "0.2.1" and row.health == "ok" and row.tokens_per_s > 0
+    assert row.result == "failed" and row.reason.startswith("rolled back to 0.2.1: 0.2.3 failed")
 
 
 def test_without_a_previous_version_the_failure_is_plain(blue_green):
@@ -466,7 +502,7 @@ def test_without_a_previous_version_the_failure_is_plain(blue_green):
 
 
 # ---------------------------------------------------------------------------- parked, catch-up (issue 15)
-def _row(name: str, result: str) -> dict:
+def _row(name: str, result: str) -> HostRow:
     if result == "parked":
         return host_row(name, [], unreachable="Could not connect (Connection refused)")
     if result == "refused":
@@ -500,7 +536,7 @@ def test_a_parked_host_stops_nothing_and_each_batch_ends_with_why(capsys):
         "inv.py", [["ws1"], ["ws2"], ["ws3", "ws4"]], out=out, run=fake_runner(results, ran)
     )
     assert stopped is None and ran == [["ws1"], ["ws2"], ["ws3", "ws4"]]
-    assert [r["result"] for r in rows] == ["ok", "parked", "refused", "ok"]
+    assert [r.result for r in rows] == ["ok", "parked", "refused", "ok"]
     text = out.getvalue()
     assert "--> rollout batch 2 ended: no host ok" in text
     assert (
@@ -521,7 +557,7 @@ def test_a_canary_that_reached_no_host_stops_the_rollout():
         "inv.py", [["ws1"], ["ws2"]], out=out, run=fake_runner({"ws1": "parked", "ws2": "ok"}, ran)
     )
     assert ran == [["ws1"]] and "no reachable host" in stopped
-    assert [r["result"] for r in rows] == ["parked", "not run"]
+    assert [r.result for r in rows] == ["parked", "not run"]
     assert exit_status(rows, stopped) == rollout_mod.EXIT_STOPPED
 
 
@@ -538,11 +574,11 @@ def test_catch_up_selects_the_hosts_of_an_earlier_report(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     doc = {
         "hosts": [
-            _row("ws1", "ok"),
-            _row("ws2", "parked"),
-            _row("ws3", "refused"),
-            _row("ws4", "failed"),
-            host_row("ws5", [], not_run="rollout stopped: x"),
+            _row("ws1", "ok").to_dict(),
+            _row("ws2", "parked").to_dict(),
+            _row("ws3", "refused").to_dict(),
+            _row("ws4", "failed").to_dict(),
+            host_row("ws5", [], not_run="rollout stopped: x").to_dict(),
         ]
     }
     path = tmp_path / "r.json"
@@ -576,7 +612,7 @@ def test_every_rollout_writes_its_report_where_from_last_finds_it(tmp_path, monk
     rollout_mod.write_report(first, {"hosts": []})
     second = rollout_mod.default_report_path(now=0)  # same second: a new name, never overwritten
     assert second.name == "rollout-19700101T000000Z-2.json"
-    rollout_mod.write_report(second, {"hosts": [_row("ws2", "parked")]})
+    rollout_mod.write_report(second, {"hosts": [_row("ws2", "parked").to_dict()]})
     os.utime(first, (1, 1))
     assert rollout_mod.newest_report() == second
     assert not list(second.parent.glob(".*.tmp"))
@@ -594,7 +630,9 @@ HOSTILE_DATA = [
 def _signed_report(tmp_path, monkeypatch, **extra) -> Path:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     path = tmp_path / "state" / "r.json"
-    rollout_mod.write_report(path, {"hosts": [_row("ws2", "parked")], "batches_spec": "1", "data": [], **extra})
+    rollout_mod.write_report(
+        path, {"hosts": [_row("ws2", "parked").to_dict()], "batches_spec": "1", "data": [], **extra}
+    )
     return path
 
 
@@ -865,5 +903,119 @@ def test_an_unreachable_host_is_parked_from_the_structured_record(tmp_path, monk
     by_host = read_records(str(tmp_path / "run.jsonl"))
     assert by_host == {"ws2": [RunRecord("ws2", unreachable="Could not connect (timed out)")]}
     row = host_row("ws2", by_host["ws2"])
-    assert (row["result"], row["reason"]) == ("parked", "unreachable: Could not connect (timed out)")
-    assert row["restart_pending"] is None and row["health"] == "-"
+    assert (row.result, row.reason) == ("parked", "unreachable: Could not connect (timed out)")
+    assert row.restart_pending is None and row.health == "-"
+
+
+# ---------------------------------------------------------------------------- the typed row (issue 25, item 3)
+# A report file as the rollout wrote it before the row was typed (made by host_row and main's
+# document at 007e02b, unsigned), and the fleet table that code printed for its rows.
+TODAYS_REPORT = ROOT / "tests" / "fixtures" / "rollout_report.json"
+TODAYS_TABLE = ROOT / "tests" / "fixtures" / "rollout_report_table.txt"
+
+
+def test_a_report_written_in_todays_format_still_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    doc = json.loads(TODAYS_REPORT.read_text())
+    path = tmp_path / "r.json"
+    key = rollout_mod.report_key(create=True)
+    path.write_text(json.dumps({**doc, "signature": rollout_mod.report_signature(doc, key)}, indent=1))
+    _, loaded = load_report(str(path))
+    rows = rollout_mod.report_rows(loaded, "r.json")
+    # the same table, byte for byte, and the same JSON keys, in the same order, written back
+    assert format_fleet_report(rows) + "\n" == TODAYS_TABLE.read_text()
+    assert [r.to_dict() for r in rows] == doc["hosts"]
+    assert [list(r.to_dict()) for r in rows] == [list(h) for h in doc["hosts"]]
+    assert rows[0].restart_pending_files == ("/mnt/c/Users/dev/.wslconfig",) and rows[0].tokens_per_s == 24.2
+    assert rows[4] == HostRow(
+        host="ws9", batch=2, health="-", result="parked", reason="unreachable: Could not connect (timed out)"
+    )
+    hosts = ["ws1", "ws2", "ws3", "ws4", "ws9", "ws10"]
+    assert select_hosts(loaded, parse_only("parked,failed"), hosts, "r.json") == ["ws4", "ws9"]
+    assert select_hosts(loaded, parse_only("not-run"), hosts, "r.json") == ["ws10"]
+
+
+def test_every_row_round_trips_through_the_report_document():
+    rows = [_row("ws1", "ok"), _row("ws2", "parked"), _row("ws3", "refused"), _row("ws4", "failed")]
+    rows.append(host_row("ws5", [], not_run="rollout stopped: x"))
+    for row in rows:
+        assert HostRow.from_dict(json.loads(json.dumps(row.to_dict()))) == row
+
+
+GOOD_ROW = json.loads(TODAYS_REPORT.read_text())["hosts"][0]
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"host": 7}, "host row: host: not str"),
+        ({"host": None}, "host row: host: not str"),
+        ({"result": None}, "host row: result: not str"),
+        ({"result": "fine"}, 'host row: result: "fine" is not one of ok, parked, refused, failed, not run'),
+        ({"reason": ["x"]}, "host row: reason: not str"),
+        ({"batch": "1"}, "host row: batch: not int"),
+        ({"vram_gb": True}, "host row: vram_gb: not int"),
+        ({"vram_gb": 15.9}, "host row: vram_gb: not int"),
+        ({"tokens_per_s": "24.2"}, "host row: tokens_per_s: not float"),
+        ({"tokens_per_s": float("nan")}, "host row: tokens_per_s: not a finite number"),
+        ({"restart_pending": "yes"}, "host row: restart_pending: not bool"),
+        ({"restart_pending_files": "/etc/wsl.conf"}, "host row: restart_pending_files: not a list"),
+        ({"restart_pending_files": [1]}, "host row: restart_pending_files: not str"),
+        ({"changes": 1.5}, "host row: changes: not int"),
+        ({"engine_version": {"v": 1}}, "host row: engine_version: not str"),
+    ],
+)
+def test_a_malformed_row_is_refused_naming_its_field(change, why):
+    with pytest.raises(HostRowError) as refused:
+        HostRow.from_dict(json.loads(json.dumps({**GOOD_ROW, **change})))
+    assert str(refused.value) == why
+
+
+def test_a_row_without_host_or_result_or_not_an_object_is_refused():
+    for missing in ("host", "result"):
+        with pytest.raises(HostRowError, match=f"^host row: {missing}: missing$"):
+            HostRow.from_dict({k: v for k, v in GOOD_ROW.items() if k != missing})
+    with pytest.raises(HostRowError, match="^hosts\\[3\\]: not a JSON object$"):
+        HostRow.from_dict("ws1", "hosts[3]")
+
+
+def test_a_signed_report_with_a_forged_row_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """Strict although signed: a row the rollout did not write stops the catch-up before any
+    inventory is loaded or host touched, in one line naming the row and its field."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    path = tmp_path / "state" / "r.json"
+    forged = {**_row("ws2", "parked").to_dict(), "restart_pending_files": "\x1b]0;evil\x07"}
+    rollout_mod.write_report(path, {"hosts": [_row("ws1", "ok").to_dict(), forged], "batches_spec": "1", "data": []})
+    loaded = []
+    monkeypatch.setattr(rollout_mod, "load_hosts", lambda *a, **k: loaded.append(a) or ["ws1", "ws2"])
+    monkeypatch.setattr(rollout_mod, "run_batch", lambda *a, **k: loaded.append(a))
+    status = rollout_mod.main(["inv.py", "--from", str(path)])
+    err = capsys.readouterr().err
+    assert status == rollout_mod.EXIT_USAGE and not loaded
+    assert err == (
+        f"rollout: --from {path}: not a rollout report's host row: hosts[1]: restart_pending_files: "
+        "not a list; nothing was run\n"
+    )
+
+
+def test_a_batch_pyinfra_failed_is_failed_although_every_host_said_ok(tmp_path, monkeypatch):
+    """pyinfra exits non-zero while each host's record says ok: every row of the batch fails,
+    with pyinfra's exit status as its reason (the typed rows are replaced, not edited)."""
+    script = (
+        "import json, os\n"
+        "with open(os.environ['FREETOKEN_RUN_RECORD'], 'a') as f:\n"
+        "    for h in ('ws1', 'ws2'):\n"
+        f"        f.write(json.dumps({{'host': h, 'observed': {OBSERVED!r}}}) + '\\n')\n"
+        "        f.write(json.dumps({'host': h, 'finished': {'failed': False, 'changes': 0}}) + '\\n')\n"
+        "raise SystemExit(1)\n"
+    )
+    monkeypatch.setattr(rollout_mod, "pyinfra_argv", lambda *a: [sys.executable, "-c", script])
+    import io
+
+    batch = rollout_mod.run_batch(0, ["ws1", "ws2"], "inv.py", "deploy.py", [], out=io.StringIO())
+    assert batch.returncode == 1
+    assert [(r.host, r.result, r.reason) for r in batch.rows] == [
+        ("ws1", "failed", "pyinfra exited 1 (see the log above)"),
+        ("ws2", "failed", "pyinfra exited 1 (see the log above)"),
+    ]
+    assert all(r.batch == 1 and r.tokens_per_s == 23.9 for r in batch.rows)

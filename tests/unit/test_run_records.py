@@ -117,8 +117,8 @@ def test_the_report_takes_the_preflights_record_without_reading_the_host(tmp_pat
     assert observed.last_gate == last_gate and observed.restart_pending == ("/etc/wsl.conf",)
     # the rollout's row of an unchanged host: the last gate's tok/s, from the preflight's record
     row = host_row("ws1", [RunRecord("ws1", observed=observed, finished=Finished(failed=False, changes=0))])
-    assert (row["health"], row["tokens_per_s"], row["tokens_per_s_source"]) == ("ok", 23.9, "last gate")
-    assert row["restart_pending"] is True
+    assert (row.health, row.tokens_per_s, row.tokens_per_s_source) == ("ok", 23.9, "last gate")
+    assert row.restart_pending is True
 
 
 def test_record_host_needs_no_host(tmp_path, monkeypatch):
