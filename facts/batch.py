@@ -415,12 +415,20 @@ def run_batch(
     executor = dict(requests[0].executor if requests else _plain_executor(state, host))
     if first is not None and first[1] is not None:
         executor["_stdin"] = first[1]
-    status, output = host.run_shell_command(
-        StringCommand(batch_command([text for _, _, text in facts], first[0] if first else None)),
-        print_output=False,
-        print_input=False,
-        **executor,
-    )
+    try:
+        status, output = host.run_shell_command(
+            StringCommand(batch_command([text for _, _, text in facts], first[0] if first else None)),
+            print_output=False,
+            print_input=False,
+            **executor,
+        )
+    except OSError:
+        # The session ended while its stdin (the first command's script) was still being written:
+        # paramiko raises "Socket is closed" where a session cut a moment later returns a failed
+        # command. Nothing was read, as then; the caller sees the connection gone.
+        if not pyinfra_internals.wait_connection_lost(host):
+            raise
+        return {}, (False, []) if first is not None else None
     results = split_batch_output(output.stdout_lines) if status else {}
     first_result: FirstResult | None = None
     if first is not None:

@@ -17,6 +17,7 @@ it. pyproject.toml allows only the pyinfra releases those tests passed on.
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,18 @@ def connection_lost(host: Any) -> bool:
         return False
     transport = get_transport()
     return transport is None or not transport.is_active()
+
+
+def wait_connection_lost(host: Any, timeout_s: float = 2.0) -> bool:
+    """``connection_lost``, allowing paramiko's transport thread up to ``timeout_s`` to notice:
+    it closes the session's channels before it marks the transport inactive, so a write that
+    failed with "Socket is closed" can come a moment before ``is_active()`` turns False."""
+    deadline = time.monotonic() + timeout_s
+    while not connection_lost(host):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 DiffMask = Callable[[list[str] | None, list[str]], "tuple[list[str] | None, list[str]]"]

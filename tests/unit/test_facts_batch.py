@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,53 @@ def test_prefetch_runs_the_first_command_and_the_facts_in_one_round_trip(local_p
     assert result == (True, ["taken"]) and len(calls) == 1
     host.get_fact(Command, command="id -u")
     assert len(calls) == 1  # answered by that same round trip
+
+
+class _Transport:
+    """paramiko's transport as its thread leaves it: channels closed first, ``active`` a moment later."""
+
+    def __init__(self, inactive_after_s: float | None):
+        self.inactive_at = None if inactive_after_s is None else time.monotonic() + inactive_after_s
+
+    def is_active(self):
+        return self.inactive_at is None or time.monotonic() < self.inactive_at
+
+
+def _cut_while_writing_stdin(monkeypatch, host, inactive_after_s):
+    class Client:
+        transport = _Transport(inactive_after_s)
+
+        def get_transport(self):
+            return self.transport
+
+    def socket_closed(*args, **kwargs):  # what paramiko's Channel.sendall raises on a closed channel
+        raise OSError("Socket is closed")
+
+    monkeypatch.setattr(host.connector, "client", Client(), raising=False)
+    monkeypatch.setattr(host.connector, "run_shell_command", socket_closed)
+
+
+def test_a_session_cut_while_the_lock_script_is_written_is_a_lost_connection(local_prepare, monkeypatch):
+    """The session ended while pyinfra still wrote the first command's stdin: "Socket is closed"
+    is the same outcome as a session cut a moment later (nothing read, the host lock not held),
+    not a traceback; the caller then finds the connection gone (tests/fleet/test_interrupted.py)."""
+    from pyinfra.facts.server import Command
+
+    from freetoken_infra.core.pyinfra_internals import connection_lost
+
+    state, host, _ = local_prepare
+    _cut_while_writing_stdin(monkeypatch, host, inactive_after_s=0.2)
+    result = batch.prefetch(state, host, [(Command, {"command": "id -u"})], first=("cat >/dev/null", "script\n"))
+    assert result == (False, []) and connection_lost(host)
+
+
+def test_a_closed_socket_on_a_live_connection_is_not_taken_for_a_cut(local_prepare, monkeypatch):
+    from pyinfra.facts.server import Command
+
+    state, host, _ = local_prepare
+    _cut_while_writing_stdin(monkeypatch, host, inactive_after_s=None)
+    with pytest.raises(OSError, match="Socket is closed"):
+        batch.prefetch(state, host, [(Command, {"command": "id -u"})], first=("cat >/dev/null", "script\n"))
 
 
 def test_a_question_no_longer_asked_leaves_the_list_after_a_run_that_did_not_fail(local_prepare, tmp_path):
