@@ -12,12 +12,14 @@ import os
 from pyinfra.api import operation
 from pyinfra.operations import files, systemd
 
+from freetoken_infra.core import hostio
 from freetoken_infra.core.layout import (
     DEPLOY_STATE_DIR,
     ENGINE_UNIT,
     GUARD_SCRIPT,
     GUARD_SERVICE,
     GUARD_TIMER,
+    HOSTIO_MODULE,
     UNIT_DIR,
     HostLayout,
 )
@@ -130,6 +132,7 @@ def guard(settings: Settings):
     timer = f"{UNIT_DIR}/{GUARD_TIMER}"
     changed = yield from managed.put(
         ManagedFile(GUARD_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
+        ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
         ManagedFile(f"{UNIT_DIR}/{GUARD_SERVICE}", text=guard_service_unit(settings), unit=True),
         ManagedFile(timer, text=guard_timer_unit(settings), unit=True),
     )

@@ -28,6 +28,7 @@ from pyinfra.facts.files import File
 from pyinfra.operations import apt, files, systemd
 
 from facts.model_manifest import ModelManifest
+from freetoken_infra.core import hostio
 from freetoken_infra.core.layout import (
     CACHE_NGINX_CONF,
     CACHE_NGINX_PACKAGE,
@@ -36,6 +37,7 @@ from freetoken_infra.core.layout import (
     CACHE_UNIT,
     FETCH_SCRIPT,
     FETCH_UNIT,
+    HOSTIO_MODULE,
     MANIFEST_MODULE,
     QUANT_MODULE,
     UNIT_DIR,
@@ -358,6 +360,7 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
                 (_LOCAL_SCRIPT, FETCH_SCRIPT),
                 (_LOCAL_QUANT, QUANT_MODULE),
                 (_LOCAL_MANIFEST, MANIFEST_MODULE),
+                (hostio.__file__, HOSTIO_MODULE),
             )
         )
     )
@@ -456,14 +459,6 @@ def model_cache_reload():
 # --------------------------------------------------------------------------- waiting
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000.0
-    return f"{n} B"
-
-
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "?"
@@ -481,9 +476,9 @@ def format_progress(status: Mapping[str, Any]) -> str:
     state = printable(status.get("state") or "?")
     done, total = status.get("bytes_done") or 0, status.get("bytes_total") or 0
     pct = f"{100.0 * done / total:.1f} %" if total else "-"
-    line = f"model {state}: {_human(done)} of {_human(total)} ({pct})"
+    line = f"model {state}: {hostio.human_bytes(done)} of {hostio.human_bytes(total)} ({pct})"
     if state == "downloading":
-        line += f", {_human(status.get('rate_bps') or 0)}/s, {_duration(status.get('eta_s'))} left"
+        line += f", {hostio.human_bytes(status.get('rate_bps') or 0)}/s, {_duration(status.get('eta_s'))} left"
     if status.get("current_file"):
         line += f", {printable(status['current_file'])}"
     return line
@@ -572,7 +567,7 @@ def wait_for_fetch(
     if status and status.get("state") == "done":
         click.echo(
             f"{host.print_prefix}model: {settings.model_repo} verified in {settings.model_dir} "
-            f"({_human(status.get('bytes_transferred') or 0)} transferred)",
+            f"({hostio.human_bytes(status.get('bytes_transferred') or 0)} transferred)",
             err=True,
         )
         return status

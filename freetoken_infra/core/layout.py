@@ -49,6 +49,7 @@ CACHE_NGINX_CONF = f"{LIB_DIR}/model-cache-nginx.conf"
 CACHE_RUN_DIR = "/run/freetoken-model-cache"
 QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
 MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
+HOSTIO_MODULE = f"{LIB_DIR}/hostio.py"  # fetch_model.py and guard.py: atomic writes, byte counts
 HOST_LOCK_SCRIPT = f"{LIB_DIR}/host_lock.py"
 OWN_DIR_SCRIPT = f"{LIB_DIR}/own_dir.py"  # root makes and re-owns folders without following links
 

@@ -51,7 +51,6 @@ import os
 import re
 import socket
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -62,16 +61,17 @@ from typing import TYPE_CHECKING, Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 if TYPE_CHECKING:  # the same modules, as the type checker finds them in the checkout
+    from freetoken_infra.core import hostio, quant
     from freetoken_infra.core import manifest as manifest_rules
-    from freetoken_infra.core import quant
 else:
     try:  # uploaded beside this script on the target
+        import hostio
         import manifest as manifest_rules
         import quant
     except ImportError:  # run from a checkout of the project
         sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+        from freetoken_infra.core import hostio, quant
         from freetoken_infra.core import manifest as manifest_rules
-        from freetoken_infra.core import quant
 
 MANIFEST = manifest_rules.MANIFEST_NAME
 PARTIAL_DIR = manifest_rules.PARTIAL_DIR
@@ -116,34 +116,8 @@ def log(msg: str) -> None:
     sys.stderr.flush()
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000.0
-    return f"{n} B"
-
-
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def fsync_dir(path: str) -> None:
@@ -394,7 +368,7 @@ class Status:
             self.doc["updated_at"] = now_iso()
             data = json.dumps(self.doc, sort_keys=True).encode() + b"\n"
         if self.path:
-            write_atomic(self.path, data)
+            hostio.write_atomic(self.path, data)
 
     def close(self) -> None:
         self._stop.set()
@@ -427,7 +401,7 @@ class Fetcher:
         return manifest_rules.load(self.dest)[0] or {}
 
     def save_manifest(self) -> None:
-        write_atomic(self.manifest_path, json.dumps(self.manifest, indent=1, sort_keys=True).encode() + b"\n")
+        hostio.write_atomic(self.manifest_path, json.dumps(self.manifest, indent=1, sort_keys=True).encode() + b"\n")
 
     def record(self, f: RemoteFile) -> None:
         st = os.stat(os.path.join(self.dest, f.name))
@@ -522,12 +496,12 @@ class Fetcher:
                     out.flush()
                     os.fsync(out.fileno())
                     raise Transient(
-                        f"{source}: link dropped after {human(have + got)} of {f.name} ({reason(exc)})"
+                        f"{source}: link dropped after {hostio.human_bytes(have + got)} of {f.name} ({reason(exc)})"
                     ) from None
                 out.flush()
                 os.fsync(out.fileno())
             if got < expected:
-                raise Transient(f"{source}: link dropped after {human(have + got)} of {f.name}")
+                raise Transient(f"{source}: link dropped after {hostio.human_bytes(have + got)} of {f.name}")
             return have + got, h
 
     def download(self, f: RemoteFile) -> str:
@@ -589,7 +563,7 @@ class Fetcher:
             raise Failed(f"{f.name}: no source could serve it: " + "; ".join(errors))
         dt = max(time.monotonic() - t0, 1e-6)
         where = "cache " + moved_from if moved_from != self.endpoint else moved_from
-        log(f"{f.name}: {human(f.size)} verified, from {where} in {dt:.1f} s")
+        log(f"{f.name}: {hostio.human_bytes(f.size)} verified, from {where} in {dt:.1f} s")
         return part
 
     def finalize(self, f: RemoteFile, part: str) -> None:
@@ -626,9 +600,9 @@ class Fetcher:
         margin = int(self.args.disk_margin_gb * 1e9)
         if free < missing + margin:
             raise Refused(
-                f"not enough disk on the file system of {self.dest}: {human(free)} free, "
-                f"{human(missing)} still to download + {human(margin)} margin needed. Free "
-                f"{human(missing + margin - free)} or point model_dir elsewhere (disk_margin_gb sets the margin).",
+                f"not enough disk on the file system of {self.dest}: {hostio.human_bytes(free)} free, "
+                f"{hostio.human_bytes(missing)} still to download + {hostio.human_bytes(margin)} margin needed. Free "
+                f"{hostio.human_bytes(missing + margin - free)} or point model_dir elsewhere (disk_margin_gb sets the margin).",
                 EXIT_REFUSED_DISK,
             )
 
@@ -742,8 +716,8 @@ class Fetcher:
         doc = st.doc
         st.set(state="done", current_file=None, bytes_done=total)
         log(
-            f"done: {self.repo}@{self.commit[:12]}: {len(self.files)} files, {human(total)} verified; "
-            f"transferred {human(doc['bytes_transferred'])}, hashed {human(doc['bytes_hashed'])}, "
+            f"done: {self.repo}@{self.commit[:12]}: {len(self.files)} files, {hostio.human_bytes(total)} verified; "
+            f"transferred {hostio.human_bytes(doc['bytes_transferred'])}, hashed {hostio.human_bytes(doc['bytes_hashed'])}, "
             f"{trusted} trusted from the manifest"
         )
 

@@ -31,9 +31,19 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+if TYPE_CHECKING:  # the same module, as the type checker finds it in the checkout
+    from freetoken_infra.core import hostio
+else:
+    try:  # uploaded beside this script on the target
+        import hostio
+    except ImportError:  # run from a checkout of the project
+        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+        from freetoken_infra.core import hostio
 
 PREFIX = "freetoken-guard:"
 # "GB" as in .wslconfig (swap=4GB is 4 GiB) and in `free -h`, which the field report read.
@@ -306,25 +316,11 @@ def scan_journal(unit: str, position_file: str, now: float) -> tuple[list, dict]
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Write via a temp file in the same folder and rename: readers never see half a file.
-    World-readable: node_exporter and the doctor (not root) read these."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    # The temp name does not end in .prom, so the textfile collector skips it.
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """The file written whole (``hostio.write_atomic``), its folder made first. World-readable:
+    node_exporter and the doctor (not root) read these; the temporary name does not end in
+    .prom, so the textfile collector skips it."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    hostio.write_atomic(path, text.encode("utf-8"))
 
 
 METRICS = (

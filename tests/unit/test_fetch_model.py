@@ -98,6 +98,7 @@ def script_dir(tmp_path_factory) -> Path:
     shutil.copy(ROOT / "operations" / "scripts" / "fetch_model.py", d / "fetch_model.py")
     shutil.copy(ROOT / "freetoken_infra" / "core" / "quant.py", d / "quant.py")
     shutil.copy(ROOT / "freetoken_infra" / "core" / "manifest.py", d / "manifest.py")
+    shutil.copy(ROOT / "freetoken_infra" / "core" / "hostio.py", d / "hostio.py")
     return d
 
 

@@ -606,11 +606,12 @@ def guard_host(files=None, timer_on=False) -> FakeHost:
 
 
 def converged_files(settings):
-    from freetoken_infra.core.layout import GUARD_SCRIPT
+    from freetoken_infra.core.layout import GUARD_SCRIPT, HOSTIO_MODULE
     from operations.guard import guard_service_unit, guard_timer_unit
 
     return {
         GUARD_SCRIPT: (SCRIPT.read_text(), 755),
+        HOSTIO_MODULE: ((ROOT / "freetoken_infra" / "core" / "hostio.py").read_text(), 644),
         "/etc/systemd/system/freetoken-guard.service": (guard_service_unit(settings), 644),
         "/etc/systemd/system/freetoken-guard.timer": (guard_timer_unit(settings), 644),
         "/var/lib/freetoken-deploy/metrics/freetoken.prom": ("", 644),
@@ -622,6 +623,7 @@ def test_operation_on_a_bare_host():
 
     cmds = guard_host().commands(guard, Settings())
     assert "upload /usr/local/lib/freetoken/guard.py" in cmds
+    assert "upload /usr/local/lib/freetoken/hostio.py" in cmds  # the guard imports it from its folder
     assert "upload /etc/systemd/system/freetoken-guard.service" in cmds
     assert "upload /etc/systemd/system/freetoken-guard.timer" in cmds
     assert "mkdir -p /var/lib/freetoken-deploy/metrics" in cmds
