@@ -131,8 +131,9 @@ def guard(settings: Settings):
     )
     timer = f"{UNIT_DIR}/{GUARD_TIMER}"
     changed = yield from managed.put(
-        ManagedFile(GUARD_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
+        # the module first: the timer may run the new script between two uploads
         ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
+        ManagedFile(GUARD_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
         ManagedFile(f"{UNIT_DIR}/{GUARD_SERVICE}", text=guard_service_unit(settings), unit=True),
         ManagedFile(timer, text=guard_timer_unit(settings), unit=True),
     )

@@ -357,10 +357,11 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
         *(
             ManagedFile(dest, local=src)
             for src, dest in (
-                (_LOCAL_SCRIPT, FETCH_SCRIPT),
+                # the modules before the script that imports them
                 (_LOCAL_QUANT, QUANT_MODULE),
                 (_LOCAL_MANIFEST, MANIFEST_MODULE),
                 (hostio.__file__, HOSTIO_MODULE),
+                (_LOCAL_SCRIPT, FETCH_SCRIPT),
             )
         )
     )
