@@ -27,12 +27,10 @@ from facts.model import ModelDirInfo
 from facts.resources import ResourcesInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
 from facts.wsl import WslKernelInfo, WslVersionInfo
-from freetoken_infra.core import wsl_ini
+from freetoken_infra.core import gpu_room, wsl_ini
 from freetoken_infra.core.gate_record import GateResult
 from freetoken_infra.core.hardware import HARDWARE_PROFILES, nominal_vram_gb
 from freetoken_infra.core.launch import (
-    DEFAULT_MEMORY_RATIO,
-    VRAM_DESKTOP_RESERVE_GB,
     LaunchPlan,
     derive_plan,
     estimated_vram_gb,
@@ -493,8 +491,8 @@ def check_gpu_free(settings: Settings, obs: Observations) -> Finding | None:
     other processes (under WSL the owner's Windows apps and games, which nvidia-smi counts as
     used but does not list, microsoft/WSL#7162) is not the engine's to take. Judged only while
     no engine of ours holds memory (not answering ``/health`` ok or loading): a serving engine's
-    own share is in the card's used memory too. The engine may use ``memory_ratio`` of the card;
-    what others hold comes off that, and never less than the desktop's reserve."""
+    own share is in the card's used memory too. What is left is ``core.gpu_room``'s, the same
+    formula the engine's own start checks (``operations/scripts/gpu_free.py``)."""
     gpu = primary_gpu(obs)
     plan = plan_for(settings, obs)
     need = estimated_vram_gb(plan) if plan is not None else None
@@ -506,7 +504,7 @@ def check_gpu_free(settings: Settings, obs: Observations) -> Finding | None:
         return None
     total = gpu.memory_total_mib / 1024
     held = gpu.memory_used_mib / 1024
-    room = total * (plan.memory_ratio or DEFAULT_MEMORY_RATIO) - max(held, VRAM_DESKTOP_RESERVE_GB)
+    room = gpu_room.room_gb(gpu.memory_total_mib, gpu.memory_used_mib, plan.memory_ratio)
     holders = [p for p in obs.gpus.processes if p.gpu == gpu.index]
     who = (
         "held by " + ", ".join(f"{p.name} (pid {p.pid}, {_mib_text(p.used_mib)})" for p in holders)

@@ -5,15 +5,24 @@ so it depends on no `wsl.exe` session - pitfall 4A).
 
 from __future__ import annotations
 
+import os
+
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import File
 from pyinfra.operations import files
 
-from freetoken_infra.core import redact
-from freetoken_infra.core.launch import LaunchPlan, engine_command
-from freetoken_infra.core.layout import ENGINE_UNIT, KEY_VAR, UNIT_DIR, HostLayout
+from freetoken_infra.core import gpu_room, redact
+from freetoken_infra.core.launch import LaunchPlan, engine_command, estimated_vram_gb
+from freetoken_infra.core.layout import (
+    ENGINE_UNIT,
+    GPU_FREE_SCRIPT,
+    GPU_ROOM_MODULE,
+    KEY_VAR,
+    UNIT_DIR,
+    HostLayout,
+)
 from freetoken_infra.core.settings import ControllerSourceError, Settings, controller_key
 from freetoken_infra.core.units import Comment, Entry, Section, UnitFile, render, unit_command, unit_word
 from operations import managed
@@ -21,6 +30,7 @@ from operations.managed import ManagedFile
 from operations.model import check_argv
 
 UNIT_PATH = f"{UNIT_DIR}/{ENGINE_UNIT}"
+_LOCAL_GPU_FREE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "gpu_free.py")
 
 
 def env_path(settings: Settings) -> str:
@@ -53,6 +63,16 @@ def engine_environment(settings: Settings) -> str:
     return "".join(f"{k}={v}\n" for k, v in values.items())
 
 
+def gpu_free_argv(plan: LaunchPlan) -> list[str] | None:
+    """The engine's start-time check that the plan fits what is free of the GPU (None: the plan
+    has no estimate, ``--moe-cache-auto``, and the engine sizes itself)."""
+    need = estimated_vram_gb(plan)
+    if need is None:
+        return None
+    ratio = [] if plan.memory_ratio is None else ["--ratio", str(plan.memory_ratio)]
+    return ["/usr/bin/python3", GPU_FREE_SCRIPT, "--need-gb", f"{need:.2f}", *ratio]
+
+
 def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
     """The unit file, from settings and the launch plan."""
     # The model is read under /home too; the engine's own folder must stay visible to be written.
@@ -60,6 +80,18 @@ def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
     # No '-': a missing key file must stop the start (fail closed), never start an engine that
     # answers without authentication. Only api_key_source = "none" runs without a key.
     key: tuple[Entry, ...] = () if settings.api_key_source == "none" else (("EnvironmentFile", key_path(settings)),)
+    gpu_argv = gpu_free_argv(plan)
+    gpu_check: tuple[Entry, ...] = (
+        ()
+        if gpu_argv is None
+        else (
+            Comment(
+                "Nor into GPU memory the owner's apps and games hold (at boot, after a crash): it waits,\n"
+                "tried again after RestartSec, until they let go."
+            ),
+            ("ExecStartPre", unit_command(gpu_argv)),
+        )
+    )
     unit = UnitFile(
         header="Managed by freetoken-infra; local edits are overwritten on the next deploy.",
         sections=(
@@ -85,6 +117,7 @@ def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
                         "file as it was when its hash was checked)."
                     ),
                     ("ExecStartPre", unit_command(check_argv(settings))),
+                    *gpu_check,
                     ("ExecStart", unit_command(engine_command(settings, plan))),
                     ("Restart", "on-failure"),
                     Comment(
@@ -172,6 +205,9 @@ def unit(settings: Settings, plan: LaunchPlan):
     + plan: the launch plan (freetoken_infra.core.launch.derive_plan)
     """
     yield from managed.put(
+        # the start-time GPU check and its formula, before the unit that runs them
+        ManagedFile(GPU_ROOM_MODULE, local=gpu_room.__file__),
+        ManagedFile(GPU_FREE_SCRIPT, local=_LOCAL_GPU_FREE),
         ManagedFile(env_path(settings), text=engine_environment(settings), mode="600", atomic=True, secret=True),
         ManagedFile(UNIT_PATH, text=engine_unit(settings, plan), atomic=True, unit=True),
     )

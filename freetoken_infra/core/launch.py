@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from freetoken_infra.core import gpu_room
 from freetoken_infra.core.hardware import nominal_vram_gb
 from freetoken_infra.core.layout import HostLayout
 from freetoken_infra.core.settings import Settings
@@ -31,9 +32,6 @@ from freetoken_infra.core.settings import Settings
 VRAM_BASE_GB = 3.9
 VRAM_PER_CACHE_SLOT_GB = 5.5 / 1024
 VRAM_PER_TOKEN_GB = 0.1 / 1024
-# WDDM keeps the Windows desktop's share of the card (idle ~1 GB in the report).
-VRAM_DESKTOP_RESERVE_GB = 1.0
-DEFAULT_MEMORY_RATIO = 0.9
 # The field report's KV reserve (16 GB card); larger cards reserve their whole KV capacity.
 KV_RESERVE_TOKENS_MIN = 8192
 
@@ -81,8 +79,8 @@ def estimated_vram_gb(plan: LaunchPlan) -> float | None:
 
 
 def usable_vram_gb(plan: LaunchPlan, vram_total_mib: int) -> float:
-    ratio = plan.memory_ratio or DEFAULT_MEMORY_RATIO
-    return vram_total_mib / 1024 * ratio - VRAM_DESKTOP_RESERVE_GB
+    """What the plan may use of an otherwise empty card (``gpu_room.room_gb``)."""
+    return gpu_room.room_gb(vram_total_mib, 0, plan.memory_ratio)
 
 
 def engine_command(settings: Settings, plan: LaunchPlan) -> list[str]:

@@ -50,6 +50,8 @@ CACHE_RUN_DIR = "/run/freetoken-model-cache"
 QUANT_MODULE = f"{LIB_DIR}/quant.py"  # fetch_model.py imports it from its own folder
 MANIFEST_MODULE = f"{LIB_DIR}/manifest.py"  # so do fetch_model.py --check and model_cache.py
 HOSTIO_MODULE = f"{LIB_DIR}/hostio.py"  # fetch_model.py and guard.py: atomic writes, byte counts
+GPU_FREE_SCRIPT = f"{LIB_DIR}/gpu_free.py"  # the engine's ExecStartPre: is enough of the GPU free?
+GPU_ROOM_MODULE = f"{LIB_DIR}/gpu_room.py"  # gpu_free.py imports it from its own folder
 HOST_LOCK_SCRIPT = f"{LIB_DIR}/host_lock.py"
 OWN_DIR_SCRIPT = f"{LIB_DIR}/own_dir.py"  # root makes and re-owns folders without following links
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_infra.core.launch import DEFAULT_MEMORY_RATIO, derive_plan, engine_command
+from freetoken_infra.core.gpu_room import DEFAULT_MEMORY_RATIO
+from freetoken_infra.core.launch import derive_plan, engine_command
 from freetoken_infra.core.settings import Settings
 
 HERE = Path(__file__).resolve().parent

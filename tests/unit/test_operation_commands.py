@@ -39,6 +39,8 @@ from freetoken_infra.core.layout import (
     GATEWAY_KEYS_MAP,
     GATEWAY_SCRAPE_CONFIG,
     GATEWAY_TLS_PEM,
+    GPU_FREE_SCRIPT,
+    GPU_ROOM_MODULE,
     HOSTIO_MODULE,
     LIB_DIR,
     MANIFEST_MODULE,
@@ -353,28 +355,44 @@ def test_api_key_generated_once_copied_or_removed(tmp_path):
     assert FakeHost(files={path: ("API_KEY=old\n", 600)}).commands(service.api_key, copied) == uploaded(path, "600")
 
 
+LIB_DIRS = {"/usr/local/lib/freetoken"}
+
+
+def engine_files(s: Settings, plan) -> dict:
+    """What ``service.unit`` converges: the start-time GPU check and its formula, the environment, the unit."""
+    return {
+        GPU_ROOM_MODULE: source("freetoken_infra", "core", "gpu_room.py"),
+        GPU_FREE_SCRIPT: source("operations", "scripts", "gpu_free.py"),
+        service.env_path(s): (service.engine_environment(s), 600),
+        service.UNIT_PATH: service.engine_unit(s, plan),
+    }
+
+
 def test_engine_unit_converged_then_each_drift():
     s = Settings()
     plan = derive_plan(s, 16311, (12, 0))
     env, unit = service.env_path(s), service.UNIT_PATH
-    files = {env: (service.engine_environment(s), 600), unit: service.engine_unit(s, plan)}
-    assert FakeHost(files=files).commands(service.unit, s, plan) == []
+    files = engine_files(s, plan)
+    assert FakeHost(files=files, dirs=LIB_DIRS).commands(service.unit, s, plan) == []
+    # The GPU check missing (a host converged before it existed): uploaded, the unit's reload with it.
+    bare = {k: v for k, v in files.items() if k not in (GPU_ROOM_MODULE, GPU_FREE_SCRIPT)}
+    cmds = FakeHost(files=bare, dirs=LIB_DIRS).commands(service.unit, s, plan)
+    assert [c for c in cmds if c.startswith("upload")] == [f"upload {GPU_ROOM_MODULE}", f"upload {GPU_FREE_SCRIPT}"]
     # A changed unit is written beside and renamed over (atomic), then systemd reloads.
     other = derive_plan(Settings(listen_port=8100), 16311, (12, 0))
-    assert FakeHost(files=files).commands(service.unit, Settings(listen_port=8100), other) == [
+    assert FakeHost(files=files, dirs=LIB_DIRS).commands(service.unit, Settings(listen_port=8100), other) == [
         *uploaded(f"{unit}.new"),
         f"mv -f {unit}.new {unit}",
         "systemctl daemon-reload",
     ]
     # A changed environment: atomic too, and no reload (systemd reads it at start).
     changed = {**files, env: ("LOG_LEVEL=DEBUG\n", 600)}
-    assert FakeHost(files=changed).commands(service.unit, s, plan) == [
+    assert FakeHost(files=changed, dirs=LIB_DIRS).commands(service.unit, s, plan) == [
         *uploaded(f"{env}.new", "600"),
         f"mv -f {env}.new {env}",
     ]
-    assert FakeHost(files={**files, env: (service.engine_environment(s), 644)}).commands(service.unit, s, plan) == [
-        f"chmod 600 {env}"
-    ]
+    loose = {**files, env: (service.engine_environment(s), 644)}
+    assert FakeHost(files=loose, dirs=LIB_DIRS).commands(service.unit, s, plan) == [f"chmod 600 {env}"]
 
 
 # --------------------------------------------------------------------------- windows
@@ -587,13 +605,10 @@ def _noop_hosts():
 
     s = Settings()
     plan = derive_plan(s, 16311, (12, 0))
-    engine = {
-        service.env_path(s): (service.engine_environment(s), 600),
-        service.UNIT_PATH: service.engine_unit(s, plan),
-    }
+    engine = engine_files(s, plan)
     cache = Settings(model_cache_host="ws1")
     return {
-        "service.unit": (FakeHost(files=engine), service.unit, (s, plan), {}),
+        "service.unit": (FakeHost(files=engine, dirs=LIB_DIRS), service.unit, (s, plan), {}),
         "guard": (test_guard.guard_host(test_guard.converged_files(s), timer_on=True), guard.guard, (s,), {}),
         "firewall": (test_firewall.converged(), firewall.firewall, (test_firewall.ON_LAN, test_firewall.GW), {}),
         "model_fetcher": (fetcher_host(s), model.model_fetcher, (s,), {}),
@@ -607,7 +622,7 @@ def _noop_hosts():
 # and the downloader each check core/hostio.py beside their scripts since it became one module
 # (one File, Sha1File and Directory more each; the same three reads, answered once per run).
 NOOP_FACTS = {
-    "service.unit": {"File": 1, "FileText": 2},
+    "service.unit": {"Directory": 2, "File": 3, "FileText": 2, "Sha1File": 2},
     "guard": {"Directory": 5, "File": 4, "Sha1File": 4, "SystemdEnabled": 1, "SystemdStatus": 1},
     "firewall": {"DebPackages": 1, "Directory": 2, "File": 2, "Sha1File": 2, "SystemdEnabled": 1, "SystemdStatus": 1},
     "model_fetcher": {"Account": 1, "DirOwnership": 2, "Directory": 6, "File": 7, "Sha1File": 6},
