@@ -2,7 +2,8 @@
 
 The hosts of the inventory group `gateway` (any Debian/Ubuntu machine, a WSL host too) run
 HAProxy from the distribution in front of every host of the inventory that runs an engine
-(`runs_engine`): one OpenAI base URL for the fleet, health-checked on `/health`'s JSON, keys
+(`runs_engine`), each given no more streams than its engine's slots and weighted by its measured
+decode tok/s: one OpenAI base URL for the fleet, health-checked on `/health`'s JSON, keys
 checked at the gateway (README, "One endpoint for the fleet"), HTTPS with `gateway_tls_cert_file`.
 Every value that reaches haproxy.cfg or the scrape config (addresses, names, keys) is validated
 before any host is touched; an engine that takes no key on a LAN address is refused. Backends,
@@ -18,6 +19,7 @@ from pyinfra.context import state
 from freetoken_infra.core import addresses
 from freetoken_infra.core.layout import GATEWAY_GROUP
 from freetoken_infra.preflight import fleet_settings
+from freetoken_infra.rollout import measured_decode_tps
 from operations import cuda, gateway, host_lock
 
 every = fleet_settings(state)  # every host's settings, validated before any host is touched
@@ -32,7 +34,8 @@ if GATEWAY_GROUP in host.groups:
                 "one client key per line) for the gateway's clients"
             )
         hosts = {h.name: (every[h.name], h.data.get("ssh_hostname")) for h in state.inventory}
-        backends = gateway.backends_for(host.name, hosts)
+        # Each engine's slots from its launch plan, its weight from its last gate's tok/s.
+        backends = gateway.backends_for(host.name, hosts, measured_decode_tps())
         engine_key = gateway.fleet_engine_key(backends, every)
         client_keys = gateway.keys_map(gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
         address = addresses.fleet_address(host.name, host.data.get("ssh_hostname"))
@@ -47,7 +50,9 @@ if GATEWAY_GROUP in host.groups:
 
     cuda.packages_present(name="Gateway: HAProxy and socat (Debian packages)", packages=["haproxy", "socat"])
     gateway.gateway(
-        name=f"Gateway: HAProxy in front of {', '.join(b.name for b in backends)} (validated, reloaded)",
+        name="Gateway: HAProxy in front of "
+        + ", ".join(f"{b.name} ({b.slots} slot{'s' if b.slots > 1 else ''}, weight {b.weight})" for b in backends)
+        + " (validated, reloaded)",
         config=gateway.haproxy_config(settings, backends, engine_key is not None, tls=tls is not None),
         client_keys=client_keys,
         engine_keys=gateway.engine_key_map(engine_key),

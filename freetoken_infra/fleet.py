@@ -35,7 +35,6 @@ from typing import Any
 from freetoken_infra.core.gate_record import GateRecordError, GateResult
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
-    GATEWAY_BACKENDS,
     GATEWAY_GROUP,
     GATEWAY_RUNTIME_SOCKET,
     HostLayout,
@@ -130,16 +129,11 @@ def classify(status: str, check_status: str) -> str:
 
 
 def parse_stat(text: str) -> list[ServerStatus]:
-    """`show stat` (CSV) -> one ServerStatus per server of the gateway's checked backend, with
-    the active requests of both backends."""
+    """`show stat` (CSV) -> one ServerStatus per server of the gateway's backend."""
     lines = text.lstrip().splitlines()
     if not lines or not lines[0].startswith("# pxname"):
         raise FleetError(f"unexpected answer to 'show stat': {text[:200]!r}")
     rows = list(csv.DictReader(io.StringIO(lines[0][2:] + "\n" + "\n".join(lines[1:]))))
-    active: dict[str, int] = {}
-    for row in rows:
-        if row["pxname"] in GATEWAY_BACKENDS and row["svname"] not in ("BACKEND", "FRONTEND"):
-            active[row["svname"]] = active.get(row["svname"], 0) + int(row.get("scur") or 0)
     out = []
     for row in rows:
         if row["pxname"] != GATEWAY_BACKEND or row["svname"] in ("BACKEND", "FRONTEND"):
@@ -155,7 +149,8 @@ def parse_stat(text: str) -> list[ServerStatus]:
             ServerStatus(
                 row["svname"],
                 classify(row["status"], check),
-                active.get(row["svname"], 0),
+                # streams it serves and requests waiting for its slots (a session's)
+                int(row.get("scur") or 0) + int(row.get("qcur") or 0),
                 health.strip() or "-",
                 row["status"],
             )
@@ -232,7 +227,6 @@ class Fleet:
                 "adding hosts to the inventory"
             )
         for h in hosts:
-            # The session backend's server tracks this one and inherits its drain.
             answer = self.runtime(f"set server {GATEWAY_BACKEND}/{h} state {state}").strip()
             if answer:
                 raise FleetError(f"{self.gateway.name}: set server {h} state {state}: {answer}")

@@ -475,6 +475,23 @@ def newest_report() -> Path:
     return found[-1]
 
 
+def measured_decode_tps(newest: int = 50) -> dict[str, float]:
+    """Each host's decode tok/s as its last passed health gate measured it, from the newest of
+    this controller's rollout reports that has it (an ``ok`` row with a tok/s): what the gateway
+    weighs hosts by (deploys/gateway.py). Only reports whose signature holds count; none yet: {}."""
+    found = sorted(reports_dir().glob("rollout-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    out: dict[str, float] = {}
+    for path in found[:newest]:
+        try:
+            _, doc = load_report(str(path))
+        except RolloutError:
+            continue  # not ours, damaged, or no key yet: it steers nothing
+        for row in report_rows(doc, str(path)):
+            if row.result == RESULT_OK and row.tokens_per_s is not None:
+                out.setdefault(row.host, row.tokens_per_s)
+    return out
+
+
 def parse_only(spec: str) -> list[str]:
     """``--only parked,failed`` -> the results to select; RolloutError on an unknown one."""
     wanted = [part.strip().replace("-", " ") for part in spec.split(",") if part.strip()]

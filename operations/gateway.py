@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import io
 import ipaddress
+import json
+import math
 import re
 import shlex
 import ssl
@@ -30,6 +32,8 @@ from pyinfra.operations import files, systemd
 from facts.files import FileText
 from freetoken_infra.core import redact
 from freetoken_infra.core.addresses import AddressError, fleet_address
+from freetoken_infra.core.hardware import HARDWARE_PROFILES
+from freetoken_infra.core.launch import running_requests
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
     GATEWAY_CONFIG,
@@ -38,7 +42,6 @@ from freetoken_infra.core.layout import (
     GATEWAY_RUNTIME_SOCKET,
     GATEWAY_SCRAPE_CONFIG,
     GATEWAY_SERVER_STATE,
-    GATEWAY_SESSION_BACKEND,
     GATEWAY_TLS_PEM,
     SERVED_BY_HEADER,
     SESSION_HEADER,
@@ -63,6 +66,12 @@ RETRY_ON = "conn-failure empty-response junk-response response-timeout 503"
 BUFSIZE = 65536
 # Streams of a slow 16 GB host can pause for a long prefill: no shorter server timeout.
 SERVER_TIMEOUT = "10m"
+# What a client is told to wait when the fleet is full (HAProxy's own 503s: queue full, no slot
+# freed within gateway_queue_timeout_s, no host in service); the openai clients honour it.
+RETRY_AFTER_S = 5
+# HAProxy's server weights are 1..256: one per decode token per second. A host nothing is known
+# of weighs what the field report's card decodes (about 24 tok/s).
+UNKNOWN_WEIGHT = 24
 # Matched over the whole string (fullmatch): `$` also accepts a final newline (issue 20 item 12).
 _SERVER_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEY_RE = re.compile(r"[A-Za-z0-9._~+/=-]{16,256}")
@@ -77,11 +86,34 @@ class GatewayError(Exception):
 
 @dataclass(frozen=True)
 class GatewayBackend:
-    """One serving host as the gateway reaches it."""
+    """One serving host as the gateway reaches it, with its engine's slots (HAProxy's `maxconn`:
+    no more streams than the engine runs at once) and its weight (its decode tok/s)."""
 
     name: str  # the inventory's host name, also the HAProxy server name
     address: str
     port: int
+    slots: int = 1
+    weight: int = UNKNOWN_WEIGHT
+
+
+def backend_capacity(settings: Settings, measured_tps: float | None) -> tuple[int, int]:
+    """(slots, weight) of a host's engine as the gateway weighs it.
+
+    Slots: the launch plan's running-request limit (`launch_max_running_requests`, else the
+    declared `hardware_profile`'s card; a host whose card the controller cannot know
+    (`hardware_profile` auto) gets 1, the least any plan runs). Weight: the decode tok/s its
+    last passed health gate measured (`measured_tps`, from the rollout reports), else its class's
+    `decode_floor_tps`, else UNKNOWN_WEIGHT; bounded to HAProxy's 1..256, so a host that reports
+    a forged speed can take at most its slots, never another host's."""
+    if settings.launch_max_running_requests is not None:
+        slots = settings.launch_max_running_requests
+    elif settings.hardware_profile in HARDWARE_PROFILES:
+        slots = running_requests(HARDWARE_PROFILES[settings.hardware_profile])
+    else:
+        slots = 1
+    tps = measured_tps if measured_tps is not None and math.isfinite(measured_tps) else settings.decode_floor_tps
+    weight = UNKNOWN_WEIGHT if tps is None else min(256, max(1, round(tps)))
+    return slots, weight
 
 
 def backend_address(name: str, settings: Settings, hostname: str | None, gateway: str) -> str:
@@ -102,9 +134,12 @@ def backend_address(name: str, settings: Settings, hostname: str | None, gateway
     return str(ip)
 
 
-def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, str | None]]) -> list[GatewayBackend]:
+def backends_for(
+    gateway: str, hosts: Mapping[str, tuple[Settings, str | None]], measured_tps: Mapping[str, float] | None = None
+) -> list[GatewayBackend]:
     """The gateway's backends: every host of the inventory whose `runs_engine` is set, in name
-    order. `hosts`: name -> (settings, ssh_hostname or None)."""
+    order. `hosts`: name -> (settings, ssh_hostname or None); `measured_tps`: name -> the decode
+    tok/s of its last passed gate (backend_capacity)."""
     out, problems = [], []
     for name in sorted(hosts, key=_natural):
         settings, hostname = hosts[name]
@@ -114,7 +149,9 @@ def backends_for(gateway: str, hosts: Mapping[str, tuple[Settings, str | None]])
             problems.append(f"host {name}: a gateway backend's name may hold only letters, digits, '.', '_', '-'")
             continue
         try:
-            out.append(GatewayBackend(name, backend_address(name, settings, hostname, gateway), settings.listen_port))
+            address = backend_address(name, settings, hostname, gateway)
+            slots, weight = backend_capacity(settings, (measured_tps or {}).get(name))
+            out.append(GatewayBackend(name, address, settings.listen_port, slots, weight))
         except GatewayError as exc:
             problems.append(str(exc))
     if problems:
@@ -275,13 +312,62 @@ def _key_rules() -> list[str]:
     ]
 
 
+# Conversations are spread over this many buckets; each bucket has one preferred host.
+AFFINITY_BUCKETS = 64
+
+
+def affinity_buckets(backends: Sequence[GatewayBackend]) -> dict[str, list[int]]:
+    """Each backend's buckets, by weighted rendezvous hashing: a bucket goes to the host with the
+    highest ``weight / -ln(u)``, `u` uniform from a hash of host and bucket. A host's share
+    follows its weight, and a host that joins or leaves moves only the buckets it takes or held
+    (every other conversation keeps its host)."""
+    out: dict[str, list[int]] = {b.name: [] for b in backends}
+
+    def score(b: GatewayBackend, bucket: int) -> float:
+        digest = hashlib.sha256(f"{b.name}\0{bucket}".encode()).digest()
+        u = (int.from_bytes(digest[:8], "big") + 1) / (2**64 + 2)  # in (0, 1)
+        return b.weight / -math.log(u)
+
+    for bucket in range(AFFINITY_BUCKETS):
+        out[max(backends, key=lambda b: score(b, bucket)).name].append(bucket)
+    return out
+
+
 def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key: bool, tls: bool = False) -> str:
     """/etc/haproxy/haproxy.cfg of the gateway host; with `tls`, both frontends speak HTTPS only
     (HAProxy's own TLS, the certificate and key in GATEWAY_TLS_PEM)."""
     ssl = f" ssl crt {GATEWAY_TLS_PEM}" if tls else ""
     session = SESSION_HEADER.lower()
-    check_servers = "\n".join(f"    server {b.name} {b.address}:{b.port}" for b in backends)
-    tracking = "\n".join(f"    server {b.name} {b.address}:{b.port} track {GATEWAY_BACKEND}/{b.name}" for b in backends)
+    servers = "\n".join(
+        f"    server {b.name} {b.address}:{b.port} maxconn {b.slots} weight {b.weight}" for b in backends
+    )
+    busy = json.dumps({"error": "the fleet is busy: every engine slot and the gateway queue are full"})
+    prefix = gw.gateway_prefix_affinity_bytes
+    # The bucket a request's conversation falls in: its session, else (prefix affinity) the
+    # first bytes of its body (model, system prompt); neither: no bucket.
+    affinity = [
+        f"http-request set-var(txn.bucket) req.hdr({session}),xxh32,mod({AFFINITY_BUCKETS}) "
+        f"if {{ req.hdr({session}) -m found }}",
+        *(
+            [
+                "option http-buffer-request",
+                f"http-request set-var(txn.bucket) req.body,bytes(0,{prefix}),xxh32,mod({AFFINITY_BUCKETS}) "
+                "if !{ var(txn.bucket) -m found } { req.body_size gt 0 }",
+            ]
+            if prefix
+            else []
+        ),
+    ]
+    # A bucket's host takes it while that host is in service (not drained) with a free slot;
+    # else the request goes where any request goes.
+    placed = affinity_buckets(backends)
+    prefer = "\n".join(
+        f"    use-server {b.name} if {{ var(txn.bucket) -m int {' '.join(map(str, buckets))} }} "
+        f"{{ srv_conn_free({GATEWAY_BACKEND}/{b.name}) gt 0 }} {{ srv_weight({GATEWAY_BACKEND}/{b.name}) gt 0 }} "
+        f"{{ srv_is_up({GATEWAY_BACKEND}/{b.name}) }}"
+        for b in backends
+        if (buckets := placed[b.name])
+    )
     engine_auth = (
         f'http-request set-header Authorization "Bearer %[str(engine),map_str({GATEWAY_ENGINE_KEY_MAP})]"'
         if engine_key
@@ -302,7 +388,10 @@ def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key:
             engine_auth,
             "# Which host answered (clients and the fleet tests see their sessions stay put).",
             f"http-response set-header {SERVED_BY_HEADER} %s",
-            f"use_backend {GATEWAY_SESSION_BACKEND} if {{ req.hdr({session}) -m found }}",
+            "# Every engine slot busy and the queue full: a 503 at once, never a hang.",
+            f"http-request return status 503 content-type application/json hdr Retry-After {RETRY_AFTER_S} "
+            f"string '{busy}' if {{ queue({GATEWAY_BACKEND}) ge {gw.gateway_queue_max} }}",
+            *affinity,
             f"default_backend {GATEWAY_BACKEND}",
         ]
     )
@@ -341,10 +430,14 @@ defaults
     timeout server {SERVER_TIMEOUT}
     timeout http-request 15s
     timeout http-keep-alive 30s
-    timeout queue 60s
+    # A request waits this long for a free engine slot, then gets HAProxy's 503 (below).
+    timeout queue {gw.gateway_queue_timeout_s}s
     # A silent host (asleep, network gone) fails a check after 1.5 s: out within 5 s in all.
     timeout check 1500ms
     load-server-state-from-file global
+    # HAProxy's own 503s (no slot freed in time, no host in service) in the engines' JSON shape,
+    # with the time to wait before trying again.
+    http-error status 503 content-type application/json hdr Retry-After {RETRY_AFTER_S} string '{{"error": "no engine slot became free in time"}}'
 
 frontend freetoken_api
     bind :{gw.gateway_port}{ssl}
@@ -354,7 +447,11 @@ frontend freetoken_stats
     bind :{gw.gateway_stats_port}{ssl}
     {stats}
 
-# Requests without a session: the least busy host in service.
+# Each host takes at most its engine's slots (maxconn: its launch plan's running requests);
+# the rest wait here for the first slot that frees on any host (leastconn per weight, the
+# weight its decode tok/s). A conversation ({SESSION_HEADER}) keeps its host (its KV cache)
+# while that host has a free slot: never more streams than the engine runs, never a wait on a
+# busy host while another has room.
 backend {GATEWAY_BACKEND}
     balance leastconn
     {retry}
@@ -362,14 +459,14 @@ backend {GATEWAY_BACKEND}
     http-check send meth GET uri /health ver HTTP/1.1 hdr Host freetoken-gateway
     http-check expect rstring '{HEALTH_OK_REGEX}'
     default-server {CHECK} observe layer4 error-limit 1 on-error mark-down
-{check_servers}
-
-# Follow-up turns ({SESSION_HEADER}): the same host while it is in service (its KV cache).
-backend {GATEWAY_SESSION_BACKEND}
-    balance hdr({session})
-    hash-type consistent
-    {retry}
-{tracking}
+    # A host that vanished (powered off, asleep: no reset comes) would hold its streams' slots
+    # for the server timeout; TCP keep-alives close those connections within about 11 s.
+    option srvtcpka
+    srvtcpka-idle 5s
+    srvtcpka-intvl 2s
+    srvtcpka-cnt 3
+{prefer}
+{servers}
 """
 
 

@@ -49,6 +49,12 @@ class LaunchPlan:
     memory_ratio: float | None
 
 
+def running_requests(nominal_gb: int) -> int:
+    """Streams the engine runs at once on a card of `nominal_gb` (its slots; the gateway sends
+    each host no more than this: operations/gateway.py)."""
+    return max(1, nominal_gb // 16)
+
+
 def derive_plan(settings: Settings, vram_total_mib: int, compute_cap: tuple[int, int]) -> LaunchPlan:
     """The plan for this GPU, with the host's `launch_*` overrides applied."""
     g = nominal_vram_gb(vram_total_mib)
@@ -58,7 +64,7 @@ def derive_plan(settings: Settings, vram_total_mib: int, compute_cap: tuple[int,
         num_tokens=256 * g,
         kv_reserve_tokens=max(KV_RESERVE_TOKENS_MIN, 256 * g),
         max_prefill_length=8192,
-        max_running_requests=max(1, g // 16),
+        max_running_requests=running_requests(g),
         moe_cpu_layers="auto",
         attention_backend="triton" if compute_cap[0] == 12 else "auto",
         memory_ratio=None,

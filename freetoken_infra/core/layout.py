@@ -210,10 +210,8 @@ GATEWAY_RUNTIME_SOCKET = "/run/haproxy/admin.sock"
 GATEWAY_SERVER_STATE = "/var/lib/haproxy/server-state"
 # The fleet's Prometheus scrape config, generated on the gateway host.
 GATEWAY_SCRAPE_CONFIG = "/etc/haproxy/freetoken-prometheus.yml"
-# HAProxy backends: least busy host, and consistent hashing on the session header.
+# The gateway's one HAProxy backend: every serving host, with its engine's slots.
 GATEWAY_BACKEND = "freetoken"
-GATEWAY_SESSION_BACKEND = "freetoken_sessions"
-GATEWAY_BACKENDS = (GATEWAY_BACKEND, GATEWAY_SESSION_BACKEND)
 # Requests with the same value of this header go to the same healthy host (its KV cache).
 SESSION_HEADER = "X-Session-Id"
 # The gateway names the host that answered in this response header.

@@ -282,6 +282,12 @@ class Settings(BaseModel):
     """Clients' gateway keys on the controller: `file:/path` or `env:VAR` (one key per line, optionally a label)."""
     gateway_tls_cert_file: str | None = None
     """PEM on the controller (certificate chain, then its unencrypted key): HTTPS on both gateway ports; unset: plain HTTP."""
+    gateway_queue_timeout_s: int = Field(60, ge=1, le=3600)
+    """How long a request waits at the gateway for a free engine slot before a 503 with Retry-After."""
+    gateway_queue_max: int = Field(64, ge=1, le=100000)
+    """Requests the gateway holds while every engine slot is busy; one more gets a 503 with Retry-After at once."""
+    gateway_prefix_affinity_bytes: int = Field(0, ge=0, le=4096)
+    """Requests without X-Session-Id keep a host by the first N bytes of their body (model, system prompt), like a session; 0: off."""
 
     # --- validators ---------------------------------------------------------------
     @field_validator("engine_version")

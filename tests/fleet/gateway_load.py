@@ -129,8 +129,53 @@ def stream_chat(
         conn.close()
 
 
+def openai_chat(
+    address: str, port: int, key: str, max_tokens: int = 12, session: str | None = None, stream: bool = True
+) -> Outcome:
+    """One chat completion through the gateway with the `openai` Python client, as users call it
+    (streamed or plain). Its own retries are off (max_retries=0): what fails here failed at the
+    gateway. `started`: the gateway answered 200 (a stream's first event, or the whole reply)."""
+    import openai
+
+    out = Outcome(time.time())
+    client = openai.OpenAI(
+        base_url=f"http://{address}:{port}/v1",
+        api_key=key,
+        max_retries=0,
+        timeout=120,
+        http_client=openai.DefaultHttpxClient(trust_env=False),  # the simulated LAN: no proxy
+    )
+    try:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=max_tokens,
+            stream=stream,
+            extra_headers={SESSION_HEADER: session} if session else None,
+        )
+        out.host = raw.headers.get(SERVED_BY_HEADER)
+        out.started = True
+        reply = raw.parse()
+        if stream:
+            finished = [c.choices[0].finish_reason for c in reply if c.choices and c.choices[0].finish_reason]
+            out.ok = bool(finished)
+            out.error = "" if out.ok else "stream ended without a finish_reason"
+        else:
+            out.ok = bool(reply.choices and reply.choices[0].message.content is not None)
+    except openai.APIStatusError as exc:
+        out.host = exc.response.headers.get(SERVED_BY_HEADER)
+        wait = exc.response.headers.get("retry-after")
+        out.error = f"HTTP {exc.status_code}" + (f" (Retry-After {wait})" if wait else "") + f": {exc.response.text[:200]}"
+    except openai.APIError as exc:  # connection errors, a stream cut mid-way
+        out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        out.t1 = time.time()
+        client.close()
+    return out
+
+
 def session_on(host: str, address: str, port: int, key: str, tries: int = 64) -> str:
-    """A session name the gateway's consistent hashing sends to `host`, found by asking."""
+    """A session name the gateway keeps on `host` (its affinity bucket there), found by asking."""
     for i in range(tries):
         name = f"conversation-{i}"
         if stream_chat(address, port, key, max_tokens=2, session=name).host == host:
@@ -142,7 +187,8 @@ class Load:
     """`clients` threads sending streamed chat completions back to back until stop(), at most
     `max_requests` in all and for at most `max_seconds` (bounded in count and time). Client i
     sends the session header `sessions[i]` (its turns go to one host), the others none (the
-    least busy host)."""
+    least busy host). `client` "openai": the `openai` Python client, streamed and plain turns
+    alternating (openai_chat); "http": streamed, on http.client (stream_chat)."""
 
     def __init__(
         self,
@@ -154,8 +200,9 @@ class Load:
         max_requests: int = 5000,
         max_seconds: float = 900,
         sessions: Sequence[str] = (),
+        client: str = "http",
     ):
-        self.address, self.port, self.key = address, port, key
+        self.address, self.port, self.key, self.client = address, port, key, client
         self.clients, self.max_tokens, self.sessions = clients, max_tokens, list(sessions)
         self.max_requests, self.deadline = max_requests, time.time() + max_seconds
         self.outcomes: list[Outcome] = []
@@ -164,17 +211,17 @@ class Load:
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
 
     def _client(self, i: int) -> None:
+        turn = 0
         while not self._stop.is_set() and time.time() < self.deadline:
             with self._lock:
                 if len(self.outcomes) >= self.max_requests:
                     return
-            o = stream_chat(
-                self.address,
-                self.port,
-                self.key,
-                self.max_tokens,
-                session=self.sessions[i] if i < len(self.sessions) else None,
-            )
+            session = self.sessions[i] if i < len(self.sessions) else None
+            if self.client == "openai":
+                o = openai_chat(self.address, self.port, self.key, self.max_tokens, session, stream=turn % 2 == 0)
+            else:
+                o = stream_chat(self.address, self.port, self.key, self.max_tokens, session=session)
+            turn += 1
             with self._lock:
                 self.outcomes.append(o)
 

@@ -16,10 +16,12 @@ client side, and `--dry --diff` of the gateway prints no key."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -34,6 +36,7 @@ from tests.fleet.gateway_load import (
     Watcher,
     converge_behind_gateway,
     data_args,
+    openai_chat,
     pyinfra,
     session_on,
     stream_chat,
@@ -55,8 +58,8 @@ def keys(tmp_path_factory):
     return write_keys(tmp_path_factory.mktemp("gateway") / "keys")
 
 
-def deploy_gateway(keys) -> subprocess.CompletedProcess:
-    return pyinfra(*data_args(keys), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
+def deploy_gateway(keys, *extra: str) -> subprocess.CompletedProcess:
+    return pyinfra(*data_args(keys), *extra, "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
 
 
 def fleet_cli(*args: str) -> subprocess.CompletedProcess:
@@ -167,11 +170,133 @@ def test_the_generated_scrape_config_targets_serve_the_guards_metrics_and_a_reru
     assert {h: fleet.run(h, probe, check=True).stdout for h in ("ws1", "ws2")} == before
 
 
+def test_a_real_prometheus_scrapes_the_generated_config_every_serving_target_up(gateway):
+    """Issue 23 item 7: Debian's Prometheus on the gateway host, given the scrape config the deploy
+    wrote (merged into its prometheus.yml as the README says, a client key in the credentials
+    file): the gateway's exporter and every serving host's guard are up, HAProxy's and the
+    guard's series are there. ws3 never converged (refused at preflight): its target is down."""
+    import base64
+
+    import yaml
+
+    from freetoken_infra.core.layout import GATEWAY_SCRAPE_CONFIG
+
+    fleet = gateway["fleet"]
+    install = fleet.run(
+        GATEWAY_NAME,
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus",
+        timeout=900,
+    )
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    try:
+        config = yaml.safe_load(fleet.run(GATEWAY_NAME, f"cat {GATEWAY_SCRAPE_CONFIG}", check=True).stdout)
+        config["global"] = {"scrape_interval": "2s", "scrape_timeout": "1500ms"}
+        text = base64.b64encode(yaml.safe_dump(config).encode()).decode()
+        fleet.run(
+            GATEWAY_NAME,
+            "install -m 600 -o prometheus -g prometheus /dev/null /etc/prometheus/freetoken-gateway.key "
+            f"&& printf %s {CLIENT_KEY} > /etc/prometheus/freetoken-gateway.key "
+            f"&& echo {text} | base64 -d > /etc/prometheus/prometheus.yml "
+            "&& promtool check config /etc/prometheus/prometheus.yml && systemctl restart prometheus",
+            check=True,
+        )
+        api = "http://127.0.0.1:9090/api/v1/"
+        health: dict[str, str] = {}
+
+        def all_scraped() -> bool:
+            r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(api + "targets"))
+            if r.returncode != 0:
+                return False
+            for t in json.loads(r.stdout)["data"]["activeTargets"]:
+                health[t["labels"].get("host") or t["labels"]["job"]] = t["health"]
+            return len(health) == 4 and all(v != "unknown" for v in health.values())
+
+        assert eventually(all_scraped, timeout=90), health
+        assert health == {"freetoken-gateway": "up", "ws1": "up", "ws2": "up", "ws3": "down"}, health
+
+        def series(query: str) -> set[str]:
+            r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(api + "query?query=" + query), check=True)
+            return {
+                m["metric"].get("host") or m["metric"].get("proxy", "") for m in json.loads(r.stdout)["data"]["result"]
+            }
+
+        assert "freetoken" in series("haproxy_backend_active_servers")
+        assert {"ws1", "ws2"} <= series("freetoken_guard_tripped")
+    finally:
+        fleet.run(GATEWAY_NAME, "systemctl disable --now prometheus")
+
+
 def test_requests_through_the_gateway_reach_the_serving_hosts_and_ws3_is_parked(gateway):
     wait_in_service(gateway["fleet"], ["ws1", "ws2"])
-    hosts = {stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY).host for _ in range(8)}
-    assert hosts == {"ws1", "ws2"}
+    # One at a time: idle hosts take turns.
+    alone = {stream_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY).host for _ in range(8)}
+    assert alone == {"ws1", "ws2"}
+    # Three at once: ws2's two slots and ws1's one.
+    with Load(GATEWAY_ADDRESS, PORT, CLIENT_KEY, clients=3, max_tokens=24, max_requests=6, max_seconds=30) as load:
+        time.sleep(5)
+    outcomes = load.stop()
+    assert all(o.ok for o in outcomes) and {o.host for o in outcomes} == {"ws1", "ws2"}
     assert {s["host"]: s["state"] for s in status_rows(gateway["fleet"])}["ws3"] == "parked"
+
+
+def engine_active(fleet, host: str) -> int:
+    """Requests FreeToken holds (running and waiting inside it), from its own /v1/stats."""
+    out = fleet.run(
+        host,
+        f"curl -sf --noproxy '*' -H 'Authorization: Bearer {ENGINE_KEY}' http://127.0.0.1:8000/v1/stats",
+        check=True,
+    ).stdout
+    return json.loads(out)["requests"]["active"]
+
+
+def test_no_engine_gets_more_streams_than_its_slots_and_the_rest_wait_at_the_gateway(gateway, keys):
+    """Twice the fleet's slots (ws1: 1, the 16 GB plan; ws2: 2, the 32 GB one) of openai clients:
+    no engine ever holds more than it runs (nothing queued inside an engine, where the gateway
+    cannot move it), every slot is used, every request is answered."""
+    fleet = gateway["fleet"]
+    wait_in_service(fleet, ["ws1", "ws2"])
+    slots = {"ws1": 1, "ws2": 2}
+    peak = {h: 0 for h in slots}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for h in slots:
+                peak[h] = max(peak[h], engine_active(fleet, h))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    with Load(GATEWAY_ADDRESS, PORT, CLIENT_KEY, clients=6, max_tokens=24, max_seconds=12, client="openai") as load:
+        watcher.start()
+        time.sleep(12)
+    outcomes = load.stop()
+    stop.set()
+    watcher.join(timeout=30)
+    result = summary(outcomes)
+    print(f"6 clients on 3 slots: {result['requests']} requests, by host {result['by_host']}, engine peaks {peak}")
+    assert result["ok"] == result["requests"] > 0, result
+    assert peak == slots  # never above, and every slot used
+    assert result["by_host"]["ws2"] > result["by_host"]["ws1"] > 0
+
+    # A full queue: the request beyond it gets a 503 with Retry-After at once, never a hang.
+    assert deploy_gateway(keys, "--data", "gateway_queue_max=1").returncode == 0
+    try:
+        burst: list = []
+        threads = [
+            threading.Thread(target=lambda: burst.append(openai_chat(GATEWAY_ADDRESS, PORT, CLIENT_KEY, 48)))
+            for _ in range(7)
+        ]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(timeout=120)
+        refused = [o for o in burst if not o.ok]
+        print([(o.ok, o.host, o.error, round(o.t1 - o.t0, 2)) for o in burst])
+        assert len(burst) == 7 and len([o for o in burst if o.ok]) >= 4  # 3 slots and 1 queued
+        assert refused and all(o.error.startswith("HTTP 503 (Retry-After 5)") and "busy" in o.error for o in refused)
+        assert all(o.t1 - o.t0 < 1.0 for o in refused)
+    finally:
+        assert deploy_gateway(keys).returncode == 0
 
 
 def _get(url: str, key: str | None = None) -> int:
@@ -490,6 +615,7 @@ def test_under_load_kill_power_off_sleep_drain_upgrade_and_reload_fail_no_unstar
             max_requests=20000,
             max_seconds=900,
             sessions=sessions,
+            client="openai",
         ) as load:
             time.sleep(3)
             # 1. ws1's engine is killed (systemd restarts it; it rejoins after its checks).
@@ -569,6 +695,8 @@ def test_under_load_kill_power_off_sleep_drain_upgrade_and_reload_fail_no_unstar
     )
     for name, seconds in figures.items():
         print(f"  {name}: {seconds:.2f}")
+    if result["failed_before_streaming"]:  # HAProxy's own account of each: its termination state
+        print(fleet.run(GATEWAY_NAME, "journalctl -q --no-pager -t haproxy | grep -v ' 200 ' | tail -n 40").stdout)
     assert result["failed_before_streaming"] == []  # zero failed requests that had not started
     assert result["by_host"].get("ws1") and result["by_host"].get("ws2")
     # Drained before its engine was touched and put back after its gate; a reload drops nothing.

@@ -34,17 +34,96 @@ def section(text: str, header: str) -> str:
     return "\n".join(body)
 
 
-def test_every_serving_host_is_a_checked_server_and_a_tracking_one_for_sessions():
-    text = config()
+def test_every_serving_host_is_one_server_with_its_engines_slots_and_weight():
+    backends = [GatewayBackend("ws1", "10.0.0.11", 8000, 1, 24), GatewayBackend("ws2", "10.0.0.12", 8000, 2, 60)]
+    text = gw.haproxy_config(Settings(), backends, engine_key=True)
+    assert text.count("\nbackend ") == 1
     checked = section(text, "backend freetoken")
-    assert "server ws1 10.0.0.11:8000" in checked and "server ws2 10.0.0.12:8000" in checked
+    assert "server ws1 10.0.0.11:8000 maxconn 1 weight 24" in checked
+    assert "server ws2 10.0.0.12:8000 maxconn 2 weight 60" in checked
     assert "balance leastconn" in checked
-    sessions = section(text, "backend freetoken_sessions")
-    assert f"balance hdr({SESSION_HEADER.lower()})" in sessions and "hash-type consistent" in sessions
-    assert "server ws1 10.0.0.11:8000 track freetoken/ws1" in sessions
+    # a vanished host's connections are closed, not held for the 10 min server timeout
+    assert {"option srvtcpka", "srvtcpka-idle 5s", "srvtcpka-intvl 2s", "srvtcpka-cnt 3"} <= set(checked.splitlines())
     front = section(text, "frontend freetoken_api")
-    assert f"use_backend freetoken_sessions if {{ req.hdr({SESSION_HEADER.lower()}) -m found }}" in front
-    assert "bind :8080" in front
+    assert "default_backend freetoken" in front and "bind :8080" in front
+
+
+def test_a_conversation_keeps_its_host_only_while_that_host_has_a_free_slot_and_serves():
+    text = config()
+    front = section(text, "frontend freetoken_api")
+    session = SESSION_HEADER.lower()
+    assert (
+        f"http-request set-var(txn.bucket) req.hdr({session}),xxh32,mod({gw.AFFINITY_BUCKETS}) "
+        f"if {{ req.hdr({session}) -m found }}"
+    ) in front
+    assert "req.body" not in front and "http-buffer-request" not in front  # prefix affinity is opt-in
+    rules = [line for line in section(text, "backend freetoken").splitlines() if line.startswith("use-server")]
+    assert len(rules) == 2
+    placed = gw.affinity_buckets(BACKENDS)
+    for rule, b in zip(rules, BACKENDS, strict=True):
+        assert rule.startswith(
+            f"use-server {b.name} if {{ var(txn.bucket) -m int {' '.join(map(str, placed[b.name]))} }}"
+        )
+        # never onto a full, drained or failed host: then it is placed like any request
+        for cond in (
+            f"srv_conn_free(freetoken/{b.name}) gt 0",
+            f"srv_weight(freetoken/{b.name}) gt 0",
+            f"srv_is_up(freetoken/{b.name})",
+        ):
+            assert f"{{ {cond} }}" in rule, rule
+    with_prefix = section(config(gateway_prefix_affinity_bytes=512), "frontend freetoken_api")
+    assert "option http-buffer-request" in with_prefix
+    assert "req.body,bytes(0,512),xxh32,mod(64) if !{ var(txn.bucket) -m found }" in with_prefix
+
+
+def test_affinity_buckets_follow_the_weights_and_a_joining_host_moves_only_what_it_takes():
+    two = [GatewayBackend("ws1", "a", 1, 1, 24), GatewayBackend("ws2", "b", 1, 2, 60)]
+    placed = gw.affinity_buckets(two)
+    assert sorted(placed["ws1"] + placed["ws2"]) == list(range(gw.AFFINITY_BUCKETS))
+    assert len(placed["ws2"]) > len(placed["ws1"]) > 0  # the faster host keeps more conversations
+    assert gw.affinity_buckets(list(reversed(two))) == placed  # order of the inventory does not matter
+    three = gw.affinity_buckets([*two, GatewayBackend("ws3", "c", 1, 1, 24)])
+    assert three["ws3"]
+    for name in ("ws1", "ws2"):  # nobody else's conversation moves
+        assert set(three[name]) <= set(placed[name])
+        assert set(placed[name]) - set(three[name]) <= set(three["ws3"])
+    assert gw.affinity_buckets(two[:1]) == {"ws1": list(range(gw.AFFINITY_BUCKETS))}
+
+
+def test_a_full_queue_answers_503_with_retry_after_at_once_and_a_wait_is_bounded():
+    text = config(gateway_queue_max=7, gateway_queue_timeout_s=45)
+    front = section(text, "frontend freetoken_api")
+    full = [line for line in front.splitlines() if "queue(freetoken) ge 7" in line]
+    assert len(full) == 1 and full[0].startswith(
+        f"http-request return status 503 content-type application/json hdr Retry-After {gw.RETRY_AFTER_S} string '"
+    )
+    # after the key check: a client without a key learns nothing of the fleet's load
+    assert front.index("unless key_ok") < front.index("queue(freetoken)")
+    defaults = section(text, "defaults")
+    assert "timeout queue 45s" in defaults
+    error = re.search(
+        r"http-error status 503 content-type application/json hdr Retry-After (\d+) string '(.*)'", defaults
+    )
+    assert error and int(error.group(1)) == gw.RETRY_AFTER_S and "error" in json.loads(error.group(2))
+    with pytest.raises(SettingsError, match="gateway_queue_max"):
+        build_settings("gw", {"gateway_queue_max": 0})
+
+
+@pytest.mark.parametrize(
+    ("data", "measured", "expected"),
+    [
+        ({"hardware_profile": "rtx5060ti_16gb", "decode_floor_tps": 18.0}, None, (1, 18)),
+        ({"hardware_profile": "rtx5090_32gb", "decode_floor_tps": 40.0}, 59.6, (2, 60)),
+        ({"hardware_profile": "rtx5090_32gb", "launch_max_running_requests": 3}, None, (3, gw.UNKNOWN_WEIGHT)),
+        ({}, None, (1, gw.UNKNOWN_WEIGHT)),  # auto: the controller cannot know the card
+        # a host that forged its speed weighs at most 256, its slots stay its plan's
+        ({"hardware_profile": "rtx5060ti_16gb"}, 1e9, (1, 256)),
+        ({"hardware_profile": "rtx5060ti_16gb"}, 0.01, (1, 1)),
+        ({"hardware_profile": "rtx5060ti_16gb", "decode_floor_tps": 18.0}, float("nan"), (1, 18)),
+    ],
+)
+def test_backend_capacity_slots_from_the_launch_plan_weight_from_the_measured_speed(data, measured, expected):
+    assert gw.backend_capacity(build_settings("ws1", data), measured) == expected
 
 
 def test_health_check_reads_the_json_status_not_the_http_code():
@@ -72,11 +151,10 @@ def test_out_within_seconds_and_rejoin_after_several_good_checks():
 
 def test_retries_only_what_no_host_answered():
     text = config()
-    for name in ("backend freetoken", "backend freetoken_sessions"):
-        body = section(text, name)
-        retry = next(line for line in body.splitlines() if line.startswith("retry-on"))
-        assert set(retry.split()[1:]) == {"conn-failure", "empty-response", "junk-response", "response-timeout", "503"}
-        assert "option redispatch 1" in body
+    body = section(text, "backend freetoken")
+    retry = next(line for line in body.splitlines() if line.startswith("retry-on"))
+    assert set(retry.split()[1:]) == {"conn-failure", "empty-response", "junk-response", "response-timeout", "503"}
+    assert "option redispatch 1" in body
     assert f"tune.bufsize {gw.BUFSIZE}" in text
 
 
@@ -134,6 +212,8 @@ def test_backends_skip_gateway_only_hosts_and_need_a_reachable_engine():
         GatewayBackend("ws2", "192.0.2.12", 8100),
         GatewayBackend("ws10", "192.0.2.20", 8000),
     ]
+    measured = gw.backends_for("gw", hosts, {"ws10": 61.2, "ws9": 99.0})
+    assert [(b.name, b.weight) for b in measured] == [("ws2", gw.UNKNOWN_WEIGHT), ("ws10", 61)]
     with pytest.raises(GatewayError, match="host ws1: its engine listens on 127.0.0.1 only.*listen_host"):
         gw.backends_for("gw", {"ws1": (Settings(), "192.0.2.11")})
     # the gateway on the serving host itself may reach it on loopback
@@ -187,15 +267,12 @@ def test_scrape_config_lists_the_gateway_and_every_serving_host():
 # `show stat` as HAProxy 2.6 answers it (header trimmed to the columns that matter here).
 SHOW_STAT = """# pxname,svname,qcur,qmax,scur,smax,status,check_status,check_code,check_duration,last_chk
 freetoken_api,FRONTEND,,,3,9,OPEN,,,,
-freetoken,ws1,0,0,2,4,UP,L7OK,200,1,
+freetoken,ws1,1,2,2,4,UP,L7OK,200,1,
 freetoken,ws2,0,0,0,1,DOWN,L4CON,,0,Connection refused
 freetoken,ws3,0,0,0,0,DOWN,L7RSP,,2,TCPCHK did not match content 'rstring' at step 2
 freetoken,ws4,0,0,1,1,DRAIN,L7OK,200,1,
 freetoken,ws5,0,0,0,0,MAINT,L4TOUT,,2001,
-freetoken,BACKEND,0,0,3,9,UP,,,,
-freetoken_sessions,ws1,0,0,1,2,UP,,,,
-freetoken_sessions,ws4,0,0,0,1,DRAIN,,,,
-freetoken_sessions,BACKEND,0,0,1,2,UP,,,,
+freetoken,BACKEND,4,6,3,9,UP,,,,
 """
 
 

@@ -618,6 +618,26 @@ def test_every_rollout_writes_its_report_where_from_last_finds_it(tmp_path, monk
     assert not list(second.parent.glob(".*.tmp"))
 
 
+def test_the_gateway_weighs_hosts_by_the_newest_signed_measurement_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert rollout_mod.measured_decode_tps() == {}  # no rollout yet
+    ok1, ok2 = _row("ws1", "ok"), _row("ws2", "ok")
+    assert ok1.tokens_per_s is not None
+    old, new, forged = (rollout_mod.default_report_path(now=t) for t in (0, 60, 120))
+    rollout_mod.write_report(old, {"hosts": [ok1.to_dict(), ok2.to_dict()]})
+    newer = {**ok1.to_dict(), "tokens_per_s": 61.5}
+    slow_failed = {**_row("ws2", "failed").to_dict(), "tokens_per_s": 5.0}
+    rollout_mod.write_report(new, {"hosts": [newer, slow_failed]})
+    # the newest file, edited by someone without the key: it steers no weight
+    doc = json.loads(new.read_text())
+    doc["hosts"][0]["tokens_per_s"] = 250.0
+    forged.write_text(json.dumps(doc))
+    for i, path in enumerate((old, new, forged)):
+        os.utime(path, (i + 1, i + 1))
+    # ws1: the newer measurement; ws2: its failed row measures nothing, the older ok row counts
+    assert rollout_mod.measured_decode_tps() == {"ws1": 61.5, "ws2": ok2.tokens_per_s}
+
+
 # ---------------------------------------------------------------------------- crafted reports (issue 20, item 3)
 HOSTILE_DATA = [
     ["_shell_executable=/tmp/evil"],
