@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import pytest
 
 from freetoken_infra.core.layout import (
+    CUDA_KEYRING,
     CUDA_PIN_FILE,
     CUDA_PROFILE_FILE,
     CUDA_SOURCES_FILE,
@@ -236,7 +237,13 @@ ROUND_1 = [
         ),
         restore=f"chmod 644 {CUDA_PROFILE_FILE}",
     ),
-    # --- an apt package removed ---------------------------------------------------------------
+    Drift(
+        "engine's service user given a login shell",
+        OP_DIRS,
+        f"usermod -s /bin/bash {DEFAULTS.service_user}",
+        f"getent passwd {DEFAULTS.service_user} | cut -d: -f6,7",
+    ),
+    # --- apt packages removed ----------------------------------------------------------------
     Drift(
         "apt package cuda-nvcc-13-0 removed",
         OP_CUDA_TOOLKIT,
@@ -244,7 +251,14 @@ ROUND_1 = [
         "dpkg-query -W -f='${db:Status-Abbrev} ${Version}\\n' cuda-nvcc-13-0 2>&1; "
         f"test -x {DEFAULTS.cuda_home}/bin/nvcc && echo nvcc present",
     ),
+    Drift(
+        "apt package cuda-keyring removed",
+        OP_CUDA_REPO,
+        "DEBIAN_FRONTEND=noninteractive apt-get remove -y -q cuda-keyring >/dev/null",
+        "dpkg-query -W -f='${db:Status-Abbrev} ${Version}\\n' cuda-keyring 2>&1; " + content(CUDA_KEYRING),
+    ),
     # --- units stopped or disabled ------------------------------------------------------------
+    # Left running: only its enablement is for the run to find (round 2 stops it).
     Drift("engine unit disabled", OP_RUNNING, f"systemctl disable -q {ENGINE_UNIT}", unit_state(ENGINE_UNIT)),
     Drift(
         "guard timer stopped and disabled",
@@ -342,6 +356,8 @@ ROUND_2 = [
         f"rm {LAYOUT.model_dir}/{MODEL_DELETED}",
         content(f"{LAYOUT.model_dir}/{MODEL_DELETED}"),
     ),
+    # Round 1 restarted the engine for its files; here it is stopped (and so not restarted: started).
+    Drift("engine stopped", OP_RUNNING, f"systemctl stop {ENGINE_UNIT}", unit_state(ENGINE_UNIT)),
     # Round 1 restarted node_exporter for its drop-in; here it is only stopped.
     Drift("node_exporter stopped", OP_METRICS, f"systemctl stop {NODE_EXPORTER_UNIT}", unit_state(NODE_EXPORTER_UNIT)),
     # Round 1 restarted the guard's timer; here its own unit changes.
