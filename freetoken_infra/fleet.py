@@ -226,10 +226,17 @@ class Fleet:
                 f"(backends: {', '.join(sorted(known))}); re-run deploys/gateway.py after "
                 "adding hosts to the inventory"
             )
+        # Drained: weight 0 as well, which the conversations' use-server rules read
+        # (operations/gateway.py); ready: the weight the deploy configured.
+        weight = "0" if state == "drain" else "100%"
         for h in hosts:
-            answer = self.runtime(f"set server {GATEWAY_BACKEND}/{h} state {state}").strip()
-            if answer:
-                raise FleetError(f"{self.gateway.name}: set server {h} state {state}: {answer}")
+            for command in (
+                f"set server {GATEWAY_BACKEND}/{h} state {state}",
+                f"set weight {GATEWAY_BACKEND}/{h} {weight}",
+            ):
+                answer = self.runtime(command).strip()
+                if answer:
+                    raise FleetError(f"{self.gateway.name}: {command}: {answer}")
 
     def drain(self, hosts: Sequence[str]) -> None:
         self._set_state(hosts, "drain")

@@ -104,12 +104,25 @@ def repository(settings: Settings):
     if sources.get(CUDA_SOURCES_FILE) != sources_line(settings):
         yield from files.put._inner(src=_text(sources_line(settings)), dest=CUDA_SOURCES_FILE, mode="644")
         changed = True
+    else:
+        changed = (yield from _root_only_writes(CUDA_SOURCES_FILE)) or changed
     pin = host.get_fact(FileText, path=CUDA_PIN_FILE)
     if pin != pin_text():
         yield from files.put._inner(src=_text(pin_text()), dest=CUDA_PIN_FILE, mode="644")
         changed = True
+    else:
+        changed = (yield from _root_only_writes(CUDA_PIN_FILE)) or changed
     if not changed:
         host.noop("NVIDIA repository, keyring and driver pin in place")
+
+
+def _root_only_writes(path: str):
+    """A file whose text is right stays root's, 0644: apt reads the pin and the sources as root,
+    and every login shell (root's too) sources the profile, so a file anyone could write is a way
+    into root. Returns whether it had to be put right."""
+    commands = list(files.file._inner(path=path, user="root", group="root", mode="644"))
+    yield from commands
+    return bool(commands)
 
 
 @operation()
@@ -128,6 +141,8 @@ def toolkit(settings: Settings, gpu_arch: str | None):
         yield from apt.packages._inner(packages=missing, no_recommends=True)
     if host.get_fact(FileText, path=CUDA_PROFILE_FILE) != profile_text(settings):
         yield from files.put._inner(src=_text(profile_text(settings)), dest=CUDA_PROFILE_FILE, mode="644")
+    else:
+        yield from _root_only_writes(CUDA_PROFILE_FILE)
     if gpu_arch:
         toolchain = host.get_fact(CudaToolchain, cuda_home=settings.cuda_home)
         ok = any(n.path.startswith(settings.cuda_home + "/") and gpu_arch in n.archs for n in toolchain.nvcc)

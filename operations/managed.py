@@ -25,9 +25,11 @@ Every file is root's (``root:root``). How a file is compared and written:
   that a run cut mid-upload leaves the old file whole (the next run, seeing it differ, writes it
   again); the diff is ours, pyinfra's would name the temporary file;
 * ``secret``: the diff is printed as an environment file's, secret values masked
-  (``preview.log_env_diff``), pyinfra's held off; an atomic secret file's owner and mode are
-  checked even when its text is right (a loosened mode is a leak), where a plain atomic file's
-  text is all that is read.
+  (``preview.log_env_diff``), pyinfra's held off.
+
+An atomic file's owner and mode are checked even when its text is right: a loosened mode is a
+leak (a secret) or a way into root (a unit file any user could edit; the drift tests,
+tests/fleet/test_drift.py, make one world-writable).
 """
 
 from __future__ import annotations
@@ -116,5 +118,5 @@ def _put_atomically(file: ManagedFile) -> Generator[Any, None, None]:
             src=io.StringIO(text), dest=tmp, user="root", group="root", mode=file.mode
         )
         yield f"mv -f {shlex.quote(tmp)} {shlex.quote(file.path)}"
-    elif file.secret:
+    else:  # a loosened mode is a leak (secret) or a way into root (a unit any user could edit)
         yield from files.file._inner(path=file.path, user="root", group="root", mode=file.mode)

@@ -150,10 +150,6 @@ def script(path: str, op: str, name: str) -> Drift:
     return Drift(f"{name} content", op, appended(path), content(path))
 
 
-WORLD_WRITABLE_TEXT_ONLY = (
-    "compares this file by its text only and never reads its mode, so a world-writable {what} ({why}) stays so: {where}"
-)
-
 ROUND_1 = [
     # --- every managed file's content ---------------------------------------------------------
     Drift(
@@ -229,13 +225,6 @@ ROUND_1 = [
         OP_CUDA_TOOLKIT,
         f"chmod 666 {CUDA_PROFILE_FILE}",
         mode(CUDA_PROFILE_FILE),
-        gap="operations/cuda.py toolkit "
-        + WORLD_WRITABLE_TEXT_ONLY.format(
-            what=CUDA_PROFILE_FILE,
-            why="every login shell, root's too, sources it",
-            where="it is put only when its FileText differs",
-        ),
-        restore=f"chmod 644 {CUDA_PROFILE_FILE}",
     ),
     Drift(
         "engine's service user given a login shell",
@@ -320,26 +309,12 @@ ROUND_2 = [
         OP_UNIT,
         f"chmod 666 {LAYOUT.unit_file}",
         mode(LAYOUT.unit_file),
-        gap="operations/managed.py (_put_atomically) "
-        + WORLD_WRITABLE_TEXT_ONLY.format(
-            what=ENGINE_UNIT,
-            why="any user could make systemd run anything as root",
-            where="an atomic file that is not secret is compared by its FileText alone",
-        ),
-        restore=f"chmod 644 {LAYOUT.unit_file}",
     ),
     Drift(
         "CUDA driver pin mode",
         OP_CUDA_REPO,
         f"chmod 666 {CUDA_PIN_FILE}",
         mode(CUDA_PIN_FILE),
-        gap="operations/cuda.py repository "
-        + WORLD_WRITABLE_TEXT_ONLY.format(
-            what="driver pin",
-            why="any user could let apt install a Linux driver into WSL",
-            where="it is put only when its FileText differs",
-        ),
-        restore=f"chmod 644 {CUDA_PIN_FILE}",
     ),
     # Round 1 rebuilt the environment for bin/ninja, which writes the marker again: here the
     # marker alone is gone.

@@ -550,12 +550,16 @@ def test_managed_put_writes_what_differs_then_reloads_systemd_once():
 def test_managed_put_atomically_writes_beside_and_renames_over():
     op, said = managed_put(*managed_files(env="API_KEY=k2\n"))
     assert managed_host().commands(op) == [*uploaded(f"{ENV}.new", "600"), f"mv -f {ENV}.new {ENV}"]
-    # A secret file's mode is checked even when its text is right; a plain atomic file's is not.
+    # An atomic file's mode is checked even when its text is right: a secret's (a leak) and a
+    # unit's that anyone could edit (a way into root; tests/fleet/test_drift.py).
     op, _ = managed_put(*managed_files())
     assert managed_host(**{ENV: ("API_KEY=k1\n", 644)}).commands(op) == [f"chmod 600 {ENV}"]
     plain = ManagedFile(UNIT_A, text="[Unit]\n", atomic=True, unit=True)
     op, said = managed_put(plain)
-    assert managed_host(**{UNIT_A: ("[Unit]\n", 600)}).commands(op) == [] and said == [frozenset()]
+    assert managed_host(**{UNIT_A: ("[Unit]\n", 666)}).commands(op) == [f"chmod 644 {UNIT_A}", "systemctl daemon-reload"]
+    assert said == [frozenset({UNIT_A})]
+    op, said = managed_put(plain)
+    assert managed_host(**{UNIT_A: ("[Unit]\n", 644)}).commands(op) == [] and said == [frozenset()]
     # A path with a space is one shell word.
     odd = ManagedFile("/etc/free token/x.env", text="A=1\n", atomic=True)
     op, _ = managed_put(odd)
@@ -622,7 +626,8 @@ def _noop_hosts():
 # and the downloader each check core/hostio.py beside their scripts since it became one module
 # (one File, Sha1File and Directory more each; the same three reads, answered once per run).
 NOOP_FACTS = {
-    "service.unit": {"Directory": 2, "File": 3, "FileText": 2, "Sha1File": 2},
+    # the unit's own mode too (one File): a unit any user could edit is a way into root
+    "service.unit": {"Directory": 2, "File": 4, "FileText": 2, "Sha1File": 2},
     "guard": {"Directory": 5, "File": 4, "Sha1File": 4, "SystemdEnabled": 1, "SystemdStatus": 1},
     "firewall": {"DebPackages": 1, "Directory": 2, "File": 2, "Sha1File": 2, "SystemdEnabled": 1, "SystemdStatus": 1},
     "model_fetcher": {"Account": 1, "DirOwnership": 2, "Directory": 6, "File": 7, "Sha1File": 6},
