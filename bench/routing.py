@@ -248,9 +248,15 @@ def main() -> int:
             finally:
                 install(fleet, deployed)
             keys = [k for k in next(iter(results.values()))[0] if k != "by host"]
-            print(f"\n== placement under twice the fleet's slots ==\n{'':<20}" + "".join(f"{k:>14}" for k in keys))
+            widths = {k: max(10, len(k) + 2) for k in keys}
+            print(
+                f"\n== placement under twice the fleet's slots ==\n{'':<20}"
+                + "".join(f"{k:>{widths[k]}}" for k in keys)
+            )
             for name, (row, _) in results.items():
-                cells = "".join(f"{row[k]:>14.2f}" if isinstance(row[k], float) else f"{row[k]:>14}" for k in keys)
+                cells = "".join(
+                    f"{row[k]:>{widths[k]}.2f}" if isinstance(row[k], float) else f"{row[k]:>{widths[k]}}" for k in keys
+                )
                 print(f"{name:<20}{cells}   by host {row['by host']}")
             print("goals: tok/s at least 0.9 of capacity; no 5xx while a slot is free")
             if args.plots:

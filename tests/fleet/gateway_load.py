@@ -165,7 +165,9 @@ def openai_chat(
     except openai.APIStatusError as exc:
         out.host = exc.response.headers.get(SERVED_BY_HEADER)
         wait = exc.response.headers.get("retry-after")
-        out.error = f"HTTP {exc.status_code}" + (f" (Retry-After {wait})" if wait else "") + f": {exc.response.text[:200]}"
+        out.error = (
+            f"HTTP {exc.status_code}" + (f" (Retry-After {wait})" if wait else "") + f": {exc.response.text[:200]}"
+        )
     except openai.APIError as exc:  # connection errors, a stream cut mid-way
         out.error = f"{type(exc).__name__}: {exc}"
     finally:

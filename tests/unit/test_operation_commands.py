@@ -556,7 +556,10 @@ def test_managed_put_atomically_writes_beside_and_renames_over():
     assert managed_host(**{ENV: ("API_KEY=k1\n", 644)}).commands(op) == [f"chmod 600 {ENV}"]
     plain = ManagedFile(UNIT_A, text="[Unit]\n", atomic=True, unit=True)
     op, said = managed_put(plain)
-    assert managed_host(**{UNIT_A: ("[Unit]\n", 666)}).commands(op) == [f"chmod 644 {UNIT_A}", "systemctl daemon-reload"]
+    assert managed_host(**{UNIT_A: ("[Unit]\n", 666)}).commands(op) == [
+        f"chmod 644 {UNIT_A}",
+        "systemctl daemon-reload",
+    ]
     assert said == [frozenset({UNIT_A})]
     op, said = managed_put(plain)
     assert managed_host(**{UNIT_A: ("[Unit]\n", 644)}).commands(op) == [] and said == [frozenset()]
