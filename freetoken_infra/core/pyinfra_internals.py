@@ -52,14 +52,21 @@ def connector_argument_keys() -> frozenset[str]:
     return frozenset(CONNECTOR_ARGUMENT_KEYS)
 
 
-def connector_data_keys() -> set[str]:
-    """Host data keys pyinfra's connectors read (``ssh_user``, ...): not our settings."""
+@functools.cache
+def connector_data_keys() -> frozenset[str]:
+    """Host data keys pyinfra's connectors read (``ssh_user``, ...): not our settings.
+
+    Computed once per process: it is the same for every host (the connectors' class attribute
+    ``data_meta``), and finding the connectors reads the entry points of every installed
+    distribution, which cost milliseconds per host when each host's settings were validated.
+    The installed connectors do not change while a run goes on; a frozenset, so no caller can
+    change what the next one gets."""
     from pyinfra.api.connectors import get_all_connectors
 
     keys: set[str] = set()
     for connector in get_all_connectors().values():  # type: ignore[no-untyped-call]
         keys.update(getattr(connector, "data_meta", {}) or {})
-    return keys
+    return frozenset(keys)
 
 
 def host_class() -> type[Host]:

@@ -136,3 +136,16 @@ def test_operation_introspection_gives_what_pyinfra_computes(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "deploy.py" in result.stdout
+
+
+def test_connector_data_keys_are_the_installed_connectors_own():
+    """Computed once per process: the same keys the connectors declare, and no caller can change
+    what the next caller gets."""
+    from pyinfra.api.connectors import get_all_connectors
+
+    fresh = set()
+    for connector in get_all_connectors().values():
+        fresh.update(getattr(connector, "data_meta", {}) or {})
+    keys = pyinfra_internals.connector_data_keys()
+    assert keys == fresh and isinstance(keys, frozenset)
+    assert pyinfra_internals.connector_data_keys() is keys
