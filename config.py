@@ -101,6 +101,8 @@ if not pyinfra_internals.wrap_cli("make_inventory", _load_inventory_or_say_why, 
 # --diff: every diff pyinfra's files operations print goes through the secret mask first
 # (operations/preview.py does the same for runs that do not read this file).
 pyinfra_internals.mask_file_diffs(redact.mask_lines)
+# pyinfra's per-operation introspection that is the same for every host, done once (issue 21).
+pyinfra_internals.cache_operation_introspection()
 if not pyinfra_internals.wrap_cli("connect_all", _validate_then_connect, "validates_settings"):
     click.echo(
         "config.py: this pyinfra's CLI has no connect_all to wrap; settings are validated "

@@ -367,7 +367,8 @@ def make_request(state, host, cls: type, args, kwargs) -> FactRequest:
         state, host, cls, list(args or ()), dict(kwargs or {})
     )
     fact_kwargs = {k: v for k, v in fact_kwargs.items() if k != "self"}
-    executor = {k: v for k, v in global_kwargs.items() if k in pyinfra_internals.connector_argument_keys()}
+    connector_keys = pyinfra_internals.connector_argument_keys()
+    executor = {k: v for k, v in global_kwargs.items() if k in connector_keys}
     return FactRequest(cls, tuple(sorted(fact_kwargs.items())), tuple(sorted(executor.items(), key=lambda kv: kv[0])))
 
 

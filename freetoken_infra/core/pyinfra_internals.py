@@ -9,13 +9,16 @@ CLI's inventory loader and connect step), telling pyinfra's own host data keys f
 operation's privilege arguments for its callbacks (``current_op_elevation``), the CLI's
 inventory loader for the CLIs that read an inventory (``load_inventory``), the CLI's own
 errors (``cli_errors``) and ``--data`` value parsing (``parse_cli_value``), and what the
-run's State says of its hosts and operations (``reached_host_names`` ...). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
+run's State says of its hosts and operations (``reached_host_names`` ...), and taking pyinfra's
+per-operation introspection that is the same for every host out of its per-host path
+(``cache_operation_introspection``). Each is named in ``INTERNALS``; tests/unit/test_pyinfra_internals.py checks
 every one against the installed pyinfra and fails naming the internal when a release changes
 it. pyproject.toml allows only the pyinfra releases those tests passed on.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Callable
@@ -49,14 +52,21 @@ def connector_argument_keys() -> frozenset[str]:
     return frozenset(CONNECTOR_ARGUMENT_KEYS)
 
 
-def connector_data_keys() -> set[str]:
-    """Host data keys pyinfra's connectors read (``ssh_user``, ...): not our settings."""
+@functools.cache
+def connector_data_keys() -> frozenset[str]:
+    """Host data keys pyinfra's connectors read (``ssh_user``, ...): not our settings.
+
+    Computed once per process: it is the same for every host (the connectors' class attribute
+    ``data_meta``), and finding the connectors reads the entry points of every installed
+    distribution, which cost milliseconds per host when each host's settings were validated.
+    The installed connectors do not change while a run goes on; a frozenset, so no caller can
+    change what the next one gets."""
     from pyinfra.api.connectors import get_all_connectors
 
     keys: set[str] = set()
     for connector in get_all_connectors().values():  # type: ignore[no-untyped-call]
         keys.update(getattr(connector, "data_meta", {}) or {})
-    return keys
+    return frozenset(keys)
 
 
 def host_class() -> type[Host]:
@@ -145,6 +155,71 @@ def mask_file_diffs(mask: DiffMask) -> None:
 
     masked_color_diff.masks_secrets = True  # type: ignore[attr-defined]
     files_ops.generate_color_diff = masked_color_diff
+
+
+def cache_operation_introspection() -> None:
+    """Take two pieces of introspection whose answer is the same for every host out of the path
+    pyinfra walks for every operation and every fact read of every host (issue 21: the no-op
+    re-run's controller CPU per host). Once per process; what pyinfra computes is unchanged.
+
+    - ``pyinfra.api.arguments.all_global_arguments()``, which ``pop_global_arguments`` calls for
+      every operation and fact read, resolves the type hints of the ``AllArguments`` TypedDict
+      each time (``typing.get_type_hints``). Safe to compute once: it takes no argument, and the
+      class is defined once when pyinfra is imported and nothing changes its annotations. Each
+      call still gets a list of its own, so a caller that changed it changes nobody else's.
+    - ``pyinfra.api.util`` places each operation in the deploy (its order and hash, from the
+      line numbers of the deploy's frames; ``get_call_location`` for a message) with
+      ``inspect.stack()`` and ``inspect.getframeinfo()`` and reads only each frame's file name
+      and line number. Their default ``context=1`` also reads a line of source around each frame,
+      which calls ``inspect.getmodule``: a scan of every loaded module for each frame whose file
+      is no imported module's (the deploy files pyinfra executes). ``context=0`` gives the same
+      frames, file names and line numbers (those come from the frame, not from its source) and
+      reads no source. Not a cache: nothing is kept between calls, so no answer can be stale.
+    """
+    import sys
+
+    import pyinfra.api.arguments as arguments
+    import pyinfra.api.util as util
+
+    if not getattr(arguments.all_global_arguments, "computed_once", False):
+        hints = tuple(arguments.all_global_arguments())
+
+        def all_global_arguments() -> list[tuple[str, type]]:
+            return list(hints)
+
+        all_global_arguments.computed_once = True  # type: ignore[attr-defined]
+        arguments.all_global_arguments = all_global_arguments
+
+    if not getattr(util.stack, "reads_no_source", False):
+
+        def stack() -> list[inspect.FrameInfo]:
+            # From the caller's frame, as inspect.stack() (which starts at its own caller): this
+            # function's frame must not be among them, it would count as a deploy line.
+            return inspect.getouterframes(sys._getframe(1), context=0)
+
+        stack.reads_no_source = True  # type: ignore[attr-defined]
+        util.stack = stack  # type: ignore[assignment]
+        util.getframeinfo = functools.partial(inspect.getframeinfo, context=0)
+
+
+def _check_operation_introspection() -> None:
+    import pyinfra.api.arguments as arguments
+    import pyinfra.api.util as util
+    from pyinfra.api.operation import solve_operation_consistency
+
+    # Looked up by name at each call, in the modules we replace them in.
+    assert "all_global_arguments()" in inspect.getsource(arguments.pop_global_arguments)
+    assert _params(arguments.all_global_arguments) == []
+    assert "get_type_hints(AllArguments)" in inspect.getsource(arguments.all_global_arguments) or getattr(
+        arguments.all_global_arguments, "computed_once", False
+    )
+    assert "get_operation_order_from_stack(state)" in inspect.getsource(solve_operation_consistency)
+    source = inspect.getsource(util)
+    assert "from inspect import getframeinfo, stack" in source
+    # What util reads of the frames: the frame itself, its file name and line number, no source.
+    assert "code_context" not in source and ".index" not in source
+    for func in (util.get_operation_order_from_stack, util.get_caller_frameinfo):
+        assert "stack()" in inspect.getsource(func)
 
 
 def _check_file_diff() -> None:
@@ -420,4 +495,7 @@ INTERNALS: dict[str, Callable[[], None]] = {
     "State.activated_hosts / active_hosts / failed_hosts / ops[host][...].operation_meta, Config.DIFF": _check_state,
     "pyinfra_cli.exceptions.CliError / UnexpectedExternalError(e, filename)": _check_cli_errors,
     "pyinfra_cli.util.parse_cli_arg (how the CLI reads a --data value)": _check_parse_cli_value,
+    "pyinfra.api.arguments.all_global_arguments / pyinfra.api.util's stack and getframeinfo": (
+        _check_operation_introspection
+    ),
 }

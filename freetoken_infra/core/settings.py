@@ -538,7 +538,7 @@ def layout_problem(s: Settings) -> tuple[str, str] | None:
 
 # Keys pyinfra itself reads from host data: connector settings and global
 # operation arguments. They are not ours to validate.
-def _pyinfra_keys() -> set[str]:
+def _pyinfra_keys() -> frozenset[str]:
     from freetoken_infra.core.pyinfra_internals import connector_data_keys
 
     return connector_data_keys()

@@ -92,3 +92,60 @@ def test_files_operations_print_their_diff_through_our_mask():
     assert (
         "old" not in result.stdout and "new" not in result.stdout and "k=A" in result.stdout and "k=B" in result.stdout
     )
+
+
+def test_operation_introspection_gives_what_pyinfra_computes(tmp_path):
+    """After ``cache_operation_introspection`` pyinfra places each operation where it did before
+    (order from the deploy file's line numbers, a frame pyinfra executes from a file that is no
+    module, as the CLI does), each call from its own line (nothing kept from an earlier call),
+    and ``all_global_arguments`` is pyinfra's own answer, a fresh list at each call."""
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(
+        "def op_at(depth):\n"
+        "    if depth:\n"
+        "        return op_at(depth - 1)\n"
+        "    return util.get_operation_order_from_stack(state), util.get_call_location(frame_offset=0)\n"
+        "def first():\n"
+        "    return op_at(2)\n"
+        "def second():\n"
+        "    return op_at(3)\n"
+    )
+    code = (
+        "import sys, typing, pyinfra\n"
+        "from pyinfra.api import Config, Inventory, State, util, arguments\n"
+        "from freetoken_infra.core import pyinfra_internals as p\n"
+        "state = State(Inventory((['ws1'], {})), Config())\n"
+        "pyinfra.is_cli = True\n"
+        f"path = {str(deploy)!r}\n"
+        "state.current_deploy_filename = path\n"
+        "g = {'util': util, 'state': state}\n"
+        "exec(compile(open(path).read(), path, 'exec'), g)\n"
+        "before = [g['first'](), g['second']()]\n"
+        "assert before[0] != before[1], before\n"
+        "p.cache_operation_introspection()\n"
+        "p.cache_operation_introspection()  # once per process: a second call changes nothing\n"
+        "after = [g['first'](), g['second'](), g['first']()]\n"
+        "assert after == [*before, before[0]], (before, after)\n"
+        "hints = list(typing.get_type_hints(arguments.AllArguments).items())\n"
+        "got = arguments.all_global_arguments()\n"
+        "assert got == hints and len(got) > 20\n"
+        "got.clear()\n"
+        "assert arguments.all_global_arguments() == hints  # a caller's change is its own\n"
+        "print(before)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "deploy.py" in result.stdout
+
+
+def test_connector_data_keys_are_the_installed_connectors_own():
+    """Computed once per process: the same keys the connectors declare, and no caller can change
+    what the next caller gets."""
+    from pyinfra.api.connectors import get_all_connectors
+
+    fresh = set()
+    for connector in get_all_connectors().values():
+        fresh.update(getattr(connector, "data_meta", {}) or {})
+    keys = pyinfra_internals.connector_data_keys()
+    assert keys == fresh and isinstance(keys, frozenset)
+    assert pyinfra_internals.connector_data_keys() is keys
