@@ -350,7 +350,6 @@ def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key:
         f"if {{ req.hdr({session}) -m found }}",
         *(
             [
-                "option http-buffer-request",
                 f"http-request set-var(txn.bucket) req.body,bytes(0,{prefix}),xxh32,mod({AFFINITY_BUCKETS}) "
                 "if !{ var(txn.bucket) -m found } { req.body_size gt 0 }",
             ]
@@ -381,6 +380,11 @@ def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key:
             "http-request return status 503 content-type application/json "
             'string \'{"status": "error", "message": "no engine in service"}\' if { path /health }',
             *_key_rules(),
+            "# The whole request (up to tune.bufsize) before a host is picked: HAProxy retries only a",
+            "# request it holds entirely, and a client's body often follows its headers in another",
+            "# packet (the openai client's does). Without it, an engine killed under load left one such",
+            "# request unretried: HAProxy's own 502, retries 0, SH in its log.",
+            "option http-buffer-request",
             "# The log names the client by its label, never by its key.",
             f"http-request set-var(txn.client) var(txn.api_key),map_str({GATEWAY_KEYS_MAP})",
             "http-request capture var(txn.client) len 64",

@@ -56,7 +56,7 @@ def test_a_conversation_keeps_its_host_only_while_that_host_has_a_free_slot_and_
         f"http-request set-var(txn.bucket) req.hdr({session}),xxh32,mod({gw.AFFINITY_BUCKETS}) "
         f"if {{ req.hdr({session}) -m found }}"
     ) in front
-    assert "req.body" not in front and "http-buffer-request" not in front  # prefix affinity is opt-in
+    assert "req.body" not in front  # prefix affinity is opt-in
     rules = [line for line in section(text, "backend freetoken").splitlines() if line.startswith("use-server")]
     assert len(rules) == 2
     placed = gw.affinity_buckets(BACKENDS)
@@ -72,7 +72,6 @@ def test_a_conversation_keeps_its_host_only_while_that_host_has_a_free_slot_and_
         ):
             assert f"{{ {cond} }}" in rule, rule
     with_prefix = section(config(gateway_prefix_affinity_bytes=512), "frontend freetoken_api")
-    assert "option http-buffer-request" in with_prefix
     assert "req.body,bytes(0,512),xxh32,mod(64) if !{ var(txn.bucket) -m found }" in with_prefix
 
 
@@ -155,6 +154,8 @@ def test_retries_only_what_no_host_answered():
     retry = next(line for line in body.splitlines() if line.startswith("retry-on"))
     assert set(retry.split()[1:]) == {"conn-failure", "empty-response", "junk-response", "response-timeout", "503"}
     assert "option redispatch 1" in body
+    # only a request HAProxy holds whole can be retried: it waits for the body first
+    assert "option http-buffer-request" in section(text, "frontend freetoken_api").splitlines()
     assert f"tune.bufsize {gw.BUFSIZE}" in text
 
 
