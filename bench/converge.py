@@ -482,6 +482,14 @@ def print_noop(noop: dict[int, list[Run]], n: int) -> None:
             f"needs {needed:.1f} CPU-s, {needed / cores:.1f} s on this machine's {cores} cores at best, "
             f"while every simulated host shares them (on real PCs each host's share runs on its own CPU)"
         )
+        base = med(r.cpu_controller for r in ones)
+        for size in (50, 100):  # linear in the measured per-host step (issue 21 item 3)
+            controller = base + (size - 1) * controller_step
+            print(
+                f"projected at {size} hosts: the controller {controller:.1f} CPU-s per no-op run "
+                f"({controller / cores:.1f} s on {cores} cores at best), each host {per_host_cpu:.2f} CPU-s "
+                "on its own CPU (bytes per host: not measured by this bench)"
+            )
 
 
 def print_parallel(parallel: dict[int, list[Run]], ones: list[Run], n: int) -> None:
