@@ -26,10 +26,10 @@ from pyinfra.operations import systemd
 
 from freetoken_infra.core import hostio, owner
 from freetoken_infra.core.layout import (
+    AGENT_RUN_DIR_NAME,
     AGENT_SCRIPT,
     AGENT_STATE_FILE,
     AGENT_UNIT,
-    DEPLOY_STATE_DIR,
     ENGINE_UNIT,
     HOSTIO_MODULE,
     OWNER_COMMAND,
@@ -39,7 +39,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
-from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command, unit_word
+from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command
 from operations import managed
 from operations.managed import ManagedFile
 
@@ -104,8 +104,11 @@ def agent_unit(settings: Settings) -> str:
             ("PrivateTmp", "yes"),
             ("ProtectSystem", "strict"),
             ("ProtectHome", "yes"),
-            # Root's own folder only, never the engine's state_dir.
-            ("ReadWritePaths", f"-{unit_word(DEPLOY_STATE_DIR, variables=False)}"),
+            # It writes only its state, in its own runtime folder (root's 0755, kept across its
+            # restarts); the owner's snooze it only reads. Never the engine's state_dir.
+            ("RuntimeDirectory", AGENT_RUN_DIR_NAME),
+            ("RuntimeDirectoryMode", "0755"),
+            ("RuntimeDirectoryPreserve", "yes"),
         ),
     )
     install = Section("Install", (("WantedBy", "multi-user.target"),))

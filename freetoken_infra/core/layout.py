@@ -68,9 +68,12 @@ DEPLOY_STATE_DIR = "/var/lib/freetoken-deploy"
 DEPLOY_STATE_MODE = "755"
 # Root's runtime state (tmpfs: gone with a reboot, which ends every run that held anything).
 DEPLOY_RUN_DIR = "/run/freetoken-deploy"
-# The host agent's state (why the host yielded, since when) and the owner's snooze: root's,
-# read by `freetoken-owner status`.
-AGENT_STATE_FILE = f"{DEPLOY_STATE_DIR}/owner-state.json"
+# The host agent's state (why the host yielded, since when), read by `freetoken-owner status`:
+# in the agent unit's own runtime folder (root's; kept across the agent's restarts, gone with a
+# reboot, after which the agent looks afresh). The owner's snooze outlives a reboot: root's
+# state folder.
+AGENT_RUN_DIR_NAME = "freetoken-agent"  # the unit's RuntimeDirectory=
+AGENT_STATE_FILE = f"/run/{AGENT_RUN_DIR_NAME}/owner-state.json"
 OWNER_OVERRIDE_FILE = f"{DEPLOY_STATE_DIR}/owner-override.json"
 # One deploy run per host at a time (operations/host_lock.py): who holds the host, and the
 # file its take-over decisions are serialised on. Volatile: the lock is taken before the

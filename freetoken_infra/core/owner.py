@@ -83,6 +83,7 @@ class AgentState:
     clear_since: float | None = None  # the claim has been gone since then (yielded only)
     ready_until: float = 0.0  # answer `ready 100%` until then
     others_mib: int | None = None  # the last measure of other processes' VRAM
+    stopped: bool = False  # the agent stopped the engine (it starts only what it stopped)
 
 
 def others_mib(obs: Observation) -> int | None:
@@ -125,12 +126,15 @@ def step(state: AgentState, obs: Observation, policy: Policy) -> tuple[AgentStat
         if obs.engine_active:  # drain first; the engine stops once the gateway has read it
             return replace(state, mode=YIELDING, reason=why, since=now, clear_since=None, ready_until=0.0), None
         # Not running (the guard, the operator): nothing to stop, but it is the owner's now.
-        return replace(state, mode=YIELDED, reason=why, since=now, clear_since=None, ready_until=0.0), None
+        return (
+            replace(state, mode=YIELDED, reason=why, since=now, clear_since=None, ready_until=0.0, stopped=False),
+            None,
+        )
     if state.mode == YIELDING:
         if why is None:  # gone before the engine stopped: undo the drain
             return _serving(state, now, "the owner's claim ended before the engine stopped"), None
         if obs.drain_answered or now - state.since >= GATEWAY_NOTICE_S:
-            return replace(state, mode=YIELDED, reason=why), STOP
+            return replace(state, mode=YIELDED, reason=why, stopped=True), STOP
         return replace(state, reason=why), None
     if state.mode == YIELDED:
         if why is not None:
@@ -139,12 +143,14 @@ def step(state: AgentState, obs: Observation, policy: Policy) -> tuple[AgentStat
             return state, None
         clear = state.clear_since if state.clear_since is not None else now
         if now - clear >= policy.quiet_s:
+            if not state.stopped:  # someone else stopped it: theirs to start
+                return _serving(state, now, "the owner's claim is gone (the engine was not ours to start)"), None
             reason = f"the owner's claim gone for {now - clear:.0f} s: starting the engine"
             return replace(state, mode=STARTING, reason=reason, since=now, clear_since=None), START
         return replace(state, clear_since=clear), None
     if state.mode == STARTING:
         if obs.snooze_until is not None and obs.snooze_until > now and why is not None:
-            return replace(state, mode=YIELDED, reason=why, since=now, clear_since=None), STOP
+            return replace(state, mode=YIELDED, reason=why, since=now, clear_since=None, stopped=True), STOP
         if obs.engine_active and obs.health_ok:
             return _serving(state, now, "back in service after a yield"), None
         if now - state.since >= START_TIMEOUT_S:
@@ -154,7 +160,15 @@ def step(state: AgentState, obs: Observation, policy: Policy) -> tuple[AgentStat
 
 
 def _serving(state: AgentState, now: float, reason: str) -> AgentState:
-    return replace(state, mode=SERVING, reason=reason, since=now, clear_since=None, ready_until=now + REJOIN_READY_S)
+    return replace(
+        state,
+        mode=SERVING,
+        reason=reason,
+        since=now,
+        clear_since=None,
+        ready_until=now + REJOIN_READY_S,
+        stopped=False,
+    )
 
 
 def agent_word(state: AgentState, now: float) -> bytes:
@@ -197,6 +211,7 @@ def load_state(text: str) -> AgentState:
         clear_since=_finite(doc.get("clear_since")),
         ready_until=_finite(doc.get("ready_until")) or 0.0,
         others_mib=others if isinstance(others, int) and not isinstance(others, bool) and others >= 0 else None,
+        stopped=doc.get("stopped") is True,
     )
 
 

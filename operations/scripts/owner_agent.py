@@ -13,8 +13,9 @@ is free) and records why in root's state file; once the claim has been gone for
 The agent-check port (HAProxy's ``agent-check``) answers one of three fixed lines (``owner
 .agent_word``) to every connection and closes it: it reads nothing a client sends.
 
-Trust: root, because it stops and starts the engine (like the guard). It writes only root's
-state folder (``--state-file``, ``--override-file`` under ``/var/lib/freetoken-deploy``), reads
+Trust: root, because it stops and starts the engine (like the guard). It writes only its own
+runtime folder (``--state-file``, ``/run/freetoken-agent``) and the owner's command writes only
+root's state folder (``--override-file``, ``/var/lib/freetoken-deploy``); the agent reads
 the engine's key from root's 0600 file and sends it in a header (never an argument), runs only
 fixed argument lists (``systemctl``, ``nvidia-smi``), and takes nothing from the engine's
 answers but a status word and two numbers, each checked for its type.
@@ -37,6 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -253,8 +255,8 @@ def serve(args: argparse.Namespace) -> int:
         elif action == owner.START:
             error = systemctl("start", args.unit)
             log("engine started" if error is None else f"could not start the engine: {error}")
-        record = owner.dump_state(state, 0.0)
-        if record != written:  # written on change only (not every second)
+        record = owner.dump_state(replace(state, others_mib=None), 0.0)
+        if record != written:  # written on a change of state only (not every second)
             hostio.write_atomic(args.state_file, owner.dump_state(state, now))
             written = record
         time.sleep(args.interval_s)

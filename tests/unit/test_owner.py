@@ -85,7 +85,7 @@ def test_a_claim_gone_before_the_stop_undoes_the_drain():
 
 
 def test_the_engine_starts_after_the_quiet_time_and_rejoins_when_healthy():
-    state = AgentState(mode="yielded", reason="game", since=0.0)
+    state = AgentState(mode="yielded", reason="game", since=0.0, stopped=True)
     game_on = seen(1, used=853 + GAME_MIB, active=False)
     state, action = step(state, game_on, POLICY)
     assert (state.mode, action, state.clear_since) == ("yielded", None, None)
@@ -125,7 +125,10 @@ def test_an_engine_someone_else_stopped_is_never_started_by_the_agent():
     state, action = step(AgentState(), seen(0, used=853, active=False), POLICY)
     assert (state.mode, action) == ("serving", None)
     state, action = step(state, seen(1, used=853 + GAME_MIB, active=False), POLICY)
-    assert (state.mode, action) == ("yielded", None)
+    assert (state.mode, action, state.stopped) == ("yielded", None, False)
+    state, _ = step(state, seen(2, used=853, active=False), POLICY)
+    state, action = step(state, seen(40, used=853, active=False), POLICY)
+    assert (state.mode, action) == ("serving", None)  # the claim is gone; the engine stays as it was
 
 
 def test_a_threshold_of_zero_never_yields_for_vram_and_the_snooze_always_does():
@@ -140,7 +143,7 @@ def test_a_threshold_of_zero_never_yields_for_vram_and_the_snooze_always_does():
 
 
 def test_the_state_file_is_checked_field_by_field():
-    state = AgentState(mode="yielded", reason="game", since=5.0, clear_since=7.0, others_mib=100)
+    state = AgentState(mode="yielded", reason="game", since=5.0, clear_since=7.0, others_mib=100, stopped=True)
     assert owner.load_state(owner.dump_state(state, 9.0).decode()) == state
     for forged in (
         "",
@@ -192,8 +195,9 @@ def test_the_agent_unit_runs_the_uploaded_script_as_root_confined():
         "--vram-threshold-gb 4 --quiet-s 5 --drain-timeout-s 10 "
         f"--state-file {AGENT_STATE_FILE} --override-file {OWNER_OVERRIDE_FILE}\n"
     ) in text
-    for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ReadWritePaths=-/var/lib/freetoken-deploy"):
+    for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "RuntimeDirectory=freetoken-agent"):
         assert line + "\n" in text
+    assert "ReadWritePaths" not in text  # it writes its runtime folder only
     assert "User=" not in text  # root: it stops and starts the engine and reads its key
     assert "Environment" not in text and "FREETOKEN_API_KEY" not in text  # the key's file, never the key
     assert owner_op.engine_url(Settings(listen_host="::")) == "http://[::1]:8000"
