@@ -84,29 +84,47 @@ class AgentState:
     ready_until: float = 0.0  # answer `ready 100%` until then
     others_mib: int | None = None  # the last measure of other processes' VRAM
     stopped: bool = False  # the agent stopped the engine (it starts only what it stopped)
+    idle_used_mib: int | None = None  # the card's used memory last seen with the engine stopped
+    engine_mib: int | None = None  # what the engine took when it came up (used less idle_used)
 
 
-def others_mib(obs: Observation) -> int | None:
+def others_mib(obs: Observation, learned_engine_mib: int | None = None) -> int | None:
     """Other processes' VRAM: the card's used memory less the engine's own; None when unknown
-    (nvidia-smi unread, or the engine runs but has not said what it holds: it is loading)."""
+    (nvidia-smi unread, or the engine runs and neither said what it holds nor was seen coming
+    up). The engine's own: its ``/v1/stats`` figure (0.2.1 reports it only once a request has
+    been served), else what the card's used memory grew by when it came up (FreeToken takes its
+    pages at load; ``learn``)."""
     if obs.gpu_used_mib is None:
         return None
     if not obs.engine_active:
         return obs.gpu_used_mib
-    if obs.engine_vram_mib is None:
+    engine = obs.engine_vram_mib if obs.engine_vram_mib is not None else learned_engine_mib
+    if engine is None:
         return None
-    return max(0, obs.gpu_used_mib - obs.engine_vram_mib)
+    return max(0, obs.gpu_used_mib - engine)
+
+
+def learn(state: AgentState, obs: Observation) -> AgentState:
+    """What the card holds without the engine (seen while it is stopped), and what the engine took
+    once it is up and healthy (learnt once per start)."""
+    if obs.gpu_used_mib is None:
+        return state
+    if not obs.engine_active:
+        return replace(state, idle_used_mib=obs.gpu_used_mib, engine_mib=None)
+    if obs.health_ok and state.engine_mib is None and state.idle_used_mib is not None:
+        return replace(state, engine_mib=max(0, obs.gpu_used_mib - state.idle_used_mib))
+    return state
 
 
 def gib(mib: float) -> str:
     return f"{mib / MIB_PER_GIB:.1f} GiB"
 
 
-def claim(obs: Observation, policy: Policy) -> str | None:
+def claim(obs: Observation, policy: Policy, learned_engine_mib: int | None = None) -> str | None:
     """Why the owner claims the GPU now, or None."""
     if obs.snooze_until is not None and obs.snooze_until > obs.now:
         return f"snoozed by the owner until {time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(obs.snooze_until))}"
-    others = others_mib(obs)
+    others = others_mib(obs, learned_engine_mib)
     if policy.vram_threshold_mib > 0 and others is not None and others > policy.vram_threshold_mib:
         return (
             f"the owner's GPU use: {gib(others)} held by other processes "
@@ -117,8 +135,9 @@ def claim(obs: Observation, policy: Policy) -> str | None:
 
 def step(state: AgentState, obs: Observation, policy: Policy) -> tuple[AgentState, str | None]:
     """The next state and the action to take now (``STOP``, ``START`` or None)."""
-    now, why = obs.now, claim(obs, policy)
-    others = others_mib(obs)
+    state = learn(state, obs)
+    now, why = obs.now, claim(obs, policy, state.engine_mib)
+    others = others_mib(obs, state.engine_mib)
     state = replace(state, others_mib=others if others is not None else state.others_mib)
     if state.mode == SERVING:
         if why is None:
@@ -193,6 +212,10 @@ def _finite(value: object) -> float | None:
     return float(value)
 
 
+def _mib(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def load_state(text: str) -> AgentState:
     """The state file read back, checked field by field: anything not a state is a fresh one
     (serving)."""
@@ -203,15 +226,16 @@ def load_state(text: str) -> AgentState:
     if not isinstance(doc, dict) or doc.get("mode") not in MODES:
         return AgentState()
     reason = doc.get("reason")
-    others = doc.get("others_mib")
     return AgentState(
         mode=doc["mode"],
         reason=reason if isinstance(reason, str) else "",
         since=_finite(doc.get("since")) or 0.0,
         clear_since=_finite(doc.get("clear_since")),
         ready_until=_finite(doc.get("ready_until")) or 0.0,
-        others_mib=others if isinstance(others, int) and not isinstance(others, bool) and others >= 0 else None,
+        others_mib=_mib(doc.get("others_mib")),
         stopped=doc.get("stopped") is True,
+        idle_used_mib=_mib(doc.get("idle_used_mib")),
+        engine_mib=_mib(doc.get("engine_mib")),
     )
 
 

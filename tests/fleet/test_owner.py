@@ -80,12 +80,14 @@ def test_ws1_yields_to_its_owners_game_under_load_and_rejoins_after_the_quiet_ti
             back = watcher.wait_for("ws1", lambda s: s == "UP", over, QUIET_S + 60)
             time.sleep(3)  # ws1 serves again under the load
         outcomes = load.stop()
-        journal = fleet.run("ws1", "journalctl -u freetoken-agent.service -o cat --no-pager | tail -20").stdout
     finally:
+        journal = fleet.run("ws1", "journalctl -u freetoken-agent.service -o cat --no-pager | tail -20").stdout
+        print(f"\nagent journal:\n{journal}")
+        fleet.run("ws1", f"rm -f {GAME}")  # the next test starts without the game
         watcher.close()
     result = summary(outcomes)
     after = [o for o in outcomes if back and o.ok and o.t0 > back]
-    print(f"\nstatus while yielded:\n{status}\nagent journal:\n{journal}")
+    print(f"\nstatus while yielded:\n{status}")
 
     def secs(t: float | None, since: float) -> str:
         return "never" if t is None else f"{t - since:.2f} s"
@@ -129,4 +131,6 @@ def test_the_owners_snooze_takes_ws1_out_and_resume_brings_it_back(gateway):
         assert back is not None
         assert "state:   serving" in fleet.run("ws1", "freetoken-owner status", check=True).stdout
     finally:
+        print(fleet.run("ws1", "journalctl -u freetoken-agent.service -o cat --no-pager | tail -12").stdout)
+        fleet.run("ws1", "freetoken-owner resume")
         watcher.close()

@@ -356,3 +356,21 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
         out = proc.communicate(timeout=10)[0]
         server.shutdown()
     assert "serving -> yielding" in out and "engine stopped" in out and "engine started" in out, out
+
+
+def test_an_idle_engine_that_reports_no_vram_yet_is_weighed_by_what_it_took_at_its_start():
+    """FreeToken 0.2.1 reports vram_bytes only once it served a request: before that the agent
+    takes what the card's used memory grew by when the engine came up."""
+    state = AgentState()
+    state, _ = step(state, seen(0, used=853, active=False), POLICY)  # stopped: the card holds 853
+    state, _ = step(state, seen(1, used=853, engine_vram_mib=None, health_ok=False), POLICY)  # loading
+    assert state.engine_mib is None
+    state, _ = step(state, seen(2, used=CARD_IDLE_MIB, engine_vram_mib=None), POLICY)  # healthy: learnt
+    assert state.engine_mib == ENGINE_MIB and state.others_mib == 853
+    state, _ = step(state, seen(3, used=CARD_IDLE_MIB + 5000, engine_vram_mib=None), POLICY)
+    assert state.engine_mib == ENGINE_MIB  # learnt once: the game is not the engine's
+    state, action = step(state, seen(4, used=CARD_IDLE_MIB + GAME_MIB, engine_vram_mib=None), POLICY)
+    assert state.mode == "yielding" and action is None
+    # never seen stopped (the agent came after the engine) and no figure from it: unknown, no claim
+    fresh, _ = step(AgentState(), seen(0, used=30000, engine_vram_mib=None), POLICY)
+    assert fresh.mode == "serving"

@@ -362,7 +362,8 @@ class Engine:
             active, completed = self.active, self.completed
             prompt_total, completion_total = self.prompt_tokens_total, self.tokens_generated
         span = max(now - recent[0], 1e-9) if recent else 0.0
-        ready = self.state == "ok" and self.ready_at is not None
+        # loaded: serving, or past prepare-stop (the real StatsTracker keeps its last values)
+        ready = self.state in ("serving", "stopping") and self.ready_at is not None
         page = max(1, int(self.args.extra.get("page_size") or 1))
         tokens = int(self.args.extra.get("num_token_override") or 8192)
         return {
