@@ -255,8 +255,10 @@ def serve(args: argparse.Namespace) -> int:
         elif action == owner.START:
             error = systemctl("start", args.unit)
             log("engine started" if error is None else f"could not start the engine: {error}")
-        record = owner.dump_state(replace(state, others_mib=None), 0.0)
-        if record != written:  # written on a change of state only (not every second)
+        # Written on a change of state or of others' VRAM by a quarter GiB (not every second).
+        rough = None if state.others_mib is None else state.others_mib // 256
+        record = owner.dump_state(replace(state, others_mib=rough), 0.0)
+        if record != written:
             hostio.write_atomic(args.state_file, owner.dump_state(state, now))
             written = record
         time.sleep(args.interval_s)
