@@ -32,7 +32,19 @@ from freetoken_infra import plan as converge
 from freetoken_infra.core import records
 from freetoken_infra.core.layout import ENGINE_UNIT
 from freetoken_infra.preflight import fleet_settings, gather, run_preflight, stop_host
-from operations import cuda, engine, firewall, guard, health, host_lock, model, node_exporter, service, windows
+from operations import (
+    cuda,
+    engine,
+    firewall,
+    guard,
+    health,
+    host_lock,
+    model,
+    node_exporter,
+    owner,
+    service,
+    windows,
+)
 
 # Every host's settings, validated before this deploy reads anything from any host. The repo's
 # config.py already did this before pyinfra connected; this covers runs that skip config.py
@@ -149,6 +161,8 @@ if plan.converge is not None:
             _if=run_if,
         )
     guard.guard(name="Guard: timer", settings=settings)
+    # The gateway's agent-check and the yield to the owner (README, "The owner comes first").
+    owner.agent(name="Host agent: agent-check for the gateway, yield to the owner", settings=settings)
     # The guard's samples for the fleet's scrape (README, "One endpoint for the fleet": Metrics).
     node_exporter.node_exporter(
         name="Metrics: node_exporter (Debian) reading the guard's samples",

@@ -66,17 +66,20 @@ def _accept(ports: str, sources: Sequence[Address | Network]) -> list[str]:
 
 def ruleset(settings: Settings, gateways: Sequence[Address]) -> str:
     """The nft rule set: the engine's port and port+1 (its gloo group) and node_exporter's port
-    from loopback, the gateways and the settings' lists; every other source is reset."""
+    from loopback, the gateways and the settings' lists, the host agent's port from loopback and
+    the gateways only; every other source is reset."""
     engine = [settings.listen_port, settings.listen_port + 1]
     metrics = [settings.node_exporter_port] if settings.node_exporter_enabled else []
+    # The host agent's agent-check answers: the gateway's business only (issue 22 item 1).
+    agent = [settings.agent_port] if settings.agent_enabled else []
     rules = [
         "iif lo accept",
         # Replies of the host's own outgoing connections, whatever their local port.
         "ct state established,related accept",
-        *_accept(_ports(engine + metrics), gateways),
+        *_accept(_ports(engine + metrics + agent), gateways),
         *_accept(_ports(engine), settings.firewall_engine_from),
         *(_accept(_ports(metrics), settings.firewall_metrics_from) if metrics else []),
-        f"tcp dport {_ports(engine + metrics)} reject with tcp reset",
+        f"tcp dport {_ports(engine + metrics + agent)} reject with tcp reset",
     ]
     body = "\n".join(f"\t\t{r}" for r in rules)
     return f"""# {managed_by("operations/firewall.py")}

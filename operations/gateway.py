@@ -55,6 +55,10 @@ from operations.node_exporter import listen_address, scrape_address
 # marks it down at once: `observe layer4`), back in after 3 passed ones (issue 14: out within
 # 5 s, rejoin only after a few good intervals). A parked PC is probed every 2 s.
 CHECK = "check inter 1s fastinter 500ms downinter 2s fall 2 rise 3"
+# The host agent (operations/owner.py) is read this often: it answers `drain 0%` while its host
+# yields to the owner, `ready 100%` when it is back, else `up` (an operator's drain stays). An
+# agent that does not answer changes nothing: the health checks above decide.
+AGENT_INTER = "2s"
 # Only a request no host has answered yet is retried (HAProxy never retries once a response has
 # started); 503 is FreeToken's "still loading" / "maintenance failed" before any work is done.
 # junk-response: an engine killed while it wrote its status line and headers leaves a partial
@@ -94,6 +98,7 @@ class GatewayBackend:
     port: int
     slots: int = 1
     weight: int = UNKNOWN_WEIGHT
+    agent_port: int | None = None  # its host agent's agent-check port (agent_enabled)
 
 
 def backend_capacity(settings: Settings, measured_tps: float | None) -> tuple[int, int]:
@@ -151,7 +156,8 @@ def backends_for(
         try:
             address = backend_address(name, settings, hostname, gateway)
             slots, weight = backend_capacity(settings, (measured_tps or {}).get(name))
-            out.append(GatewayBackend(name, address, settings.listen_port, slots, weight))
+            agent = settings.agent_port if settings.agent_enabled else None
+            out.append(GatewayBackend(name, address, settings.listen_port, slots, weight, agent))
         except GatewayError as exc:
             problems.append(str(exc))
     if problems:
@@ -339,7 +345,9 @@ def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key:
     ssl = f" ssl crt {GATEWAY_TLS_PEM}" if tls else ""
     session = SESSION_HEADER.lower()
     servers = "\n".join(
-        f"    server {b.name} {b.address}:{b.port} maxconn {b.slots} weight {b.weight}" for b in backends
+        f"    server {b.name} {b.address}:{b.port} maxconn {b.slots} weight {b.weight}"
+        + (f" agent-check agent-port {b.agent_port} agent-inter {AGENT_INTER}" if b.agent_port else "")
+        for b in backends
     )
     busy = json.dumps({"error": "the fleet is busy: every engine slot and the gateway queue are full"})
     prefix = gw.gateway_prefix_affinity_bytes

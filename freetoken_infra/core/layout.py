@@ -28,6 +28,8 @@ LIB_DIR = "/usr/local/lib/freetoken"
 ENGINE_UNIT = "freetoken.service"
 GUARD_SERVICE = "freetoken-guard.service"
 GUARD_TIMER = "freetoken-guard.timer"
+# The host agent (operations/owner.py): the gateway's agent-check, the yield to the owner.
+AGENT_UNIT = "freetoken-agent.service"
 FETCH_UNIT = "freetoken-model-fetch.service"
 CACHE_UNIT = "freetoken-model-cache.service"
 # Debian's node_exporter (operations/node_exporter.py): our settings in a drop-in of its unit.
@@ -53,6 +55,10 @@ HOSTIO_MODULE = f"{LIB_DIR}/hostio.py"  # fetch_model.py and guard.py: atomic wr
 GPU_FREE_SCRIPT = f"{LIB_DIR}/gpu_free.py"  # the engine's ExecStartPre: is enough of the GPU free?
 GPU_ROOM_MODULE = f"{LIB_DIR}/gpu_room.py"  # gpu_free.py imports it from its own folder
 HOST_LOCK_SCRIPT = f"{LIB_DIR}/host_lock.py"
+AGENT_SCRIPT = f"{LIB_DIR}/owner_agent.py"
+OWNER_MODULE = f"{LIB_DIR}/owner.py"  # owner_agent.py imports it from its own folder
+# The owner's command on the host: freetoken-owner snooze 2h | resume | status.
+OWNER_COMMAND = "/usr/local/bin/freetoken-owner"
 OWN_DIR_SCRIPT = f"{LIB_DIR}/own_dir.py"  # root makes and re-owns folders without following links
 
 # Root's own state on the target: never inside the service user's state_dir and outside every
@@ -62,6 +68,13 @@ DEPLOY_STATE_DIR = "/var/lib/freetoken-deploy"
 DEPLOY_STATE_MODE = "755"
 # Root's runtime state (tmpfs: gone with a reboot, which ends every run that held anything).
 DEPLOY_RUN_DIR = "/run/freetoken-deploy"
+# The host agent's state (why the host yielded, since when), read by `freetoken-owner status`:
+# in the agent unit's own runtime folder (root's; kept across the agent's restarts, gone with a
+# reboot, after which the agent looks afresh). The owner's snooze outlives a reboot: root's
+# state folder.
+AGENT_RUN_DIR_NAME = "freetoken-agent"  # the unit's RuntimeDirectory=
+AGENT_STATE_FILE = f"/run/{AGENT_RUN_DIR_NAME}/owner-state.json"
+OWNER_OVERRIDE_FILE = f"{DEPLOY_STATE_DIR}/owner-override.json"
 # One deploy run per host at a time (operations/host_lock.py): who holds the host, and the
 # file its take-over decisions are serialised on. Volatile: the lock is taken before the
 # preflight, so also on a host the preflight then refuses, which must be left as it was.

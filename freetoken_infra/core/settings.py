@@ -252,6 +252,16 @@ class Settings(BaseModel):
     """Seconds between guard samples."""
     guard_swap_limit_gb: float = Field(2.0, gt=0)
     """The guard stops the engine when swap use exceeds this (operations advice)."""
+    agent_enabled: bool = True
+    """Run the host agent: tells the gateway ready/drain (HAProxy's agent-check) and yields the GPU to its owner."""
+    agent_port: int = Field(8010, ge=1, le=65535)
+    """TCP port of the host agent's agent-check answers (admitted from the gateway host(s) only)."""
+    owner_vram_threshold_gb: float = Field(4.0, ge=0)
+    """Other processes' GPU memory (a game: the card's used memory less the engine's) above this makes the host yield; 0: never."""
+    owner_quiet_s: int = Field(30, ge=0, le=86400)
+    """Seconds the owner's claim must have been gone before the engine starts again."""
+    owner_drain_timeout_s: float = Field(10.0, ge=0, le=10)
+    """How long a yield lets running streams finish (FreeToken's prepare-stop; at most its own 10 s)."""
     node_exporter_enabled: bool = True
     """Install Debian's prometheus-node-exporter, its textfile collector reading the guard's samples."""
     node_exporter_port: int = Field(9100, ge=1, le=65535)
@@ -450,6 +460,26 @@ class Settings(BaseModel):
                         type=PydanticCustomError("value_error", message),
                         loc=(field,),
                         input=getattr(self, field),
+                    )
+                ],
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _agent_port_free(self) -> Settings:
+        taken = {self.listen_port: "listen_port", self.listen_port + 1: "the engine's port+1 (gloo)"}
+        if self.node_exporter_enabled:
+            taken[self.node_exporter_port] = "node_exporter_port"
+        if self.agent_enabled and self.agent_port in taken:
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "value_error", f"{self.agent_port} is taken by {taken[self.agent_port]}: pick another port"
+                        ),
+                        loc=("agent_port",),
+                        input=self.agent_port,
                     )
                 ],
             )

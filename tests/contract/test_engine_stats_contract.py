@@ -60,7 +60,7 @@ def test_the_standins_stats_have_the_real_engines_shape(real_parser_python, tmp_
     model.mkdir()
     args = standin_args.parse_args(["--model-path", str(model), "--num-tokens", "4096", "--max-running-requests", "2"])
     engine = standin.Engine(args, dict(standin.DEFAULT_CONFIG))
-    engine.state, engine.ready_at = "ok", 0.0
+    engine.state, engine.ready_at = "serving", 0.0  # what the stand-in enters once loaded
     engine.admit(12)  # one request in its slot, a token out
     engine._decoded.append(time.monotonic())
     ours = engine.stats()

@@ -29,8 +29,9 @@ def test_engine_ports_and_node_exporter_from_loopback_and_the_gateway_only():
     assert rules(text) == [
         "iif lo accept",
         "ct state established,related accept",
-        "tcp dport { 8000, 8001, 9100 } ip saddr { 192.0.2.5 } accept",
-        "tcp dport { 8000, 8001, 9100 } reject with tcp reset",
+        # the host agent's port (8010) from the gateway only (issue 22 item 1)
+        "tcp dport { 8000, 8001, 8010, 9100 } ip saddr { 192.0.2.5 } accept",
+        "tcp dport { 8000, 8001, 8010, 9100 } reject with tcp reset",
     ]
     # Our one table, replaced atomically (define, delete, define in one `nft -f`); nothing else.
     assert text.count("table inet freetoken") == 3 and "flush ruleset" not in text
@@ -46,14 +47,22 @@ def test_the_settings_lists_open_their_own_ports_only():
         firewall_metrics_from=["192.0.2.9"],
     )
     got = rules(fw.ruleset(settings, GW + [ipaddress.ip_address("fd00::5")]))
-    assert "tcp dport { 8100, 8101, 9200 } ip6 saddr { fd00::5 } accept" in got
+    assert "tcp dport { 8010, 8100, 8101, 9200 } ip6 saddr { fd00::5 } accept" in got
     assert "tcp dport { 8100, 8101 } ip saddr { 10.0.0.0/24 } accept" in got
     assert "tcp dport { 8100, 8101 } ip6 saddr { fd00::/64 } accept" in got
     assert "tcp dport 9200 ip saddr { 192.0.2.9/32 } accept" in got
-    assert got[-1] == "tcp dport { 8100, 8101, 9200 } reject with tcp reset"
-    # node_exporter disabled: its port is no business of ours.
-    off = rules(fw.ruleset(Settings(listen_host="0.0.0.0", node_exporter_enabled=False), GW))
+    assert got[-1] == "tcp dport { 8010, 8100, 8101, 9200 } reject with tcp reset"
+    # node_exporter and the agent disabled: their ports are no business of ours.
+    off = rules(fw.ruleset(Settings(listen_host="0.0.0.0", node_exporter_enabled=False, agent_enabled=False), GW))
     assert off[-1] == "tcp dport { 8000, 8001 } reject with tcp reset"
+
+
+def test_the_agent_port_is_the_gateways_only_never_the_engine_clients():
+    settings = Settings(listen_host="0.0.0.0", agent_port=8020, firewall_engine_from=["10.0.0.0/24"])
+    got = rules(fw.ruleset(settings, GW))
+    assert "tcp dport { 8000, 8001, 8020, 9100 } ip saddr { 192.0.2.5 } accept" in got
+    assert "tcp dport { 8000, 8001 } ip saddr { 10.0.0.0/24 } accept" in got
+    assert got[-1] == "tcp dport { 8000, 8001, 8020, 9100 } reject with tcp reset"
 
 
 def test_settings_lists_are_addresses_or_networks():

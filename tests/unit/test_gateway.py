@@ -210,15 +210,20 @@ def test_backends_skip_gateway_only_hosts_and_need_a_reachable_engine():
         "gw": (Settings(runs_engine=False), "192.0.2.5"),
     }
     assert gw.backends_for("gw", hosts) == [
-        GatewayBackend("ws2", "192.0.2.12", 8100),
-        GatewayBackend("ws10", "192.0.2.20", 8000),
+        GatewayBackend("ws2", "192.0.2.12", 8100, agent_port=8010),
+        GatewayBackend("ws10", "192.0.2.20", 8000, agent_port=8010),
     ]
     measured = gw.backends_for("gw", hosts, {"ws10": 61.2, "ws9": 99.0})
     assert [(b.name, b.weight) for b in measured] == [("ws2", gw.UNKNOWN_WEIGHT), ("ws10", 61)]
     with pytest.raises(GatewayError, match="host ws1: its engine listens on 127.0.0.1 only.*listen_host"):
         gw.backends_for("gw", {"ws1": (Settings(), "192.0.2.11")})
     # the gateway on the serving host itself may reach it on loopback
-    assert gw.backends_for("ws1", {"ws1": (Settings(), None)}) == [GatewayBackend("ws1", "127.0.0.1", 8000)]
+    assert gw.backends_for("ws1", {"ws1": (Settings(), None)}) == [
+        GatewayBackend("ws1", "127.0.0.1", 8000, agent_port=8010)
+    ]
+    # no host agent: no agent-check
+    alone = gw.backends_for("ws1", {"ws1": (Settings(agent_enabled=False), None)})
+    assert alone == [GatewayBackend("ws1", "127.0.0.1", 8000)]
     with pytest.raises(GatewayError, match="no host of the inventory runs an engine"):
         gw.backends_for("gw", {"gw": (Settings(runs_engine=False), None)})
 
@@ -568,3 +573,12 @@ def test_dry_diff_of_the_gateway_shows_the_key_maps_masked(caplog):
     for key in (old_client, new_client, old_engine, new_engine):
         assert key not in out
     assert host.state is not None and host.state.config.DIFF  # pyinfra's own diff held off only while our puts ran
+
+
+def test_each_server_with_a_host_agent_is_read_by_agent_check():
+    """Issue 22 item 1: HAProxy reads each host's agent every 2 s (drain 0% / ready 100% / up);
+    a host without an agent gets no agent-check."""
+    backends = [GatewayBackend("ws1", "10.0.0.11", 8000, agent_port=8010), GatewayBackend("ws2", "10.0.0.12", 8000)]
+    text = gw.haproxy_config(Settings(), backends, engine_key=True)
+    assert "    server ws1 10.0.0.11:8000 maxconn 1 weight 24 agent-check agent-port 8010 agent-inter 2s\n" in text
+    assert "    server ws2 10.0.0.12:8000 maxconn 1 weight 24\n" in text

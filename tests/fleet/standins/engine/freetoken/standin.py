@@ -25,6 +25,8 @@ server/control_api.py, server/supervisor.py, utils/logger.py):
   ending with ``API server is ready to serve on HOST:PORT``. Tracebacks go to stderr.
 * Auth: key from --api-key or FREETOKEN_API_KEY; ``Authorization: Bearer`` or ``x-api-key``;
   401 ``{"error": "Unauthorized"}``; /health exempt.
+* ``POST /v1/admin/prepare-stop`` (loopback only, key required): closes admission, drains,
+  aborts the rest, answers the sealed snapshot (``Handler._prepare_stop``).
 * /v1/models, /v1/chat/completions (plain and SSE stream, usage incl.
   ``stream_options.include_usage``), /v1/completions, /v1/messages, /v1/stats; tokens are
   emitted at ``tokens_per_s``.
@@ -308,6 +310,8 @@ class Engine:
         self.requests_total = 0
         self.tokens_generated = 0
         self.gloo: socket.socket | None = None
+        self.aborting = False  # prepare-stop's abort of what its drain time did not finish
+        self.sealed: dict | None = None  # prepare-stop's snapshot, the same on every retry
         # Slots, as the real scheduler runs them: at most --max-running-requests generations at
         # once, the rest wait inside the engine in arrival order (before any byte of their answer).
         # /v1/stats counts both as "active", as the real StatsTracker does (admitted, not finished).
@@ -358,7 +362,8 @@ class Engine:
             active, completed = self.active, self.completed
             prompt_total, completion_total = self.prompt_tokens_total, self.tokens_generated
         span = max(now - recent[0], 1e-9) if recent else 0.0
-        ready = self.state == "ok" and self.ready_at is not None
+        # loaded: serving, or past prepare-stop (the real StatsTracker keeps its last values)
+        ready = self.state in ("serving", "stopping") and self.ready_at is not None
         page = max(1, int(self.args.extra.get("page_size") or 1))
         tokens = int(self.args.extra.get("num_token_override") or 8192)
         return {
@@ -628,7 +633,11 @@ class Handler(BaseHTTPRequestHandler):
         if st == "serving":
             return True
         msg = (
-            "model is still loading" if st == "loading" else "server unavailable: maintenance failed (restart required)"
+            "model is still loading"
+            if st == "loading"
+            else "server unavailable: maintenance failed (restart required)"
+            if st == "failed"
+            else f"server unavailable: engine is {st}"  # "stopping": after prepare-stop
         )
         self._json(503, {"error": msg})
         return False
@@ -665,11 +674,68 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(401, {"error": "Unauthorized"})
         if path == "/_standin/fault":
             return self._fault(body)
+        if path == "/v1/admin/prepare-stop":
+            return self._prepare_stop(body)
         if path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
             if not self._gate():
                 return
             return self._generate(path, body)
         self._json(404, {"detail": "Not Found"})
+
+    def _prepare_stop(self, body: dict) -> None:
+        """``POST /v1/admin/prepare-stop`` as 0.2.1 has it (server/accounting.py): loopback only;
+        closes admission (state "stopping": new generations get 503), waits up to
+        ``drain_timeout_s`` (0..10, default 5) for admitted work, then aborts what is left and
+        waits ``abort_timeout_s`` (0..4, default 3); answers the sealed snapshot (the same on a
+        retry), or 503 ``{"error", "drain_complete": false, "engine_preserved": true}``."""
+        if not (self.client_address[0].startswith("127.") or self.client_address[0] == "::1"):
+            return self._json(403, {"error": "loopback access required"})
+        e = self.engine
+        try:
+            drain = float(body.get("drain_timeout_s", 5.0))
+            abort = float(body.get("abort_timeout_s", 3.0))
+        except (TypeError, ValueError):
+            return self._json(422, {"detail": "drain_timeout_s and abort_timeout_s are numbers"})
+        if not (0.0 <= drain <= 10.0 and 0.0 <= abort <= 4.0):
+            return self._json(422, {"detail": "drain_timeout_s is 0..10 and abort_timeout_s 0..4"})
+        with e.lock:
+            if e.sealed is not None:
+                return self._json(200, dict(e.sealed))
+            if e.state not in ("loading", "serving", "stopping", "failed"):
+                return self._json(503, {"error": f"engine cannot prepare stop from state {e.state!r}"})
+            e.state = "stopping"
+
+        def idle(timeout: float) -> bool:
+            deadline = time.monotonic() + timeout
+            while True:
+                with e.lock:
+                    if e.active == 0:
+                        return True
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.02)
+
+        if not idle(drain):
+            e.aborting = True
+            if not idle(abort):
+                return self._json(
+                    503,
+                    {
+                        "error": f"accounting abort barrier timed out with {e.active} request(s) still active",
+                        "drain_complete": False,
+                        "engine_preserved": True,
+                    },
+                )
+        with e.lock:
+            e.sealed = {
+                "instance_id": e.instance_id,
+                "model_id": e.model,
+                "prompt_tokens_total": e.prompt_tokens_total,
+                "completion_tokens_total": e.tokens_generated,
+                "uptime_s": max(0, int(time.monotonic() - e.ready_at)) if e.ready_at is not None else 0,
+                "drain_complete": True,
+            }
+            return self._json(200, dict(e.sealed))
 
     def _fault(self, body: dict) -> None:
         if not (self.client_address[0].startswith("127.") or self.client_address[0] == "::1"):
@@ -736,6 +802,8 @@ class Handler(BaseHTTPRequestHandler):
             tps = max(0.001, float(e.cfg["tokens_per_s"]))
             t0 = time.monotonic()
             for i in range(n):
+                if e.aborting:  # prepare-stop ran out of its drain time: end it here
+                    return
                 delay = t0 + (i + 1) / tps - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)

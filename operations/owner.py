@@ -1,0 +1,156 @@
+"""
+The host agent (issue 22 items 1 and 2): ``freetoken-agent.service`` runs
+``scripts/owner_agent.py`` as root. It answers HAProxy's ``agent-check`` on ``agent_port`` with
+``up``, ``drain 0%`` or ``ready 100%``, and yields the GPU to the workstation's owner: other
+processes' VRAM above ``owner_vram_threshold_gb`` (or the owner's ``freetoken-owner snooze``)
+drains the host at the gateway, lets running streams finish, stops the engine and records why;
+``owner_quiet_s`` after the claim is gone it starts the engine and reports ready once ``/health``
+is ok. The decisions are ``freetoken_infra/core/owner.py`` (pure, uploaded beside the script).
+
+Why root and not a user with a sudo rule: the agent stops and starts the engine, which a narrow
+rule would also allow, but it must read the engine's key (root's 0600 file) for
+``prepare-stop`` and ``/v1/stats``, and keep its state where the engine's user cannot write;
+the guard, which stops the engine too, runs as root for the same reasons. Its unit confines it:
+read-only system, its one writable folder root's state folder, no new privileges.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+from pyinfra import host
+from pyinfra.api import operation
+from pyinfra.facts.files import File
+from pyinfra.operations import systemd
+
+from freetoken_infra.core import hostio, owner
+from freetoken_infra.core.layout import (
+    AGENT_RUN_DIR_NAME,
+    AGENT_SCRIPT,
+    AGENT_STATE_FILE,
+    AGENT_UNIT,
+    ENGINE_UNIT,
+    HOSTIO_MODULE,
+    OWNER_COMMAND,
+    OWNER_MODULE,
+    OWNER_OVERRIDE_FILE,
+    UNIT_DIR,
+    HostLayout,
+)
+from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command
+from operations import managed
+from operations.managed import ManagedFile
+
+_LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "owner_agent.py")
+UNIT_PATH = f"{UNIT_DIR}/{AGENT_UNIT}"
+
+
+def engine_url(settings: Settings) -> str:
+    """The engine as the agent reaches it on the host: loopback when it listens everywhere."""
+    address = ipaddress.ip_address(str(settings.listen_host))
+    if address.is_unspecified:
+        address = ipaddress.ip_address("::1" if address.version == 6 else "127.0.0.1")
+    host = f"[{address}]" if address.version == 6 else str(address)
+    return f"http://{host}:{settings.listen_port}"
+
+
+def agent_unit(settings: Settings) -> str:
+    args = [
+        "/usr/bin/python3",
+        AGENT_SCRIPT,
+        "serve",
+        "--unit",
+        ENGINE_UNIT,
+        "--engine-url",
+        engine_url(settings),
+        "--key-file",
+        HostLayout.of(settings).api_key_file,
+        # where the engine listens: the gateway reaches the agent there (the firewall admits
+        # the gateway host(s) only)
+        "--bind",
+        str(settings.listen_host),
+        "--port",
+        str(settings.agent_port),
+        "--vram-threshold-gb",
+        f"{settings.owner_vram_threshold_gb:g}",
+        "--quiet-s",
+        str(settings.owner_quiet_s),
+        "--drain-timeout-s",
+        f"{settings.owner_drain_timeout_s:g}",
+        "--state-file",
+        AGENT_STATE_FILE,
+        "--override-file",
+        OWNER_OVERRIDE_FILE,
+    ]
+    about = Section(
+        "Unit",
+        (
+            ("Description", "FreeToken host agent: the gateway's agent-check, the GPU yielded to its owner"),
+            ("After", f"network-online.target {ENGINE_UNIT}"),
+        ),
+    )
+    service = Section(
+        "Service",
+        (
+            ("Type", "simple"),
+            # Root, not the engine's user: it stops and starts the engine and reads its key.
+            ("ExecStart", unit_command(args)),
+            ("SyslogIdentifier", "freetoken-agent"),
+            ("Restart", "always"),
+            ("RestartSec", "2"),
+            ("NoNewPrivileges", "yes"),
+            ("PrivateTmp", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "yes"),
+            # It writes only its state, in its own runtime folder (root's 0755, kept across its
+            # restarts); the owner's snooze it only reads. Never the engine's state_dir.
+            ("RuntimeDirectory", AGENT_RUN_DIR_NAME),
+            ("RuntimeDirectoryMode", "0755"),
+            ("RuntimeDirectoryPreserve", "yes"),
+        ),
+    )
+    install = Section("Install", (("WantedBy", "multi-user.target"),))
+    return render(UnitFile(header=managed_by("operations/owner.py"), sections=(about, service, install)))
+
+
+def owner_command() -> str:
+    """``/usr/local/bin/freetoken-owner``: the agent's script in its ``owner`` mode."""
+    return (
+        "#!/bin/sh\n"
+        f"# {managed_by('operations/owner.py')}\n"
+        "# freetoken-owner snooze 2h | resume | status (snooze and resume as root)\n"
+        f"exec /usr/bin/python3 {AGENT_SCRIPT} owner --state-file {AGENT_STATE_FILE} "
+        f'--override-file {OWNER_OVERRIDE_FILE} "$@"\n'
+    )
+
+
+@operation()
+def agent(settings: Settings):
+    """
+    Install the host agent: its script and module, ``freetoken-agent.service`` (as root, enabled
+    and running, restarted when they change) and ``freetoken-owner``. With
+    ``settings.agent_enabled`` False the service is stopped and disabled.
+
+    + settings: the host's ``Settings`` (``agent_*``, ``owner_*``, ``listen_host``, ``listen_port``)
+
+    **Example:**
+
+    .. code:: python
+
+        from operations.owner import agent
+        agent(name="Host agent", settings=settings, _sudo=True)
+    """
+    if not settings.agent_enabled:
+        if host.get_fact(File, path=UNIT_PATH):
+            yield from systemd.service._inner(service=AGENT_UNIT, running=False, enabled=False)
+        return
+    changed = yield from managed.put(
+        ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
+        ManagedFile(OWNER_MODULE, local=owner.__file__),
+        ManagedFile(AGENT_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
+        ManagedFile(OWNER_COMMAND, text=owner_command(), mode="755"),
+        ManagedFile(UNIT_PATH, text=agent_unit(settings), unit=True),
+    )
+    yield from managed.running(AGENT_UNIT, changed=bool(changed - {OWNER_COMMAND}))

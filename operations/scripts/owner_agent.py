@@ -1,0 +1,325 @@
+#!/usr/bin/python3
+"""FreeToken host agent (``freetoken-agent.service``, as root) and the owner's command
+(``freetoken-owner``, issue 22 items 1 and 2).
+
+``serve``: once a second it looks at the host (the card's used memory from ``nvidia-smi``, the
+engine unit's state, the engine's own ``/v1/stats`` VRAM and ``/health``, the owner's snooze)
+and lets ``owner.step`` decide (``freetoken_infra/core/owner.py``, uploaded beside this script).
+When the owner claims the GPU it reports ``drain`` to the gateway, lets running streams finish
+(FreeToken's ``POST /v1/admin/prepare-stop`` on loopback, bounded), stops the engine (its VRAM
+is free) and records why in root's state file; once the claim has been gone for
+``--quiet-s`` it starts the engine and reports ``ready`` after ``/health`` is ok.
+
+The agent-check port (HAProxy's ``agent-check``) answers one of three fixed lines (``owner
+.agent_word``) to every connection and closes it: it reads nothing a client sends.
+
+Trust: root, because it stops and starts the engine (like the guard). It writes only its own
+runtime folder (``--state-file``, ``/run/freetoken-agent``) and the owner's command writes only
+root's state folder (``--override-file``, ``/var/lib/freetoken-deploy``); the agent reads
+the engine's key from root's 0600 file and sends it in a header (never an argument), runs only
+fixed argument lists (``systemctl``, ``nvidia-smi``), and takes nothing from the engine's
+answers but a status word and two numbers, each checked for its type.
+
+``owner snooze 2h | resume | status``: the owner's override (snooze and resume as root).
+
+Runs on the target with the system python3; standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+if TYPE_CHECKING:  # the same modules, as the type checker finds them in the checkout
+    from freetoken_infra.core import hostio, owner
+else:
+    try:  # uploaded beside this script on the target
+        import hostio
+        import owner
+    except ImportError:  # run from a checkout of the project
+        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+        from freetoken_infra.core import hostio, owner
+
+PREFIX = "freetoken-agent:"
+# nvidia-smi is not on systemd's PATH inside WSL: the Windows driver provides it here.
+WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"
+KEY_VAR = "FREETOKEN_API_KEY"
+# The most the engine's prepare-stop waits for running streams (its own bound: 10 s).
+PREPARE_STOP_MAX_S = 10.0
+# No proxy between the agent and the engine on loopback.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def log(message: str) -> None:
+    print(f"{PREFIX} {message}", flush=True)
+
+
+# --------------------------------------------------------------------------- observing
+def find_nvidia_smi() -> str | None:
+    found = shutil.which("nvidia-smi")
+    if found:
+        return found
+    return WSL_NVIDIA_SMI if os.access(WSL_NVIDIA_SMI, os.X_OK) else None
+
+
+def gpu_used_mib() -> int | None:
+    """The first GPU's used memory (MiB), or None when nvidia-smi is missing or unreadable."""
+    binary = find_nvidia_smi()
+    if binary is None:
+        return None
+    try:
+        out = subprocess.run(
+            [binary, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        first = out.strip().splitlines()[0].strip()
+        return int(first) if first.isdigit() else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def engine_active(unit: str) -> bool:
+    run = subprocess.run(["systemctl", "is-active", "--quiet", unit], timeout=30, check=False)
+    return run.returncode == 0
+
+
+def read_key(path: str) -> str | None:
+    """The engine's key from root's environment file (``FREETOKEN_API_KEY=...``), or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                name, sep, value = line.strip().partition("=")
+                if sep and name == KEY_VAR and value:
+                    return value.strip().strip("'\"")
+    except OSError:
+        return None
+    return None
+
+
+def _request(url: str, key: str | None, body: dict | None, timeout: float) -> dict | None:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            doc = json.loads(resp.read(65536))
+    except urllib.error.HTTPError as exc:
+        try:
+            doc = json.loads(exc.read(65536))
+        except ValueError:
+            return None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def health_ok(base: str) -> bool:
+    doc = _request(f"{base}/health", None, None, timeout=2)
+    return doc is not None and doc.get("status") == "ok"
+
+
+def engine_vram_mib(base: str, key: str | None) -> int | None:
+    doc = _request(f"{base}/v1/stats", key, None, timeout=2)
+    vram = doc.get("vram_bytes") if doc else None
+    if isinstance(vram, bool) or not isinstance(vram, int) or vram <= 0:
+        return None  # 0: not loaded yet (what it will hold is unknown)
+    return vram // 2**20
+
+
+def read_text(path: str) -> str | None:
+    # Root's own folder (the deploy's state dir): no user of less trust writes there.
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(65536)
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------- acting
+def prepare_stop(base: str, key: str | None, drain_timeout_s: float) -> str:
+    """FreeToken closes its door to new generations and waits for running ones (bounded)."""
+    wait = min(PREPARE_STOP_MAX_S, max(0.0, drain_timeout_s))
+    doc = _request(
+        f"{base}/v1/admin/prepare-stop",
+        key,
+        {"drain_timeout_s": wait, "abort_timeout_s": 3.0},
+        timeout=wait + 3.0 + 5.0,
+    )
+    if doc is None:
+        return "prepare-stop: no answer"
+    return "streams finished" if doc.get("drain_complete") is True else "prepare-stop: not sealed"
+
+
+def systemctl(verb: str, unit: str) -> str | None:
+    """``systemctl stop|start UNIT``; the error, if any."""
+    run = subprocess.run(["systemctl", verb, unit], capture_output=True, text=True, timeout=300, check=False)
+    return None if run.returncode == 0 else (run.stderr.strip() or f"exit status {run.returncode}")
+
+
+# --------------------------------------------------------------------------- the agent-check port
+class AgentPort:
+    """HAProxy's agent-check: every connection gets the current word, then is closed; nothing a
+    client sends is read."""
+
+    def __init__(self, bind: str, port: int):
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((bind, port))
+        self.sock.listen(16)
+        self.word = owner.WORD_UP
+        self.drain_answers = 0  # how many times `drain` was read
+        self.lock = threading.Lock()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            try:
+                conn.settimeout(1.0)
+                with self.lock:
+                    word = self.word
+                    if word == owner.WORD_DRAIN:
+                        self.drain_answers += 1
+                conn.sendall(word)
+                conn.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    def set(self, word: bytes) -> None:
+        with self.lock:
+            if word != self.word and word == owner.WORD_DRAIN:
+                self.drain_answers = 0
+            self.word = word
+
+    def drained(self) -> bool:
+        with self.lock:
+            return self.drain_answers > 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    policy = owner.Policy(int(args.vram_threshold_gb * owner.MIB_PER_GIB), args.quiet_s)
+    text = read_text(args.state_file)
+    state = owner.load_state(text) if text else owner.AgentState(since=time.time())
+    port = AgentPort(args.bind, args.port)
+    now = time.time()
+    port.set(owner.agent_word(state, now))
+    threading.Thread(target=port.serve, daemon=True).start()
+    log(f"answering agent checks on {args.bind}:{args.port}; state {state.mode}")
+    written = None
+    while True:
+        now = time.time()
+        active = engine_active(args.unit)
+        key = read_key(args.key_file)
+        obs = owner.Observation(
+            now=now,
+            gpu_used_mib=gpu_used_mib(),
+            engine_active=active,
+            engine_vram_mib=engine_vram_mib(args.engine_url, key) if active else None,
+            health_ok=active and health_ok(args.engine_url),
+            snooze_until=owner.load_snooze(read_text(args.override_file) or ""),
+            drain_answered=port.drained(),
+        )
+        before = state
+        state, action = owner.step(state, obs, policy)
+        port.set(owner.agent_word(state, now))
+        if state.mode != before.mode:
+            log(f"{before.mode} -> {state.mode}: {state.reason}")
+        if action == owner.STOP:
+            if active:
+                log(prepare_stop(args.engine_url, key, args.drain_timeout_s))
+            error = systemctl("stop", args.unit)
+            log(f"engine stopped ({state.reason})" if error is None else f"could not stop the engine: {error}")
+        elif action == owner.START:
+            error = systemctl("start", args.unit)
+            log("engine started" if error is None else f"could not start the engine: {error}")
+        # Written on a change of state or of others' VRAM by a quarter GiB (not every second).
+        rough = None if state.others_mib is None else state.others_mib // 256
+        record = owner.dump_state(replace(state, others_mib=rough), 0.0)
+        if record != written:
+            hostio.write_atomic(args.state_file, owner.dump_state(state, now))
+            written = record
+        time.sleep(args.interval_s)
+
+
+# --------------------------------------------------------------------------- freetoken-owner
+def owner_command(args: argparse.Namespace) -> int:
+    now = time.time()
+    if args.verb in ("snooze", "resume") and os.geteuid() != 0:
+        print(
+            f"freetoken-owner {args.verb}: run it as root: sudo freetoken-owner {args.verb} "
+            f"{args.duration or ''}".rstrip()
+            + f" (from Windows: wsl.exe -u root freetoken-owner {args.verb} {args.duration or ''})".rstrip(),
+            file=sys.stderr,
+        )
+        return 2
+    if args.verb == "snooze":
+        try:
+            seconds = owner.parse_duration(args.duration or "")
+        except ValueError as exc:
+            print(f"freetoken-owner snooze: {exc}", file=sys.stderr)
+            return 2
+        until = now + seconds
+        hostio.write_atomic(args.override_file, (json.dumps({"snooze_until": until, "set_at": now}) + "\n").encode())
+        print(f"snoozed until {time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(until))}: the engine leaves the GPU")
+        return 0
+    if args.verb == "resume":
+        try:
+            os.unlink(args.override_file)
+        except FileNotFoundError:
+            pass
+        print("resumed: the engine serves again once the GPU has been free for the quiet time")
+        return 0
+    state = owner.load_state(read_text(args.state_file) or "")
+    print(owner.describe(state, owner.load_snooze(read_text(args.override_file) or ""), now))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="owner_agent.py")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--unit", required=True)
+    s.add_argument("--engine-url", required=True)
+    s.add_argument("--key-file", required=True)
+    s.add_argument("--bind", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--vram-threshold-gb", type=float, required=True)
+    s.add_argument("--quiet-s", type=float, required=True)
+    s.add_argument("--drain-timeout-s", type=float, required=True)
+    s.add_argument("--interval-s", type=float, default=1.0)
+    s.add_argument("--state-file", required=True)
+    s.add_argument("--override-file", required=True)
+    o = sub.add_parser("owner")
+    o.add_argument("--state-file", required=True)
+    o.add_argument("--override-file", required=True)
+    o.add_argument("verb", choices=("snooze", "resume", "status"))
+    o.add_argument("duration", nargs="?")
+    args = p.parse_args(argv)
+    return serve(args) if args.command == "serve" else owner_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
