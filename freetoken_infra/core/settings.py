@@ -244,6 +244,8 @@ class Settings(BaseModel):
     """How long the health gate waits for `/health` ok."""
     host_lock_timeout_s: int = Field(600, ge=0, le=86400)
     """How long a run waits for another run's lock on the host before it stops that host."""
+    fast_check: bool = True
+    """A re-run on a host where nothing the last converge read has changed (files, packages, units, boot, the engine's `/health`; same settings and code) reads one record instead of every fact; false: every run reads every fact."""
     decode_floor_tps: float | None = Field(None, gt=0)
     """Lowest decode tokens/s the gate accepts (set per hardware class)."""
     guard_enabled: bool = True
