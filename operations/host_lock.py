@@ -38,7 +38,13 @@ from pyinfra.api.state import BaseStateCallback
 from facts import batch
 from facts.inputs import inputs_of_run
 from freetoken_infra.core.layout import CONVERGE_RECORD_FILE, HOST_LOCK_FILE, HOST_LOCK_MUTEX
-from freetoken_infra.core.pyinfra_internals import connection_lost, is_active, operations_ran, use_upload_dir
+from freetoken_infra.core.pyinfra_internals import (
+    changed_operations,
+    connection_lost,
+    is_active,
+    operations_ran,
+    use_upload_dir,
+)
 from freetoken_infra.core.redact import mask_text, redact_command
 
 SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
@@ -218,9 +224,14 @@ class HostLockKeeper(BaseStateCallback):
 def converge_record(state, host, fingerprint: str) -> tuple[str, dict] | None:
     """What the release writes as the host's converge record: the fingerprint and the inputs of
     every fact this run read (facts/inputs.py). None (the record stays removed, as the take left
-    it) unless the run executed its operations and the host is still in it, and every fact it
-    read has known inputs."""
-    if not operations_ran(state) or not is_active(state, host):
+    it) unless the run executed its operations, the host is still in it and none of them changed
+    anything, and every fact it read has known inputs.
+
+    Only a run that found nothing to do records: the facts it read are then exactly those the
+    next run reads on the same host (a run that changes something reads what it found before:
+    a check it skipped because an earlier one already failed is no input of its record). So the
+    run after a converge that changed something reads every fact once more and records."""
+    if not operations_ran(state) or not is_active(state, host) or changed_operations(state, host):
         return None
     read = batch.read_this_run(state, host)
     if not read:

@@ -425,6 +425,12 @@ def drift_round(fleet, drifts: list[Drift]) -> Round:
     # One drift at a time, each followed by the fast check's own reading of the record: a drift
     # it sees makes the reading differ from the one before it (the baseline: no change at all).
     last = fast_check_changes(fleet)  # after the last run (and round 1's restores by hand)
+    if isinstance(last, str):  # the last run changed something: the next one records
+        assert last == "no record of a converge", last
+        recorder = deploy("--limit", HOST)
+        assert recorder.returncode == 0 and grand_total(recorder)[1] == "-", results(recorder)
+        last = fast_check_changes(fleet)
+        assert last == {}, f"the record of a run that changed nothing does not stand: {last}"
     seen = {}
     for d in drifts:
         now = fast_check_changes(fleet, "set -x\n" + d.do)
@@ -450,11 +456,20 @@ def converged(sim_fleet) -> dict[str, str]:
     return probe(sim_fleet, DRIFTS)
 
 
+@dataclass
+class NoOp:
+    after_converge: dict[str, str] | str  # the record's reading after the converge (none yet)
+    recorder: subprocess.CompletedProcess  # the next run: reads every fact, changes nothing
+    after_recorder: dict[str, str] | str  # the record's reading right after it
+    fast: subprocess.CompletedProcess  # the run after it
+
+
 @pytest.fixture(scope="module")
-def no_op(sim_fleet, converged) -> tuple[subprocess.CompletedProcess, dict[str, str] | str]:
-    """The converge record as it reads right after the converge, then one more run."""
-    record = fast_check_changes(sim_fleet)
-    return deploy("--limit", HOST), record
+def no_op(sim_fleet, converged) -> NoOp:
+    after_converge = fast_check_changes(sim_fleet)
+    recorder = deploy("--limit", HOST)
+    after_recorder = fast_check_changes(sim_fleet)
+    return NoOp(after_converge, recorder, after_recorder, deploy("--limit", HOST))
 
 
 @pytest.fixture(scope="module")
@@ -514,12 +529,16 @@ def seen_params(drifts: list[Drift]) -> list:
 
 
 # --------------------------------------------------------------------------- the no-op run
-def test_the_converge_record_stands_right_after_the_converge(no_op):
-    assert no_op[1] == {}, f"inputs that moved on their own since the converge: {no_op[1]}"
+def test_a_run_that_changed_something_leaves_no_record_and_the_next_one_records(no_op):
+    assert no_op.after_converge == "no record of a converge"
+    out = no_op.recorder.stdout + no_op.recorder.stderr
+    assert f"[{HOST}] reading every fact: no record of a converge" in out, out[-5000:]
+    assert no_op.recorder.returncode == 0 and grand_total(no_op.recorder)[1] == "-", results(no_op.recorder)
+    assert no_op.after_recorder == {}, f"inputs that moved on their own since the run: {no_op.after_recorder}"
 
 
 def test_a_no_op_run_reads_only_the_converge_record_and_changes_nothing(no_op):
-    run = no_op[0]
+    run = no_op.fast
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-5000:]
     assert f"[{HOST}] unchanged since its last converge (" in out, out[-5000:]
