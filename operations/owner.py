@@ -24,12 +24,14 @@ from pyinfra.api import operation
 from pyinfra.facts.files import File
 from pyinfra.operations import systemd
 
-from freetoken_infra.core import hostio, owner
+from facts.windows import WINDOWS_SYSTEM32, WslConfFile, system32
+from freetoken_infra.core import hostio, owner, wsl_ini
 from freetoken_infra.core.layout import (
     AGENT_RUN_DIR_NAME,
     AGENT_SCRIPT,
     AGENT_STATE_FILE,
     AGENT_UNIT,
+    DEFAULT_DRIVE_ROOT,
     ENGINE_UNIT,
     HOSTIO_MODULE,
     OWNER_COMMAND,
@@ -56,7 +58,9 @@ def engine_url(settings: Settings) -> str:
     return f"http://{host}:{settings.listen_port}"
 
 
-def agent_unit(settings: Settings) -> str:
+def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32) -> str:
+    """The unit; ``system32``: ``C:\\Windows\\System32`` under the drive root the distro mounts
+    (the agent runs Windows' tasklist.exe, reg.exe and PowerShell from there, never from PATH)."""
     args = [
         "/usr/bin/python3",
         AGENT_SCRIPT,
@@ -83,7 +87,19 @@ def agent_unit(settings: Settings) -> str:
         AGENT_STATE_FILE,
         "--override-file",
         OWNER_OVERRIDE_FILE,
+        "--system32",
+        system32,
+        "--windows-interval-s",
+        str(settings.owner_windows_interval_s),
     ]
+    for app in settings.owner_apps:
+        args += ["--app", app]
+    if settings.owner_fullscreen:
+        args.append("--fullscreen")
+    if settings.owner_reboot_drain:
+        args.append("--reboot-drain")
+    if settings.serve_hours:
+        args += ["--serve-hours", settings.serve_hours]
     about = Section(
         "Unit",
         (
@@ -146,11 +162,13 @@ def agent(settings: Settings):
         if host.get_fact(File, path=UNIT_PATH):
             yield from systemd.service._inner(service=AGENT_UNIT, running=False, enabled=False)
         return
+    wslconf = host.get_fact(WslConfFile)
+    root = wsl_ini.drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
     changed = yield from managed.put(
         ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
         ManagedFile(OWNER_MODULE, local=owner.__file__),
         ManagedFile(AGENT_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
         ManagedFile(OWNER_COMMAND, text=owner_command(), mode="755"),
-        ManagedFile(UNIT_PATH, text=agent_unit(settings), unit=True),
+        ManagedFile(UNIT_PATH, text=agent_unit(settings, system32(root)), unit=True),
     )
     yield from managed.running(AGENT_UNIT, changed=bool(changed - {OWNER_COMMAND}))
