@@ -47,6 +47,7 @@ from operations.managed import ManagedFile
 
 _LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "owner_agent.py")
 UNIT_PATH = f"{UNIT_DIR}/{AGENT_UNIT}"
+REBOOT_LOOKS = 12
 
 
 def engine_url(settings: Settings) -> str:
@@ -91,6 +92,9 @@ def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32) -> str:
         system32,
         "--windows-interval-s",
         str(settings.owner_windows_interval_s),
+        # Windows Update's flags change rarely: read every 12th look (every minute by default).
+        "--reboot-interval-s",
+        str(REBOOT_LOOKS * settings.owner_windows_interval_s),
     ]
     for app in settings.owner_apps:
         args += ["--app", app]

@@ -194,7 +194,7 @@ def test_the_agent_unit_runs_the_uploaded_script_as_root_confined():
         "http://127.0.0.1:8000 --key-file /etc/freetoken/api-key.env --bind 0.0.0.0 --port 8020 "
         "--vram-threshold-gb 4 --quiet-s 5 --drain-timeout-s 10 "
         f"--state-file {AGENT_STATE_FILE} --override-file {OWNER_OVERRIDE_FILE} "
-        "--system32 /mnt/c/Windows/System32 --windows-interval-s 5 --reboot-drain\n"
+        "--system32 /mnt/c/Windows/System32 --windows-interval-s 5 --reboot-interval-s 60 --reboot-drain\n"
     ) in text
     # The owner's apps, full screen and hours, each one argument (systemd's quoting), moved drives.
     text = owner_op.agent_unit(
@@ -207,7 +207,7 @@ def test_the_agent_unit_runs_the_uploaded_script_as_root_confined():
         "/c/Windows/System32",
     )
     assert (
-        '--system32 /c/Windows/System32 --windows-interval-s 5 --app eldenring.exe --app "Among Us.exe" '
+        '--system32 /c/Windows/System32 --windows-interval-s 5 --reboot-interval-s 60 --app eldenring.exe --app "Among Us.exe" '
         '--fullscreen --serve-hours "Mon-Fri 18:00-08:00"\n'
     ) in text
     for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "RuntimeDirectory=freetoken-agent"):

@@ -534,3 +534,44 @@ def test_the_agent_check_port_under_attack_keeps_its_state_and_answers_only_its_
     after = owner.load_state(state_file.read_text())
     assert (after.mode, after.word, after.reason) == (before.mode, before.word, before.reason)
     assert proc.poll() is None
+
+
+# --------------------------------------------------------------------------- the fleet's stand-ins
+STANDINS = Path(__file__).resolve().parents[1] / "fleet" / "standins" / "bin"
+
+
+def test_the_windows_stand_ins_answer_in_the_real_formats(tmp_path):
+    """tasklist.exe, reg.exe and powershell.exe stand-ins (tests/fleet/standins/bin) read by the
+    agent's own parsers: a game started, a full-screen state and a pending reboot set through
+    the simulated C: drive's state files."""
+    env = {**os.environ, "FREETOKEN_SIM_DRIVE_C": str(tmp_path)}
+    state = tmp_path / ".sim"
+    state.mkdir()
+
+    def run(tool: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(STANDINS / tool), *args], capture_output=True, env=env, timeout=30, check=False)
+
+    listed = run("tasklist.exe", *owner.TASKLIST_ARGS)
+    names = owner.parse_tasklist(listed.stdout)
+    assert listed.returncode == 0 and names is not None and "system idle process" in names
+    assert owner.running_apps(names, POLICY.apps) == ()
+    (state / "windows-processes").write_text("eldenring.exe\n")
+    names = owner.parse_tasklist(run("tasklist.exe", *owner.TASKLIST_ARGS).stdout)
+    assert names is not None and owner.running_apps(names, POLICY.apps) == ("eldenring.exe",)
+    assert run("tasklist.exe", "/v").returncode == 1
+
+    for key in owner.REBOOT_KEYS:
+        done = run("reg.exe", "query", key)
+        assert owner.reboot_flag(key, done.returncode, done.stdout) is False
+    (state / "reboot-pending").write_text("RebootRequired\n")
+    done = run("reg.exe", "query", owner.REBOOT_KEYS[0])
+    assert owner.reboot_flag(owner.REBOOT_KEYS[0], done.returncode, done.stdout) is True
+    assert done.stdout == (REAL / "reg-query-rebootrequired.crlf").read_bytes()
+    done = run("reg.exe", "query", owner.REBOOT_KEYS[1])
+    assert owner.reboot_flag(owner.REBOOT_KEYS[1], done.returncode, done.stdout) is False
+
+    argv = ["-NoProfile", "-NonInteractive", "-Command", owner.NOTIFICATION_SCRIPT]
+    assert owner.parse_notification_state(run("powershell.exe", *argv).stdout) == 1
+    (state / "notification-state").write_text("3\n")
+    assert owner.parse_notification_state(run("powershell.exe", *argv).stdout) == 3
+    assert not (state / "calls.jsonl").exists()  # reads, not recorded: a no-op deploy calls no Windows tool
