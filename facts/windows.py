@@ -225,3 +225,59 @@ class WslConfFile(FactBase[IniFileInfo]):
 
     def process(self, output: list[str]) -> IniFileInfo:
         return parse_ini_output(self.path, output)
+
+
+# --------------------------------------------------------------------------- the owner's shortcuts
+
+
+@dataclass(frozen=True)
+class DesktopShortcuts:
+    """The owner's Desktop folder (a WSL path) and what its FreeToken shortcuts hold now."""
+
+    desktop_exists: bool
+    distro: str  # the distro's name as Windows knows it ("" when unknown); untrusted until checked
+    files: dict[str, bytes]  # file name -> bytes, for the names asked about that exist
+
+
+class OwnerShortcuts(FactBase[DesktopShortcuts]):
+    """
+    Returns ``DesktopShortcuts``: whether ``desktop`` is a folder, the distro's Windows name
+    (``$WSL_DISTRO_NAME``, else from ``wslpath -w /``, as ``WslDistroName``) and the bytes of
+    each of ``names`` there. One command, read only.
+
+    + desktop: the owner's Desktop as a WSL path (``/mnt/c/Users/dev/Desktop``)
+    + names: the shortcut file names (``FreeToken snooze 2h.cmd``)
+    """
+
+    def command(self, desktop: str, names: tuple[str, ...]) -> str:
+        d = quote(desktop)
+        parts = [
+            'N="$WSL_DISTRO_NAME"; if [ -z "$N" ]; then '
+            "N=$(wslpath -w / 2>/dev/null | sed -e 's#^\\\\\\\\[^\\\\]*\\\\##' -e 's#\\\\.*##'); fi; "
+            "printf '@@ft:distro %s\\n' \"$N\"",
+            f"if [ -d {d} ]; then echo '@@ft:desktop'; fi",
+        ]
+        for i, name in enumerate(names):
+            p = quote(f"{desktop}/{name}")
+            parts.append(f"if [ -f {p} ]; then echo '@@ft:file{i}'; head -c 65536 {p} | base64; fi")
+        self._names = names
+        return "; ".join(parts) + "; true"
+
+    @staticmethod
+    def default() -> DesktopShortcuts:
+        return DesktopShortcuts(False, "", {})
+
+    def process(self, output: list[str]) -> DesktopShortcuts:
+        return parse_shortcuts_output(output, getattr(self, "_names", ()))
+
+
+def parse_shortcuts_output(lines: list[str], names: tuple[str, ...]) -> DesktopShortcuts:
+    secs = section_map(lines)
+    files = {}
+    for i, name in enumerate(names):
+        if f"file{i}" in secs:
+            data = b64decode_lines(secs[f"file{i}"][1])
+            if data is not None:
+                files[name] = data
+    distro = secs.get("distro", ("", []))[0].strip()
+    return DesktopShortcuts("desktop" in secs, distro, files)

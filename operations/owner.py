@@ -16,15 +16,17 @@ read-only system, its one writable folder root's state folder, no new privileges
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import os
+import re
 
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.files import File
-from pyinfra.operations import systemd
+from pyinfra.operations import files, systemd
 
-from facts.windows import WINDOWS_SYSTEM32, WslConfFile, system32
+from facts.windows import WINDOWS_SYSTEM32, OwnerShortcuts, WindowsUserProfile, WslConfFile, system32
 from freetoken_infra.core import hostio, owner, wsl_ini
 from freetoken_infra.core.layout import (
     AGENT_RUN_DIR_NAME,
@@ -146,6 +148,60 @@ def owner_command() -> str:
     )
 
 
+# The owner's Desktop shortcuts (Windows batch files, CRLF): snooze and resume through wsl.exe
+# by its full path (a double-clicked .cmd runs in the Desktop folder, where cmd.exe would find a
+# planted wsl.exe first).
+SNOOZE_SHORTCUT = "FreeToken - leave the GPU to me for 2 h.cmd"
+RESUME_SHORTCUT = "FreeToken - serve again.cmd"
+SHORTCUTS = (SNOOZE_SHORTCUT, RESUME_SHORTCUT)
+# What WSL accepts as a distribution name (`wsl --import`): anything else never reaches a file
+# the owner runs.
+_DISTRO = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def shortcut_texts(distro: str) -> dict[str, bytes]:
+    """The two shortcuts for ``distro`` (a checked WSL distribution name)."""
+    if not _DISTRO.fullmatch(distro):
+        raise ValueError(f"not a WSL distribution name: {distro!r}")
+    wsl = f'"%SystemRoot%\\System32\\wsl.exe" -d {distro} -u root freetoken-owner'
+
+    def cmd(what: str, verb: str) -> bytes:
+        lines = [
+            "@echo off",
+            f"rem {managed_by('operations/owner.py')}",
+            f"rem FreeToken: {what}",
+            f"{wsl} {verb}",
+            "pause",
+        ]
+        return ("\r\n".join(lines) + "\r\n").encode("ascii")
+
+    return {
+        SNOOZE_SHORTCUT: cmd("the engine leaves the GPU for 2 hours (freetoken-owner snooze 2h)", "snooze 2h"),
+        RESUME_SHORTCUT: cmd("end the snooze, serve again once the GPU is free (freetoken-owner resume)", "resume"),
+    }
+
+
+def desktop_shortcuts(settings: Settings, root: str):
+    """Write the owner's two shortcuts on their Windows Desktop (``owner_shortcuts``): only when
+    the profile, the Desktop folder and a valid distro name are known, and only what differs."""
+    moved = {} if root == DEFAULT_DRIVE_ROOT else {"drive_root": root}
+    profile = host.get_fact(WindowsUserProfile, **moved)
+    if profile.path is None:
+        host.noop(f"no Windows user profile ({profile.error}): no Desktop shortcuts for the owner")
+        return
+    desktop = f"{profile.path}/Desktop"
+    seen = host.get_fact(OwnerShortcuts, desktop=desktop, names=SHORTCUTS)
+    if not seen.desktop_exists:
+        host.noop(f"{desktop} is not a folder (a Desktop moved to OneDrive?): no shortcuts written")
+        return
+    if not _DISTRO.fullmatch(seen.distro):
+        host.noop(f"the distro's Windows name is unknown or not a name ({seen.distro[:64]!r}): no shortcuts written")
+        return
+    for name, data in shortcut_texts(seen.distro).items():
+        if seen.files.get(name) != data:
+            yield from files.put._inner(src=io.BytesIO(data), dest=f"{desktop}/{name}")
+
+
 @operation()
 def agent(settings: Settings):
     """
@@ -176,3 +232,5 @@ def agent(settings: Settings):
         ManagedFile(UNIT_PATH, text=agent_unit(settings, system32(root)), unit=True),
     )
     yield from managed.running(AGENT_UNIT, changed=bool(changed - {OWNER_COMMAND}))
+    if settings.owner_shortcuts:
+        yield from desktop_shortcuts(settings, root)

@@ -270,6 +270,8 @@ class Settings(BaseModel):
     """A pending Windows reboot (Windows Update's RebootRequired / RebootPending keys) drains the host: no new work."""
     owner_windows_interval_s: int = Field(5, ge=1, le=300)
     """Seconds between the agent's looks at Windows (apps, full screen); each interop start costs about half a second."""
+    owner_shortcuts: bool = True
+    """Put two shortcuts on the owner's Windows Desktop: `freetoken-owner snooze 2h` and `resume` through `wsl.exe -u root`."""
     serve_hours: str | None = None
     """When the host serves, local time: `Mon-Fri 18:00-08:00`, `22:00-07:00`, several joined by `;`; outside them it drains and stops the engine. Unset: always."""
     node_exporter_enabled: bool = True

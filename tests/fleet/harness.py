@@ -752,6 +752,7 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     _link(root / "usr/bin/wslpath", "/.sim/bin/wslpath")
     user_dir = root / "mnt/c/Users" / profile.windows_user
     _write(user_dir / ".wslconfig", WSLCONFIG)
+    (user_dir / "Desktop").mkdir(parents=True, exist_ok=True)  # where the owner's shortcuts go
     (root / "mnt/c/.sim").mkdir(parents=True, exist_ok=True)
 
     # GPU (STAND-INs): WSL's driver library directory, nvidia-smi, libcuda, /dev/dxg.

@@ -232,3 +232,13 @@ def test_a_pending_windows_reboot_drains_ws1_and_leaves_its_engine(gateway):
     assert active, "the engine was stopped for a pending reboot (it should only stop taking work)"
     assert "state:   held" in status and "fleet status shows: reboot pending" in status, status
     assert back is not None, "ws1 did not come back once the reboot was no longer pending"
+
+
+def test_the_owner_finds_snooze_and_resume_shortcuts_on_the_windows_desktop(gateway):
+    fleet = gateway
+    desktop = f"/mnt/c/Users/{PROFILES['ws1'].windows_user}/Desktop"
+    snooze = fleet.run("ws1", f"cat '{desktop}/FreeToken - leave the GPU to me for 2 h.cmd'", check=True).stdout
+    resume = fleet.run("ws1", f"cat '{desktop}/FreeToken - serve again.cmd'", check=True).stdout
+    print(f"\nthe snooze shortcut:\n{snooze}")
+    assert '"%SystemRoot%\\System32\\wsl.exe" -d Ubuntu-24.04 -u root freetoken-owner snooze 2h\r\n' in snooze
+    assert "-u root freetoken-owner resume\r\n" in resume

@@ -575,3 +575,32 @@ def test_the_windows_stand_ins_answer_in_the_real_formats(tmp_path):
     (state / "notification-state").write_text("3\n")
     assert owner.parse_notification_state(run("powershell.exe", *argv).stdout) == 3
     assert not (state / "calls.jsonl").exists()  # reads, not recorded: a no-op deploy calls no Windows tool
+
+
+# --------------------------------------------------------------------------- the owner's shortcuts
+def test_the_desktop_shortcuts_call_wsl_by_its_full_path_for_a_checked_distro():
+    from operations import owner as owner_op
+
+    texts = owner_op.shortcut_texts("Ubuntu-24.04")
+    snooze, resume = texts[owner_op.SNOOZE_SHORTCUT], texts[owner_op.RESUME_SHORTCUT]
+    assert snooze.endswith(
+        b'"%SystemRoot%\\System32\\wsl.exe" -d Ubuntu-24.04 -u root freetoken-owner snooze 2h\r\npause\r\n'
+    )
+    assert b'wsl.exe" -d Ubuntu-24.04 -u root freetoken-owner resume\r\n' in resume
+    assert snooze.startswith(b"@echo off\r\n") and b"\n" not in snooze.replace(b"\r\n", b"")  # CRLF only
+    # the distro's name is read from the host: a batch metacharacter never reaches the file
+    for bad in ("Ubuntu & calc.exe", "Ubuntu\r\ncalc", "x|y", "%PATH%", "", "a" * 65):
+        with pytest.raises(ValueError):
+            owner_op.shortcut_texts(bad)
+
+
+def test_the_shortcuts_fact_reads_the_desktop_the_distro_and_the_files():
+    from facts.windows import OwnerShortcuts, parse_shortcuts_output
+
+    names = ("a.cmd", "b.cmd")
+    command = OwnerShortcuts().command("/mnt/c/Users/dev user/Desktop", names)
+    assert "'/mnt/c/Users/dev user/Desktop/a.cmd'" in command  # quoted for sh
+    out = ["@@ft:distro Ubuntu-24.04", "@@ft:desktop", "@@ft:file1", "QA0K"]
+    seen = parse_shortcuts_output(out, names)
+    assert (seen.desktop_exists, seen.distro, seen.files) == (True, "Ubuntu-24.04", {"b.cmd": b"@\r\n"})
+    assert parse_shortcuts_output(["@@ft:distro "], names).desktop_exists is False
