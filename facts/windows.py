@@ -239,17 +239,23 @@ class DesktopShortcuts:
     files: dict[str, bytes]  # file name -> bytes, for the names asked about that exist
 
 
+# The owner's Desktop shortcuts (operations/owner.py writes them).
+SNOOZE_SHORTCUT = "FreeToken - leave the GPU to me for 2 h.cmd"
+RESUME_SHORTCUT = "FreeToken - serve again.cmd"
+OWNER_SHORTCUTS = (SNOOZE_SHORTCUT, RESUME_SHORTCUT)
+
+
 class OwnerShortcuts(FactBase[DesktopShortcuts]):
     """
-    Returns ``DesktopShortcuts``: whether ``desktop`` is a folder, the distro's Windows name
+    Returns ``DesktopShortcuts``: whether ``path`` is a folder, the distro's Windows name
     (``$WSL_DISTRO_NAME``, else from ``wslpath -w /``, as ``WslDistroName``) and the bytes of
-    each of ``names`` there. One command, read only.
+    each of ``OWNER_SHORTCUTS`` there. One command, read only.
 
-    + desktop: the owner's Desktop as a WSL path (``/mnt/c/Users/dev/Desktop``)
-    + names: the shortcut file names (``FreeToken snooze 2h.cmd``)
+    + path: the owner's Desktop as a WSL path (``/mnt/c/Users/dev/Desktop``)
     """
 
-    def command(self, desktop: str, names: tuple[str, ...]) -> str:
+    def command(self, path: str) -> str:
+        desktop, names = path, OWNER_SHORTCUTS
         d = quote(desktop)
         parts = [
             'N="$WSL_DISTRO_NAME"; if [ -z "$N" ]; then '
@@ -260,7 +266,6 @@ class OwnerShortcuts(FactBase[DesktopShortcuts]):
         for i, name in enumerate(names):
             p = quote(f"{desktop}/{name}")
             parts.append(f"if [ -f {p} ]; then echo '@@ft:file{i}'; head -c 65536 {p} | base64; fi")
-        self._names = names
         return "; ".join(parts) + "; true"
 
     @staticmethod
@@ -268,10 +273,10 @@ class OwnerShortcuts(FactBase[DesktopShortcuts]):
         return DesktopShortcuts(False, "", {})
 
     def process(self, output: list[str]) -> DesktopShortcuts:
-        return parse_shortcuts_output(output, getattr(self, "_names", ()))
+        return parse_shortcuts_output(output)
 
 
-def parse_shortcuts_output(lines: list[str], names: tuple[str, ...]) -> DesktopShortcuts:
+def parse_shortcuts_output(lines: list[str], names: tuple[str, ...] = OWNER_SHORTCUTS) -> DesktopShortcuts:
     secs = section_map(lines)
     files = {}
     for i, name in enumerate(names):

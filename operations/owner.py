@@ -26,7 +26,15 @@ from pyinfra.api import operation
 from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
 
-from facts.windows import WINDOWS_SYSTEM32, OwnerShortcuts, WindowsUserProfile, WslConfFile, system32
+from facts.windows import (
+    RESUME_SHORTCUT,
+    SNOOZE_SHORTCUT,
+    WINDOWS_SYSTEM32,
+    OwnerShortcuts,
+    WindowsUserProfile,
+    WslConfFile,
+    system32,
+)
 from freetoken_infra.core import hostio, owner, wsl_ini
 from freetoken_infra.core.layout import (
     AGENT_RUN_DIR_NAME,
@@ -151,9 +159,6 @@ def owner_command() -> str:
 # The owner's Desktop shortcuts (Windows batch files, CRLF): snooze and resume through wsl.exe
 # by its full path (a double-clicked .cmd runs in the Desktop folder, where cmd.exe would find a
 # planted wsl.exe first).
-SNOOZE_SHORTCUT = "FreeToken - leave the GPU to me for 2 h.cmd"
-RESUME_SHORTCUT = "FreeToken - serve again.cmd"
-SHORTCUTS = (SNOOZE_SHORTCUT, RESUME_SHORTCUT)
 # What WSL accepts as a distribution name (`wsl --import`): anything else never reaches a file
 # the owner runs.
 _DISTRO = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -190,7 +195,7 @@ def desktop_shortcuts(settings: Settings, root: str):
         host.noop(f"no Windows user profile ({profile.error}): no Desktop shortcuts for the owner")
         return
     desktop = f"{profile.path}/Desktop"
-    seen = host.get_fact(OwnerShortcuts, desktop=desktop, names=SHORTCUTS)
+    seen = host.get_fact(OwnerShortcuts, path=desktop)
     if not seen.desktop_exists:
         host.noop(f"{desktop} is not a folder (a Desktop moved to OneDrive?): no shortcuts written")
         return
