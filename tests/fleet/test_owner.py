@@ -235,10 +235,25 @@ def test_a_pending_windows_reboot_drains_ws1_and_leaves_its_engine(gateway):
 
 
 def test_the_owner_finds_snooze_and_resume_shortcuts_on_the_windows_desktop(gateway):
+    import base64
+
+    from facts.windows import RESUME_SHORTCUT, SNOOZE_SHORTCUT
+
     fleet = gateway
     desktop = f"/mnt/c/Users/{PROFILES['ws1'].windows_user}/Desktop"
-    snooze = fleet.run("ws1", f"cat '{desktop}/FreeToken - leave the GPU to me for 2 h.cmd'", check=True).stdout
-    resume = fleet.run("ws1", f"cat '{desktop}/FreeToken - serve again.cmd'", check=True).stdout
-    print(f"\nthe snooze shortcut:\n{snooze}")
-    assert '"%SystemRoot%\\System32\\wsl.exe" -d Ubuntu-24.04 -u root freetoken-owner snooze 2h\r\n' in snooze
-    assert "-u root freetoken-owner resume\r\n" in resume
+
+    def read(name: str) -> bytes:  # the bytes (CRLF), not text
+        return base64.b64decode(fleet.run("ws1", f"base64 -w0 '{desktop}/{name}'", check=True).stdout)
+
+    snooze, resume = read(SNOOZE_SHORTCUT), read(RESUME_SHORTCUT)
+    print(f"\nthe snooze shortcut:\n{snooze!r}")
+    assert b'"%SystemRoot%\\System32\\wsl.exe" -d Ubuntu-24.04 -u root freetoken-owner snooze 2h\r\n' in snooze
+    assert b"-u root freetoken-owner resume\r\n" in resume
+    # the line the shortcut runs, given to the distro as wsl.exe would: the snooze takes effect
+    line = next(x for x in snooze.decode().split("\r\n") if "wsl.exe" in x)
+    command = line.split(" -u root ", 1)[1]
+    try:
+        fleet.run("ws1", command, check=True)
+        assert "snoozed by the owner" in fleet.run("ws1", "freetoken-owner status", check=True).stdout
+    finally:
+        fleet.run("ws1", "freetoken-owner resume")
