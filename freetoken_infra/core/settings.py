@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from freetoken_infra.core import redact
+from freetoken_infra.core import owner, redact
 from freetoken_infra.core.hardware import HARDWARE_PROFILES
 
 if TYPE_CHECKING:
@@ -264,6 +264,18 @@ class Settings(BaseModel):
     """Seconds the owner's claim must have been gone before the engine starts again."""
     owner_drain_timeout_s: float = Field(10.0, ge=0, le=10)
     """How long a yield lets running streams finish (FreeToken's prepare-stop; at most its own 10 s)."""
+    owner_apps: list[str] = Field(default_factory=list, max_length=64)
+    """Windows image names (e.g. `eldenring.exe`): while one runs on Windows (`tasklist.exe`, through interop) the host yields."""
+    owner_fullscreen: bool = False
+    """A full-screen app on Windows (shell32's notification state: busy, Direct3D full screen, presentation) makes the host yield."""
+    owner_reboot_drain: bool = True
+    """A pending Windows reboot (Windows Update's RebootRequired / RebootPending keys) drains the host: no new work."""
+    owner_windows_interval_s: int = Field(5, ge=1, le=300)
+    """Seconds between the agent's looks at Windows (apps, full screen); each interop start costs about half a second."""
+    owner_shortcuts: bool = True
+    """Put two shortcuts on the owner's Windows Desktop: `freetoken-owner snooze 2h` and `resume` through `wsl.exe -u root`."""
+    serve_hours: str | None = None
+    """When the host serves, local time: `Mon-Fri 18:00-08:00`, `22:00-07:00`, several joined by `;`; outside them it drains and stops the engine. Unset: always."""
     node_exporter_enabled: bool = True
     """Install Debian's prometheus-node-exporter, its textfile collector reading the guard's samples."""
     node_exporter_port: int = Field(9100, ge=1, le=65535)
@@ -302,6 +314,24 @@ class Settings(BaseModel):
     """Requests without X-Session-Id keep a host by the first N bytes of their body (model, system prompt), like a session; 0: off."""
 
     # --- validators ---------------------------------------------------------------
+    @field_validator("owner_apps")
+    @classmethod
+    def _owner_apps(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not owner.app_name_ok(name):
+                raise ValueError(
+                    f"{name!r} is not a Windows image name: a file name ending in .exe (letters, digits, "
+                    "space, . _ + ( ) & ' -; no path), e.g. eldenring.exe"
+                )
+        return v
+
+    @field_validator("serve_hours")
+    @classmethod
+    def _serve_hours(cls, v: str | None) -> str | None:
+        if v is not None:
+            owner.parse_hours(v)  # its ValueError names the part and the syntax
+        return v
+
     @field_validator("engine_version")
     @classmethod
     def _engine_version(cls, v: str) -> str:
