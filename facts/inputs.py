@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from facts.ownership import components
+from facts.windows import OWNER_SHORTCUTS
 
 DPKG_STATUS = "/var/lib/dpkg/status"
 ACCOUNT_FILES = ("/etc/passwd", "/etc/group", "/etc/shadow")
@@ -146,6 +147,13 @@ def _one_path(name: str):
     return inputs
 
 
+def _shortcuts(kwargs: dict[str, Any]) -> Inputs | None:
+    desktop = _path_arg(kwargs, "path")
+    if desktop is None:
+        return None
+    return Inputs(paths={desktop, *(f"{desktop}/{name}" for name in OWNER_SHORTCUTS)})
+
+
 def _one_dir(kwargs: dict[str, Any]) -> Inputs | None:
     path = _path_arg(kwargs, "path")
     return None if path is None else Inputs(dirs={path})
@@ -186,6 +194,8 @@ _BY_ARGUMENTS = {
     "facts.ownership:DirOwnership": _ownership,
     "facts.restart:RestartPending": _restart,
     "facts.windows:WslConfigFile": _one_path("path"),
+    # The Desktop and its two shortcuts; the distro's name changes only with a boot.
+    "facts.windows:OwnerShortcuts": _shortcuts,
     "pyinfra.facts.files:File": _one_path("path"),
     "pyinfra.facts.files:Directory": _one_dir,
     "pyinfra.facts.files:Link": _one_path("path"),
