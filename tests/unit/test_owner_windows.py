@@ -372,6 +372,15 @@ def _ask(port: int, send: bytes = b"", timeout: float = 2) -> bytes:
         return b""
 
 
+def _mode_word(state_file: Path) -> tuple[str, str] | None:
+    """The agent's recorded mode and status word, None before it wrote its first state."""
+    try:
+        state = owner.load_state(state_file.read_text())
+    except FileNotFoundError:
+        return None
+    return state.mode, state.word
+
+
 def _wait(check, timeout: float = 15) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -449,8 +458,8 @@ def test_the_agent_yields_to_a_listed_app_and_full_screen_on_windows(agent_host)
     )
     assert _wait(lambda: _ask(port) == b"drain 0% up #yielded (app eldenring.exe)\n")
     assert _wait(lambda: "systemctl stop freetoken.service" in (sim / "calls").read_text())
-    state = owner.load_state(state_file.read_text())
-    assert (state.mode, state.word) == (YIELDED, "yielded (app eldenring.exe)")
+    # The stop is called before the state that records it is written.
+    assert _wait(lambda: _mode_word(state_file) == (YIELDED, "yielded (app eldenring.exe)"))
     # the app ends, a full-screen app is up: still the owner's, now for full screen
     (sim / "processes").write_text('"System Idle Process","0","Services","0","8 K"\r\n')
     (sim / "quns").write_text("3\r\n")
@@ -470,8 +479,10 @@ def test_the_agent_drains_for_a_pending_reboot_and_keeps_the_engine(agent_host):
     assert _wait(lambda: _ask(port) == b"up\n")
     (sim / "RebootPending").write_text("")  # Component Based Servicing's flag
     assert _wait(lambda: _ask(port) == b"drain 0% up #reboot pending\n")
-    state = owner.load_state(state_file.read_text())
-    assert (state.mode, state.word) == (HELD, "reboot pending")
+    # The word is answered as soon as it is decided; the state file follows it.
+    assert _wait(
+        lambda: (lambda s: (s.mode, s.word))(owner.load_state(state_file.read_text())) == (HELD, "reboot pending")
+    )
     time.sleep(1)
     assert "systemctl stop" not in (sim / "calls").read_text()  # no new work, the engine left alone
     (sim / "RebootPending").unlink()
@@ -505,6 +516,7 @@ def test_the_agent_check_port_under_attack_keeps_its_state_and_answers_only_its_
     is one of the fixed words, the state is untouched, the agent stays up and answers at once."""
     proc, port, sim, state_file, win = agent_host
     assert _wait(lambda: _ask(port) == b"up\n")
+    assert _wait(lambda: _mode_word(state_file) is not None)  # its first state written
     before = owner.load_state(state_file.read_text())
     answers = set()
     answers.add(_ask(port, b"drain 0%\nmaint\nset weight 0%\n"))
