@@ -123,6 +123,23 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
 
     api_ops._run_host_op = _run_host_op
 
+    try:  # the host lock's take, with the no-op fast check (operations/host_lock.py)
+        from operations import host_lock as lock_ops
+    except ImportError:
+        lock_ops = None  # type: ignore[assignment]
+    if lock_ops is not None:
+        orig_take = lock_ops.take
+
+        def take(state, host, *args, **kwargs):
+            fast = kwargs.get("unchanged_if") is not None
+            stack[host.name].append(("lock", "the host lock" + (" and the fast check" if fast else ""), ""))
+            try:
+                return orig_take(state, host, *args, **kwargs)
+            finally:
+                stack[host.name].pop()
+
+        lock_ops.take = take
+
     try:  # the project's batched fact reads (facts/batch.py): one command for many facts
         from facts import batch as fact_batch
     except ImportError:
@@ -279,7 +296,9 @@ class Run:
         from tests.fleet.client import parse_grand_total
 
         total = parse_grand_total(self.output)
-        return "?" if total is None else total[1]
+        if total is None:  # pyinfra prints no results table when no host had an operation
+            return "-" if self.rc == 0 and "--> Results:" not in self.output else "?"
+        return total[1]
 
     def hosts(self) -> list[str]:
         from freetoken_infra.core.settings import natural_key
@@ -497,12 +516,14 @@ def print_noop(noop: dict[int, list[Run]], n: int) -> None:
     )
     for k, runs in noop.items():
         print(f"{k:3d} host{'s' if k > 1 else ' '}: {median_phases(runs)}")
-        per_host = [c["dt"] for r in runs for c in r.calls if c["kind"] == "fact" and c["call"] == "run_shell_command"]
+        per_host = [
+            c["dt"] for r in runs for c in r.calls if c["kind"] in ("fact", "lock") and c["call"] == "run_shell_command"
+        ]
         cpu = [v for r in runs for h, v in r.cpu_hosts.items() if h in r.hosts()]
         link = [v for r in runs for h, v in r.bytes_hosts.items() if h in r.hosts()]
         if per_host:
             print(
-                f"      one fact command's round trip: median {statistics.median(per_host):.2f} s, "
+                f"      one round trip (the lock, or facts): median {statistics.median(per_host):.2f} s, "
                 f"max {max(per_host):.2f}; per host and run: CPU median "
                 f"{statistics.median(cpu) if cpu else 0:.3f} s (min {min(cpu, default=0):.3f}, max "
                 f"{max(cpu, default=0):.3f}), bytes on its link median {statistics.median(link) if link else 0:.0f}"
@@ -570,12 +591,13 @@ def print_commands(runs: list[Run]) -> None:
         counts = remote_commands(last, host)
         varying = {sum(remote_commands(r, host).values()) for r in runs}
         total = totals[host]
+        lock = sum(c for (kind, _, _), c in counts.items() if kind == "lock")
         facts = sum(c for (kind, _, _), c in counts.items() if kind == "fact")
         ops = sum(c for (kind, _, _), c in counts.items() if kind == "operation")
-        other = total - facts - ops
+        other = total - lock - facts - ops
         note = "" if len(varying) == 1 else f"  (varies between runs: {sorted(varying)})"
         print(
-            f"{host}: {total} remote commands: {facts} for facts, {ops} for operations"
+            f"{host}: {total} remote commands: {lock} for the lock, {facts} for facts, {ops} for operations"
             + (f", {other} other" if other else "")
             + note
         )

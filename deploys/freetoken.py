@@ -63,6 +63,16 @@ def lock_then_facts(command: str, script: str, elevation: Mapping[str, Any]) -> 
     return batch.prefetch(state, host, first=(command, script))
 
 
+def lock_alone(command: str, script: str, elevation: Mapping[str, Any]) -> tuple[bool, list[str]]:
+    """The fast check's round trip when the host's last run left a record: the lock's command
+    alone. When the record stands no fact is read; when it does not, the facts follow in one more
+    round trip."""
+    if elevation.get("_sudo"):
+        host.data._sudo = True
+    ok, output = host.run_shell_command(command, _stdin=script, print_output=False, print_input=False, **elevation)
+    return ok, list(output.output_lines)
+
+
 def wait_for_restart(message: str) -> None:
     def stop():
         raise OperationError(message)
@@ -77,16 +87,21 @@ def wait_for_restart(message: str) -> None:
 # fact is read and nothing is taken.
 host_settings = fleet_settings(state)[host.name]
 fingerprint = fingerprint_of(state, host) if fast_check(host_settings) else None
+# The facts ride along with the lock unless the host's last run left a record (then the check
+# most likely answers alone, and they would only cost their text on the wire and in its shell).
+alone = fingerprint is not None and batch.expects_record(host)
 taken = host_lock.take(
     state,
     host,
     host_settings.host_lock_timeout_s,
     {"_sudo": True} if host.data.get("_sudo") else {},
-    run=lock_then_facts,
+    run=lock_alone if alone else lock_then_facts,
     unchanged_if=fingerprint,
 )
 unchanged = taken.inputs if isinstance(taken, host_lock.Unchanged) else None
 lock_refused = taken if isinstance(taken, str) else None
+if taken is None and alone:
+    batch.prefetch(state, host)  # the lock is held: every fact the last run read, in one command
 # The host's preflight record (the settings and everything this deploy knows of the host), what
 # else the plan reads, and every decision of this run (freetoken_infra/plan.py).
 pre = None if lock_refused or unchanged is not None else run_preflight(state, host, stop_blocked=False)[0]

@@ -487,6 +487,25 @@ def learned_path(host) -> Path:
     return base / "freetoken-infra" / "fact-requests" / f"{name}.json"
 
 
+def expects_record(host) -> bool:
+    """Whether this host's last run on this controller left a converge record (written at its
+    release, operations/host_lock.py), so that this run's fast check will likely answer alone.
+    A hint only, for how the first round trip is shaped: the host decides."""
+    return learned_path(host).with_suffix(".recorded").exists()
+
+
+def set_expects_record(host, recorded: bool) -> None:
+    hint = learned_path(host).with_suffix(".recorded")
+    try:
+        if recorded:
+            hint.parent.mkdir(parents=True, exist_ok=True)
+            hint.touch()
+        else:
+            hint.unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only home only costs the next run the facts riding along with its lock
+
+
 def _load_learned(path: Path) -> list[dict]:
     try:
         doc = json.loads(path.read_text())

@@ -212,13 +212,16 @@ class HostLockKeeper(BaseStateCallback):
             return
         record = converge_record(state, host, fingerprint) if fingerprint else None
         try:
-            host.run_shell_command(
+            _, output = host.run_shell_command(
                 lock_command("release", token=token, upload_dir=upload_dir, record=record),
                 _stdin=SCRIPT_SOURCE.read_text(),
                 **self.elevation.get(host.name, {}),
             )
         except Exception:  # best effort: the holder's session ends with the run, which frees it
-            pass
+            return
+        if fingerprint:
+            recorded = (_last_json(output.stdout_lines) or {}).get("recorded")
+            batch.set_expects_record(host, isinstance(recorded, int))
 
 
 def converge_record(state, host, fingerprint: str) -> tuple[str, dict] | None:
@@ -292,6 +295,7 @@ def take(
         ok, lines = result if result is not None else (False, [])
         doc = _last_json(lines) or {}
         if doc.get("unchanged") is True and isinstance(doc.get("inputs"), int):
+            batch.set_expects_record(host, True)
             return Unchanged(doc["inputs"])
         if ok and doc.get("taken"):
             if unchanged_if is not None and isinstance(doc.get("fast_check"), str):

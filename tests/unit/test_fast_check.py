@@ -183,6 +183,39 @@ def test_the_engines_health_counts_by_status_version_and_model_only(tmp_path):
         _Health.body = {"status": "ok", "version": "0.2.1", "model": "m", "uptime_s": 1}
 
 
+def test_an_engine_that_drips_its_health_answer_holds_the_check_at_most_its_timeout(tmp_path):
+    """The engine's user runs what answers /health: an answer sent a byte at a time must not hold
+    the lock's mutex (every run on the host waits for it) longer than HEALTH_TIMEOUT_S."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip():
+        conn, _ = listener.accept()
+        conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n")
+        while not stop.is_set():
+            try:
+                conn.sendall(b" ")
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=drip, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/health"
+        assert take(tmp_path)[0] == 0
+        started = time.monotonic()
+        rc, doc = release(tmp_path, {"health": [url]})
+        assert rc == 0 and doc["recorded"] == 2
+        assert time.monotonic() - started < 5
+        record = json.loads((tmp_path / "converged.json").read_text())
+        assert record["digest"][f"health {url}"] == "unreachable TimeoutError"
+    finally:
+        stop.set()
+        listener.close()
+
+
 # --------------------------------------------------------------------------- facts/inputs.py
 def _fact_classes() -> set[str]:
     found = set()
