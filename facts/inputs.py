@@ -151,7 +151,8 @@ def _shortcuts(kwargs: dict[str, Any]) -> Inputs | None:
     desktop = _path_arg(kwargs, "path")
     if desktop is None:
         return None
-    return Inputs(paths={desktop, *(f"{desktop}/{name}" for name in OWNER_SHORTCUTS)})
+    # The Desktop's own times move with every file the owner saves there: its owner and mode only.
+    return Inputs(dirs={desktop}, paths={f"{desktop}/{name}" for name in OWNER_SHORTCUTS})
 
 
 def _one_dir(kwargs: dict[str, Any]) -> Inputs | None:

@@ -52,11 +52,9 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 
 HELD = 3
@@ -84,6 +82,8 @@ def make_upload_dir() -> str | None:
         return None
     # mkdtemp: a new name, made with O_EXCL semantics and mode 0700; in the sticky /tmp nobody
     # but root can rename or remove it before it is handed to the SSH user.
+    import tempfile  # here, not at the top: a no-op run's fast check needs none of it
+
     path = tempfile.mkdtemp(prefix=os.path.basename(UPLOAD_PREFIX), dir=os.path.dirname(UPLOAD_PREFIX))
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -96,6 +96,8 @@ def make_upload_dir() -> str | None:
 
 def remove_upload_dir(path: str | None) -> None:
     if path and UPLOAD_DIR_RE.fullmatch(path) and os.path.isdir(path) and not os.path.islink(path):
+        import shutil
+
         shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: follows no link inside
 
 
