@@ -32,6 +32,7 @@ from facts import batch
 from freetoken_infra import plan as converge
 from freetoken_infra.core import records
 from freetoken_infra.core.layout import ENGINE_UNIT
+from freetoken_infra.core.pyinfra_internals import connection_lost
 from freetoken_infra.preflight import fast_check, fleet_settings, gather, run_preflight, stop_host
 from freetoken_infra.preflight import fingerprint as fingerprint_of
 from operations import (
@@ -102,6 +103,8 @@ unchanged = taken.inputs if isinstance(taken, host_lock.Unchanged) else None
 lock_refused = taken if isinstance(taken, str) else None
 if taken is None and alone:
     batch.prefetch(state, host)  # the lock is held: every fact the last run read, in one command
+    if connection_lost(host):  # as when it drops in the lock's own round trip: one line, re-run
+        lock_refused = "connection lost"
 # The host's preflight record (the settings and everything this deploy knows of the host), what
 # else the plan reads, and every decision of this run (freetoken_infra/plan.py).
 pre = None if lock_refused or unchanged is not None else run_preflight(state, host, stop_blocked=False)[0]
