@@ -175,8 +175,15 @@ if plan.converge is not None:
 
     key_op = service.api_key(name="Service: API key (0600)", settings=settings)
     unit_op = service.unit(name=f"Service: {ENGINE_UNIT} and its environment", settings=settings, plan=c.launch)
-    # The restart and the gate run when something changed, or always when the plan says why.
-    run_if = c.gate.run_if(any_changed(env_op, model_op, key_op, unit_op))
+    # The restart and the gate run when something changed, or always when the plan says why;
+    # never while the host agent keeps the engine stopped for its owner (it starts it again).
+    run_if = [lambda: False] if c.owner_holds else c.gate.run_if(any_changed(env_op, model_op, key_op, unit_op))
+    if c.owner_holds:
+        click.echo(
+            f"    [{host.name}] the engine stays stopped: {c.owner_holds} (the host agent starts it when "
+            "its owner is done); no restart, no gate",
+            err=True,
+        )
 
     guard.clear_guard_state(name="Guard: clear a tripped state", settings=settings)
     # Before the engine (re)starts on its address: its port and node_exporter's from the gateway
@@ -187,7 +194,13 @@ if plan.converge is not None:
         gateways=c.gateways,
         present=c.firewall_present,
     )
-    systemd.service(name="Service: enabled and running", service=ENGINE_UNIT, running=True, enabled=True)
+    systemd.service(
+        name="Service: enabled and running",
+        service=ENGINE_UNIT,
+        running=True,
+        enabled=True,
+        _if=[lambda: not c.owner_holds],
+    )
     if c.restart_if_running:
         systemd.service(
             name="Service: restart (unit, environment, key, model or engine changed, or not gated as it is)",

@@ -60,6 +60,7 @@ class EngineSeen:
     running: bool  # the engine's unit was running before this run
     manifest_sha256: str | None = None  # the model manifest's hash (None: none)
     distro: str = ""  # the WSL distro's name (read when windows_autostart is set)
+    owner: str | None = None  # the host agent stopped the engine for its owner: why (None: it did not)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class Converge:
     firewall_present: bool
     gateways: tuple[Address, ...]
     node_exporter_bind: str
+    owner_holds: str | None = None  # the host agent yielded the GPU to its owner: the engine is left
+    # stopped, not started, restarted or gated (the agent starts it when the owner is done); why
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,7 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
             model=model,
             gate=GatePlan(subject, why, rollback_target(obs.engine, settings, obs.gate_record)),
             restart_if_running=engine.running,
+            owner_holds=engine.owner if not engine.running else None,
             firewall_present=firewall,
             gateways=tuple(gateways),
             node_exporter_bind=exporter_bind,

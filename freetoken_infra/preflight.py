@@ -34,8 +34,16 @@ from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, W
 from facts.windows_tasks import WslDistroName
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import plan, rules
+from freetoken_infra.core import owner
 from freetoken_infra.core.gate_record import GateRecordError, GateResult
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, WSL_CONF, WSLCONFIG_NAME, HostLayout
+from freetoken_infra.core.layout import (
+    AGENT_STATE_FILE,
+    DEFAULT_DRIVE_ROOT,
+    ENGINE_UNIT,
+    WSL_CONF,
+    WSLCONFIG_NAME,
+    HostLayout,
+)
 from freetoken_infra.core.pyinfra_internals import connection_lost, reached_host_names
 from freetoken_infra.core.records import RECORD_ENV, RunRecords
 from freetoken_infra.core.settings import Settings, SettingsError, controller_key, validate_inventory
@@ -284,6 +292,16 @@ def fleet_of(inventory) -> dict[str, plan.FleetHost]:
     return {h.name: plan.FleetHost(h.name, h.data.get("ssh_hostname"), tuple(h.groups)) for h in inventory}
 
 
+def owner_hold(text: str | None) -> str | None:
+    """Why the host agent keeps the engine stopped for the owner (its state file, root's, checked
+    field by field by ``owner.load_state``), None when it does not: only an engine the agent
+    stopped itself and has not started again."""
+    state = owner.load_state(text or "")
+    if state.mode != owner.YIELDED or not state.stopped:
+        return None
+    return state.word or printable(state.reason)[:200] or "yielded to the owner"
+
+
 def gather(
     state, host, lock_refused: str | None, pre: rules.HostPreflight | None, unchanged: int | None = None
 ) -> plan.Seen | plan.LockRefused | plan.Unchanged:
@@ -308,6 +326,9 @@ def gather(
         running=running,
         manifest_sha256=host.get_fact(Sha256File, path=manifest) if plan.gate_may_skip(pre, running) else None,
         distro=host.get_fact(WslDistroName) if pre.settings.windows_autostart else "",
+        owner=None
+        if running or not pre.settings.agent_enabled
+        else owner_hold(host.get_fact(FileText, path=AGENT_STATE_FILE)),
     )
     return plan.Seen(host.name, pre, fleet, files, engine)
 

@@ -24,7 +24,17 @@ import time
 import pytest
 
 from tests.fleet import client, harness
-from tests.fleet.gateway_load import CLIENT_KEY, PORT, Load, Watcher, converge_behind_gateway, summary, write_keys
+from tests.fleet.gateway_load import (
+    CLIENT_KEY,
+    PORT,
+    Load,
+    Watcher,
+    converge_behind_gateway,
+    data_args,
+    pyinfra,
+    summary,
+    write_keys,
+)
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME, PROFILES
 
 pytestmark = pytest.mark.fleet
@@ -39,6 +49,9 @@ WINDOWS_INTERVAL_S = 1
 ENGINE = "freetoken.service"
 
 
+DEPLOY_ARGS: list[str] = []  # the workstations' deploy arguments behind the gateway (the fixture's)
+
+
 @pytest.fixture(scope="module")
 def gateway(sim_fleet, tmp_path_factory):
     keys = write_keys(tmp_path_factory.mktemp("owner") / "keys")
@@ -49,7 +62,9 @@ def gateway(sim_fleet, tmp_path_factory):
             f'owner_apps=["{APP}"]',
             f"owner_windows_interval_s={WINDOWS_INTERVAL_S}",
         ]
-        hosts, first = converge_behind_gateway(keys, [a for s in settings for a in ("--data", s)])
+        extra = [a for s in settings for a in ("--data", s)]
+        DEPLOY_ARGS[:] = [*data_args(keys), *extra]
+        hosts, first = converge_behind_gateway(keys, extra)
         assert hosts.returncode == 0, "the workstations did not converge behind the gateway"
         assert first.returncode == 0, "the gateway did not converge"
         yield sim_fleet
@@ -141,6 +156,11 @@ def test_the_owners_snooze_takes_ws1_out_and_resume_brings_it_back(gateway):
         assert watcher.wait_for("ws1", lambda s: s != "UP", t0, 20) is not None
         status = fleet.run("ws1", "freetoken-owner status", check=True).stdout
         assert "state:   yielded" in status and "snoozed by the owner" in status and "h " in status, status
+        # A deploy while the owner has the GPU leaves the engine stopped (no start, restart or gate).
+        during = pyinfra(*DEPLOY_ARGS, "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1")
+        out = during.stdout + during.stderr
+        assert during.returncode == 0 and "[ws1] the engine stays stopped: " in out, out[-5000:]
+        assert not engine_active(fleet, "ws1"), out[-5000:]
         t1 = time.time()
         fleet.run("ws1", "freetoken-owner resume", check=True)
         back = watcher.wait_for("ws1", lambda s: s == "UP", t1, QUIET_S + 60)

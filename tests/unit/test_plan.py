@@ -52,11 +52,12 @@ def seen(
     manifest="m1",
     distro="",
     fleet=FLEET,
+    owner=None,
 ):
     settings = settings or Settings()
     obs = obs or healthy()
     pre = rules.HostPreflight(settings, obs, rules.evaluate(settings, obs))
-    engine = None if pre.blocked else plan.EngineSeen(running, manifest, distro)
+    engine = None if pre.blocked else plan.EngineSeen(running, manifest, distro, owner)
     return plan.Seen(name, pre, fleet, CONVERGED_FILES if files is None else files, engine)
 
 
@@ -70,6 +71,26 @@ def test_a_refused_lock_stops_the_host_before_anything_else():
     assert p.stop == plan.Stop("held by run 42 (pid 7)") and p.windows is None and p.converge is None
     lost = plan.converge_plan(plan.LockRefused("ws1", "ssh closed", connection_lost=True), RENDER).stop
     assert lost == plan.Stop("connection lost", lost_in=plan.FACTS_STEP, advice="re-run to finish")
+
+
+def test_an_engine_the_agent_stopped_for_its_owner_is_left_stopped_by_the_plan():
+    held = planned(running=False, owner="yielded (game)").converge
+    assert held is not None and held.owner_holds == "yielded (game)" and not held.restart_if_running
+    # A running engine is the agent's to stop; the converge goes on as always.
+    assert planned(running=True, owner="yielded (game)").converge.owner_holds is None
+    assert planned(running=False).converge.owner_holds is None
+
+
+def test_the_agents_state_file_holds_the_engine_only_when_it_stopped_it_itself():
+    from freetoken_infra.core import owner
+    from freetoken_infra.preflight import owner_hold
+
+    yielded = owner.AgentState(mode=owner.YIELDED, reason="the owner's GPU use", stopped=True, word="yielded (game)")
+    assert owner_hold(owner.dump_state(yielded, 0.0).decode()) == "yielded (game)"
+    assert owner_hold(owner.dump_state(replace(yielded, stopped=False), 0.0).decode()) is None
+    assert owner_hold(owner.dump_state(replace(yielded, mode=owner.SERVING), 0.0).decode()) is None
+    assert owner_hold(None) is None and owner_hold("not json") is None
+    assert owner_hold('{"mode": "yielded", "stopped": "yes"}') is None  # checked field by field
 
 
 def test_a_preflight_blocker_stops_the_host_with_the_blockers_named_and_nothing_queued():
