@@ -292,12 +292,12 @@ def check_gpu_memory(obs: Observations) -> Finding:
         else "memory unknown"
     )
     if p.status == "healthy":
-        return Finding("gpu_memory", "pass", f"{free}; 32 MiB and large allocations succeed")
+        return Finding("gpu_memory", "pass", f"{free}{_others_note(obs)}; 32 MiB and large allocations succeed")
     if p.status == "allocation_locked" and not p.free_bytes:
         return Finding(
             "gpu_memory",
             "block",
-            f"{free}: the card is full, allocations fail",
+            f"{free}{_others_note(obs)}: the card is full, allocations fail",
             "stop what holds GPU memory (see nvidia-smi on Windows), then re-run",
         )
     if p.status == "allocation_locked":
@@ -314,6 +314,12 @@ def check_gpu_memory(obs: Observations) -> Finding:
         f"CUDA unusable: {p.error or 'libcuda.so.1 missing'}",
         "check the Windows NVIDIA driver and /usr/lib/wsl/lib/libcuda.so.1",
     )
+
+
+def _others_note(obs: Observations) -> str:
+    gpu = primary_gpu(obs)
+    who = holders_of(obs, gpu) if gpu is not None else None
+    return f"; {gpu.memory_used_mib / 1024:.1f} GiB {who}" if gpu is not None and who else ""
 
 
 def check_nvcc(obs: Observations) -> Finding:
@@ -469,6 +475,9 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
     need = estimated_vram_gb(plan)
     assert need is not None  # an integer cache size (only 'auto' has no estimate, handled above)
     summary = f"cache {plan.moe_cache_size}, {plan.num_tokens} tokens: ~{need:.1f} GB of {usable:.1f} GB usable"
+    who = holders_of(obs, gpu)
+    if who:  # the plan stays sized to the card (re-runs give the same plan); gpu_free weighs the rest
+        summary += f" on the card; {gpu.memory_used_mib / 1024:.1f} GiB of it {who} now (see gpu_free)"
     if need > usable:
         return Finding(
             "launch_plan",
@@ -486,31 +495,72 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
     return Finding("launch_plan", "pass", summary)
 
 
+# --- what other processes hold of the card, and who (issue 22 item 5) ------------------
+
+# Under WSL nvidia-smi counts the owner's Windows apps and games as used but lists none of them
+# (microsoft/WSL#7162); on Linux it lists compute processes, yet not always all (another
+# container's, graphics-only ones).
+UNLISTED_WSL = "Windows-side processes (not listed under WSL)"
+UNLISTED = "processes nvidia-smi does not list"
+# Less than this held, with nobody listed: the desktop's own share (WDDM keeps ~1 GB idle; the
+# field report's idle cards read 1.0 and 1.5 GiB used), not worth a word.
+NOTABLE_HELD_MIB = 2048
+
+
+def engine_holds_gpu(obs: Observations) -> bool:
+    """An engine of ours answers: its own memory is in the card's used figure."""
+    return obs.health is not None and obs.health.status in ("ok", "loading")
+
+
+def holders_of(obs: Observations, gpu: GpuInfo) -> str | None:
+    """``held by ...``: who holds the card's used memory while no engine of ours does (None: not
+    known, an engine of ours holds some, or too little is held to mention). The names are the
+    processes' own text, made printable by the fact; listed by ``--query-compute-apps`` (whole
+    names) on a one-GPU host, else by the table's rows for this GPU."""
+    if engine_holds_gpu(obs) or "memory.used" in gpu.unavailable_fields:
+        return None
+    apps = obs.gpus.compute_apps
+    if apps is not None and len(obs.gpus.gpus) == 1:
+        listed = list(apps)
+    else:
+        listed = [p for p in obs.gpus.processes if p.gpu == gpu.index]
+    if not listed and gpu.memory_used_mib < NOTABLE_HELD_MIB:
+        return None
+    named = ", ".join(f"{p.name} (pid {p.pid}, {_mib_text(p.used_mib)})" for p in listed)
+    unlisted = UNLISTED_WSL if obs.kernel.kind == "wsl2" else UNLISTED
+    rest_mib = gpu.memory_used_mib - sum(p.used_mib or 0 for p in listed)
+    if not listed:
+        return f"held by {unlisted}"
+    if rest_mib >= NOTABLE_HELD_MIB:
+        return f"held by {named} and {unlisted} ({rest_mib / 1024:.1f} GiB)"
+    return f"held by {named}"
+
+
 def check_gpu_free(settings: Settings, obs: Observations) -> Finding | None:
     """The plan against what the card has free now, not its size (issue 22): memory held by
     other processes (under WSL the owner's Windows apps and games, which nvidia-smi counts as
     used but does not list, microsoft/WSL#7162) is not the engine's to take. Judged only while
     no engine of ours holds memory (not answering ``/health`` ok or loading): a serving engine's
     own share is in the card's used memory too. What is left is ``core.gpu_room``'s, the same
-    formula the engine's own start checks (``operations/scripts/gpu_free.py``)."""
+    formula the engine's own start checks (``operations/scripts/gpu_free.py``).
+
+    A blocker, not a wait: the deploy stops for this host before it changes anything (nothing
+    it would install is wrong, but its last step starts or restarts the engine), the rest of the
+    fleet goes on, and the finding says to re-run once the owner lets go. Waiting inside the
+    deploy would hold the run (and the fleet's lock) for as long as a game lasts. The waits are
+    the engine unit's own (``ExecStartPre`` refuses, systemd tries again) and the host agent's
+    (it rejoins once the owner's claim is gone)."""
     gpu = primary_gpu(obs)
     plan = plan_for(settings, obs)
     need = estimated_vram_gb(plan) if plan is not None else None
     if gpu is None or plan is None or need is None or not gpu.memory_total_mib:
         return None
-    if "memory.used" in gpu.unavailable_fields:
-        return None
-    if obs.health is not None and obs.health.status in ("ok", "loading"):
+    if "memory.used" in gpu.unavailable_fields or engine_holds_gpu(obs):
         return None
     total = gpu.memory_total_mib / 1024
     held = gpu.memory_used_mib / 1024
     room = gpu_room.room_gb(gpu.memory_total_mib, gpu.memory_used_mib, plan.memory_ratio)
-    holders = [p for p in obs.gpus.processes if p.gpu == gpu.index]
-    who = (
-        "held by " + ", ".join(f"{p.name} (pid {p.pid}, {_mib_text(p.used_mib)})" for p in holders)
-        if holders
-        else "nvidia-smi names no process (under WSL it never lists Windows' apps, microsoft/WSL#7162)"
-    )
+    who = holders_of(obs, gpu) or "none of it by a listed process"
     evidence = f"{held:.1f} GiB of {total:.1f} GiB in use, {who}; the plan needs ~{need:.1f} GB"
     if need > room:
         return Finding(
