@@ -25,6 +25,7 @@ from facts.gpu_memory import GpuMemoryProbeResult
 from facts.init import InitInfo
 from facts.model import ModelDirInfo
 from facts.resources import ResourcesInfo
+from facts.wake_on_lan import WakeOnLanInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
 from facts.wsl import WslKernelInfo, WslVersionInfo
 from freetoken_infra.core import gpu_room, wsl_ini
@@ -79,6 +80,7 @@ class Observations:
     guard_state: dict | None = None
     gate_record: GateResult | None = None  # the host's last health gate record (None: none or unreadable)
     restart_pending: list[str] | None = None  # Windows-side files changed since WSL started
+    wake_on_lan: WakeOnLanInfo | None = None  # read only for a host with wake_on_lan_mac
 
 
 def _v(version: tuple[int, ...]) -> str:
@@ -577,6 +579,56 @@ def _mib_text(mib: int | None) -> str:
     return "memory not reported" if mib is None else f"{mib / 1024:.1f} GiB"
 
 
+# What WSL cannot see of Wake-on-LAN: said in every wake_on_lan finding.
+WOL_UNSEEN = "the PC's firmware (BIOS/UEFI: Wake-on-LAN, power on by PCI-E) and Windows' Fast Startup (off) cannot be seen from WSL"
+
+
+def check_wake_on_lan(settings: Settings, obs: Observations) -> Finding | None:
+    """Wake-on-LAN readiness as far as WSL sees it (issue 22 item 4), for a host with
+    ``wake_on_lan_mac``: Windows has an adapter with that MAC, it wakes on a magic packet, and it
+    is armed to wake the PC. A warning, never a blocker: a host that cannot be woken still serves."""
+    mac = settings.wake_on_lan_mac
+    if mac is None:
+        return None
+    info = obs.wake_on_lan
+    if obs.kernel.kind != "wsl2" or info is None or info.adapters is None:
+        why = (info.error if info is not None else None) or "PowerShell's Get-NetAdapter could not be read"
+        return Finding(
+            "wake_on_lan",
+            "warn",
+            f"wake_on_lan_mac {mac}: Windows' network adapters not seen ({why})",
+            f"on Windows, check the adapter with MAC {mac}: Device Manager, its Power Management: allow it to wake "
+            f"the computer, only with a magic packet; {WOL_UNSEEN}",
+        )
+    adapter = next((a for a in info.adapters if a.mac == mac), None)
+    if adapter is None:
+        seen = ", ".join(f"{a.name} ({a.mac or '?'})" for a in info.adapters) or "none"
+        return Finding(
+            "wake_on_lan",
+            "warn",
+            f"no network adapter on Windows has wake_on_lan_mac {mac} (physical adapters: {seen})",
+            "set wake_on_lan_mac to the MAC of the wired adapter the PC sleeps on (`Get-NetAdapter` on Windows)",
+        )
+    problems = []
+    if adapter.wake_on_magic_packet.lower() != "enabled":
+        problems.append(f"its WakeOnMagicPacket is {adapter.wake_on_magic_packet or 'not reported'}")
+    armed = info.wake_armed
+    if armed is not None and adapter.description not in armed:
+        problems.append("powercfg /devicequery wake_armed does not list it")
+    where = f"{adapter.name} ({adapter.description}, {mac})"
+    if problems:
+        return Finding(
+            "wake_on_lan",
+            "warn",
+            f"{where}: {'; '.join(problems)}",
+            f"on Windows, Device Manager, {adapter.description}: Advanced, Wake on Magic Packet enabled; Power "
+            "Management, allow this device to wake the computer and only a magic packet (or as administrator: "
+            f'powercfg /deviceenablewake "{adapter.description}"); also {WOL_UNSEEN}',
+        )
+    checked = "wakes on a magic packet" + (" and is armed to wake the PC" if armed is not None else "")
+    return Finding("wake_on_lan", "pass", f"{where} {checked}; {WOL_UNSEEN}")
+
+
 def check_guard(obs: Observations) -> Finding | None:
     state = obs.guard_state
     if not state or not state.get("tripped"):
@@ -606,7 +658,7 @@ def evaluate(settings: Settings, obs: Observations) -> list[Finding]:
         check_hardware_profile(settings, obs),
         check_launch_plan(settings, obs),
     ]
-    for extra in (check_gpu_free(settings, obs), check_guard(obs)):
+    for extra in (check_gpu_free(settings, obs), check_wake_on_lan(settings, obs), check_guard(obs)):
         if extra:
             findings.append(extra)
     return findings
