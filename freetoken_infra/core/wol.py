@@ -17,7 +17,7 @@ A host is woken only when all of these hold:
 - it has a ``wake_on_lan_mac`` and is within its serve hours (a hook: True until the owner's
   ``serve_hours`` feeds it);
 - it was not woken in the last ``cooldown_s``, and no other woken host is still booting
-  (woken less than ``boot_s`` ago and not up yet): one PC at a time.
+  (woken less than ``boot_s`` ago and not seen up since): one PC at a time.
 
 Standard library only: uploaded beside ``waker.py`` (``layout.WOL_MODULE``).
 """
@@ -152,6 +152,7 @@ class Memory:
     queued_since: float | None = None
     last_word: dict[str, str] = field(default_factory=dict)  # each host's last answered agent word
     woken_at: dict[str, float] = field(default_factory=dict)
+    booting: dict[str, float] = field(default_factory=dict)  # woken and not seen up since
 
 
 def held(word: str) -> bool:
@@ -169,7 +170,12 @@ def step(
             words[server.name] = server.agent_word
         elif server.up and server.status.startswith("DRAIN"):
             words.setdefault(server.name, "drain (status)")
-    memory = replace(memory, last_word=words)
+    booting = {
+        name: at
+        for name, at in memory.booting.items()
+        if now - at < policy.boot_s and not any(s.name == name and s.up for s in reading.servers)
+    }
+    memory = replace(memory, last_word=words, booting=booting)
     if reading.queue <= 0:
         return replace(memory, queued_since=None), None, "no queue"
     since = memory.queued_since if memory.queued_since is not None else now
@@ -177,11 +183,6 @@ def step(
     if now - since < policy.queue_built_s:
         return memory, None, f"queue {reading.queue} for {now - since:.1f} s"
     by_name = {s.name: s for s in reading.servers}
-    booting = [
-        name
-        for name, at in memory.woken_at.items()
-        if now - at < policy.boot_s and name in by_name and not by_name[name].up
-    ]
     if booting:
         return memory, None, f"queue {reading.queue}: waiting for {', '.join(sorted(booting))} to boot"
     skipped: list[str] = []
@@ -206,4 +207,4 @@ def step(
     chosen = min(candidates, key=lambda t: (memory.woken_at.get(t.name, float("-inf")), t.name))
     woken = {**memory.woken_at, chosen.name: now}
     why = f"queue {reading.queue} for {now - since:.1f} s: waking {chosen.name} ({chosen.mac})"
-    return replace(memory, woken_at=woken, queued_since=None), chosen, why
+    return replace(memory, woken_at=woken, booting={**booting, chosen.name: now}, queued_since=None), chosen, why

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -89,6 +90,11 @@ def load_config(path: str) -> dict:
     }
 
 
+def _gist(why: str) -> str:
+    """A journal line without its counts: the same reason is journaled once."""
+    return re.sub(r"queue \d+( for [\d.]+ s)?", "queue", why)
+
+
 def serve(config: dict, interval: float = 1.0) -> None:
     memory = waker.Memory()
     last_why = ""
@@ -112,8 +118,8 @@ def serve(config: dict, interval: float = 1.0) -> None:
             except OSError as exc:
                 print(f"{PREFIX} {why}: the magic packet could not be sent: {exc}", file=sys.stderr, flush=True)
             last_why = why
-        elif why != last_why and ("no host" in why or "waiting" in why):
-            print(f"{PREFIX} {why}", flush=True)  # what it would not do, once per change
+        elif ("no host" in why or "waiting" in why) and _gist(why) != _gist(last_why):
+            print(f"{PREFIX} {why}", flush=True)  # what it would not do, once per change of reason
             last_why = why
         elif why == "no queue":
             last_why = why

@@ -49,7 +49,7 @@ def test_a_queue_that_lasts_wakes_one_sleeping_host():
     assert chosen is None
     memory, chosen, why = step(memory, reading, (WS2, WS3), 103.0)
     assert chosen == WS2 and why == "queue 4 for 3.0 s: waking ws2 (52:54:00:12:34:56)"
-    assert memory.woken_at == {"ws2": 103.0} and memory.queued_since is None
+    assert memory.woken_at == {"ws2": 103.0} and memory.queued_since is None and memory.booting == {"ws2": 103.0}
 
 
 def test_a_queue_that_empties_starts_the_count_again():
@@ -112,6 +112,19 @@ def test_one_host_at_a_time_then_the_next_after_it_came_up_each_with_a_cooldown(
     # after it, the one woken longest ago first
     memory, chosen, _, _ = built(memory, sleeping, targets, start=now + 1000)
     assert chosen == WS2
+
+
+def test_a_woken_host_seen_up_is_not_waited_for_when_it_sleeps_again():
+    # ws2 woken, came up, then its owner snoozed it (drain) and it slept: no "waiting to boot"
+    sleeping = Reading(5, (up("ws1"), asleep("ws2")))
+    policy = Policy(queue_built_s=3, cooldown_s=10, boot_s=300)
+    memory, chosen, _, now = built(Memory(), sleeping, (WS2,), policy=policy)
+    assert chosen == WS2 and memory.booting == {"ws2": now}
+    memory, _, _ = step(memory, Reading(0, (up("ws1"), up("ws2"))), (WS2,), now + 5, policy)
+    assert memory.booting == {}
+    memory, _, _ = step(memory, Reading(0, (up("ws1"), Server("ws2", "DRAIN", 0, True, "drain 0%"))), (WS2,), now + 6)
+    memory, chosen, why, _ = built(memory, sleeping, (WS2,), start=now + 20, policy=policy)
+    assert chosen is None and why.endswith("no host to wake: ws2 (its agent said 'drain 0%')")
 
 
 def test_a_booting_host_that_never_comes_up_frees_the_turn_after_boot_s():
@@ -408,3 +421,11 @@ def test_the_fact_runs_the_stand_ins_through_a_drive_root(tmp_path):
     assert info.adapters[0].wake_on_magic_packet == "Enabled"
     assert info.wake_armed == ("HID Keyboard Device", "Intel(R) Ethernet Controller I225-V")
     assert WakeOnLanReadiness().process(["@@ft:no-interop"]).error.endswith("(no Windows interop)")
+
+
+def test_the_journal_says_the_same_reason_once():
+    from operations.scripts import waker as script
+
+    assert script._gist("queue 7 for 5.0 s, no host to wake") == script._gist("queue 1 for 10.0 s, no host to wake")
+    assert script._gist("queue 9: waiting for ws2 to boot") == script._gist("queue 3: waiting for ws2 to boot")
+    assert script._gist("queue 9: waiting for ws2 to boot") != script._gist("queue 9: waiting for ws3 to boot")
