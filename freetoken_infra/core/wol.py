@@ -82,6 +82,9 @@ class Server:
     queue: int  # requests queued for this server (a conversation's host)
     agent_answered: bool  # the last agent check got an answer (agent_status L7OK...)
     agent_word: str  # what it answered (last_agt); "" when it did not answer
+    # HAProxy's effective weight: 0 once the agent said `drain 0%` (or the operator drained it),
+    # and it stays 0 when the agent goes quiet; None when unreadable
+    weight: int | None = None
 
     @property
     def up(self) -> bool:
@@ -120,7 +123,17 @@ def read_stat(text: str, backend: str) -> Reading:
         agent = (row.get("agent_status") or "").strip()
         answered = agent.startswith("L7OK")
         word = (row.get("last_agt") or "").strip()[:_MAX_WORD] if answered else ""
-        servers.append(Server(name, (row.get("status") or "").strip(), waiting, answered, word))
+        weight = (row.get("weight") or "").strip()
+        servers.append(
+            Server(
+                name,
+                (row.get("status") or "").strip(),
+                waiting,
+                answered,
+                word,
+                int(weight) if weight.isdigit() and len(weight) < 6 else None,
+            )
+        )
     return Reading(queue, tuple(servers))
 
 
@@ -166,10 +179,15 @@ def step(
     """The next memory, the host to wake now (or None), and why (one line for the journal)."""
     words = dict(memory.last_word)
     for server in reading.servers:
-        if server.agent_answered:
+        if server.up:  # what it says while in HAProxy's view (a DOWN row's weight says nothing)
+            word = server.agent_word if server.agent_answered else ""
+            if server.weight == 0 or server.status.startswith("DRAIN"):
+                # drained by its agent (or the operator), and HAProxy keeps it so
+                words[server.name] = word if held(word) else ("drain (weight 0)" if server.weight == 0 else "drain")
+            else:
+                words[server.name] = word or "up"  # in service: an earlier drain is over
+        elif server.agent_answered and server.agent_word:
             words[server.name] = server.agent_word
-        elif server.up and server.status.startswith("DRAIN"):
-            words.setdefault(server.name, "drain (status)")
     booting = {
         name: at
         for name, at in memory.booting.items()

@@ -73,6 +73,20 @@ def test_a_host_whose_agent_last_said_drain_is_not_woken():
     assert chosen == WS2
 
 
+def test_weight_zero_is_a_drain_that_outlives_the_agents_silence():
+    # HAProxy's agent check in the fleet: after `drain 0%` the weight is 0, whatever last_agt
+    # says, and it stays 0 once the PC sleeps and its agent answers nothing
+    drained = Server("ws2", "DRAIN", 0, True, "", 0)
+    memory, _, _ = step(Memory(), Reading(0, (up("ws1"), drained)), (WS2,), 90.0)
+    _, chosen, why, _ = built(memory, Reading(3, (up("ws1"), Server("ws2", "DOWN", 0, False, "", 0))), (WS2,))
+    assert chosen is None and "ws2 (its agent said 'drain (weight 0)')" in why
+    # back in service (weight restored): the drain is forgotten
+    memory, _, _ = step(memory, Reading(0, (up("ws1"), Server("ws2", "UP", 0, True, "", 24))), (WS2,), 95.0)
+    assert memory.last_word["ws2"] == "up"
+    _, chosen, _, _ = built(memory, Reading(3, (up("ws1"), Server("ws2", "DOWN", 0, False, "", 24))), (WS2,))
+    assert chosen == WS2
+
+
 def test_a_drained_row_without_an_agent_counts_as_a_drain():
     memory, _, _ = step(Memory(), Reading(0, (Server("ws2", "DRAIN", 0, False, ""),)), (WS2,), 1.0)
     _, chosen, _, _ = built(memory, Reading(3, (up("ws1"), asleep("ws2"))), (WS2,))
@@ -148,9 +162,9 @@ def test_show_stat_is_read_by_column_name():
     reading = waker.read_stat(text, "freetoken_engines")
     assert reading.queue == 4
     assert reading.servers == (
-        Server("ws1", "UP", 0, True, "up"),
-        Server("ws2", "DOWN", 1, False, ""),
-        Server("ws3", "DRAIN", 0, True, "drain 0%"),
+        Server("ws1", "UP", 0, True, "up", 24),
+        Server("ws2", "DOWN", 1, False, "", 24),
+        Server("ws3", "DRAIN", 0, True, "drain 0%", 0),
     )
     assert waker.read_stat("", "x") == Reading(0, ())
     assert waker.read_stat("Permission denied.\n", "x") == Reading(0, ())
