@@ -34,7 +34,10 @@ span of the connects, of the fact reads, of the operations' commands, and the re
 exit), the CPU the controller used (the child's rusage) and the CPU the hosts used (the sum of
 utime+stime+cutime+cstime over every process in each host's network namespace, before and after
 the run: commands that ended count through the process that reaped them), against the cores of
-the machine.
+the machine. The bytes each host's link carried in a run (its eth0 in its network namespace, both
+ways: SSH with its handshake) are counted the same way, and each host's medians are printed with
+how many of its runs the fast check answered (README, "Re-runs: the fast check"); the 50- and
+100-host projections use the measured per-host controller CPU, host CPU and bytes.
 """
 
 from __future__ import annotations
@@ -119,6 +122,23 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
             stack[host.name].pop()
 
     api_ops._run_host_op = _run_host_op
+
+    try:  # the host lock's take, with the no-op fast check (operations/host_lock.py)
+        from operations import host_lock as lock_ops
+    except ImportError:
+        lock_ops = None  # type: ignore[assignment]
+    if lock_ops is not None:
+        orig_take = lock_ops.take
+
+        def take(state, host, *args, **kwargs):
+            fast = kwargs.get("unchanged_if") is not None
+            stack[host.name].append(("lock", "the host lock" + (" and the fast check" if fast else ""), ""))
+            try:
+                return orig_take(state, host, *args, **kwargs)
+            finally:
+                stack[host.name].pop()
+
+        lock_ops.take = take
 
     try:  # the project's batched fact reads (facts/batch.py): one command for many facts
         from facts import batch as fact_batch
@@ -226,6 +246,33 @@ def host_cpu_seconds() -> dict[str, float]:
     return out
 
 
+def host_link_bytes() -> dict[str, int]:
+    """Bytes each running simulated host's link (its eth0, both ways) has carried: SSH and its
+    handshakes, and whatever else the run made the host fetch."""
+    from tests.fleet import harness
+
+    out: dict[str, int] = {}
+    for name, h in (harness.load_state() or {"hosts": {}})["hosts"].items():
+        r = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                h["netns"],
+                "cat",
+                "/sys/class/net/eth0/statistics/rx_bytes",
+                "/sys/class/net/eth0/statistics/tx_bytes",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        try:
+            out[name] = sum(int(x) for x in r.stdout.split())
+        except ValueError:
+            continue
+    return out
+
+
 class Run:
     def __init__(
         self,
@@ -238,16 +285,20 @@ class Run:
         cpu_controller: float,
         cpu_hosts: dict[str, float],
         batches: dict[str, list[str]] | None = None,
+        bytes_hosts: dict[str, int] | None = None,
     ):
         self.limit, self.wall, self.rc, self.output, self.calls = limit, wall, rc, output, calls
         self.end, self.cpu_controller, self.cpu_hosts = end, cpu_controller, cpu_hosts
         self.batches = batches or {}
+        self.bytes_hosts = bytes_hosts or {}
 
     def changed(self) -> str:
         from tests.fleet.client import parse_grand_total
 
         total = parse_grand_total(self.output)
-        return "?" if total is None else total[1]
+        if total is None:  # pyinfra prints no results table when no host had an operation
+            return "-" if self.rc == 0 and "--> Results:" not in self.output else "?"
+        return total[1]
 
     def hosts(self) -> list[str]:
         from freetoken_infra.core.settings import natural_key
@@ -266,6 +317,7 @@ def run_pyinfra(
     for name in limit:
         args += ["--limit", name]
     args += ["inventories/sim.py", "deploys/freetoken.py"]
+    bytes_before = host_link_bytes()
     cpu_before, usage_before = host_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -281,6 +333,8 @@ def run_pyinfra(
     usage, cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN), host_cpu_seconds()
     controller = (usage.ru_utime + usage.ru_stime) - (usage_before.ru_utime + usage_before.ru_stime)
     hosts = {n: cpu_after[n] - cpu_before.get(n, 0.0) for n in cpu_after}
+    bytes_after = host_link_bytes()
+    link = {n: bytes_after[n] - bytes_before[n] for n in bytes_after if n in bytes_before}
     try:
         doc = json.loads(Path(out).read_text() or "{}")
     except ValueError:
@@ -297,6 +351,7 @@ def run_pyinfra(
         controller,
         hosts,
         doc.get("batches"),
+        link,
     )
 
 
@@ -461,20 +516,38 @@ def print_noop(noop: dict[int, list[Run]], n: int) -> None:
     )
     for k, runs in noop.items():
         print(f"{k:3d} host{'s' if k > 1 else ' '}: {median_phases(runs)}")
-        per_host = [c["dt"] for r in runs for c in r.calls if c["kind"] == "fact" and c["call"] == "run_shell_command"]
+        per_host = [
+            c["dt"] for r in runs for c in r.calls if c["kind"] in ("fact", "lock") and c["call"] == "run_shell_command"
+        ]
         cpu = [v for r in runs for h, v in r.cpu_hosts.items() if h in r.hosts()]
+        link = [v for r in runs for h, v in r.bytes_hosts.items() if h in r.hosts()]
         if per_host:
             print(
-                f"      one fact command's round trip: median {statistics.median(per_host):.2f} s, "
-                f"max {max(per_host):.2f}; CPU per host and run: median "
-                f"{statistics.median(cpu) if cpu else 0:.2f} s"
+                f"      one round trip (the lock, or facts): median {statistics.median(per_host):.2f} s, "
+                f"max {max(per_host):.2f}; per host and run: CPU median "
+                f"{statistics.median(cpu) if cpu else 0:.3f} s (min {min(cpu, default=0):.3f}, max "
+                f"{max(cpu, default=0):.3f}), bytes on its link median {statistics.median(link) if link else 0:.0f}"
             )
+        names = sorted({h for r in runs for h in r.hosts()}, key=lambda h: (len(h), h))
+        each = []
+        for h in names:
+            values = [r.cpu_hosts[h] for r in runs if h in r.cpu_hosts and h in r.hosts()]
+            sent = [r.bytes_hosts[h] for r in runs if h in r.bytes_hosts and h in r.hosts()]
+            fast = sum(f"[{h}] unchanged since its last converge" in r.output for r in runs)
+            if values:
+                each.append(
+                    f"{h} {statistics.median(values):.3f} CPU-s {statistics.median(sent) / 1024 if sent else 0:.1f} KiB"
+                    f"{' (refused at preflight by design)' if h in REFUSED else ''} fast check {fast}/{len(runs)}"
+                )
+        print("      each host, medians: " + "; ".join(each))
     ones, alls = noop.get(1), noop.get(n)
     if ones and alls and n > 1:
         cores = os.cpu_count() or 1
         med = statistics.median
         controller_step = (med(r.cpu_controller for r in alls) - med(r.cpu_controller for r in ones)) / (n - 1)
         per_host_cpu = med(v for r in alls for v in r.cpu_hosts.values() if v > 0)
+        link = [v for r in alls for h, v in r.bytes_hosts.items() if h in r.hosts()]
+        per_host_bytes = med(link) if link else 0
         needed = med(r.cpu_controller + sum(r.cpu_hosts.values()) for r in alls)
         print(
             f"from 1 to {n} hosts: the controller's CPU grows {controller_step:.3f} s per added host; "
@@ -488,7 +561,8 @@ def print_noop(noop: dict[int, list[Run]], n: int) -> None:
             print(
                 f"projected at {size} hosts: the controller {controller:.1f} CPU-s per no-op run "
                 f"({controller / cores:.1f} s on {cores} cores at best), each host {per_host_cpu:.2f} CPU-s "
-                "on its own CPU (bytes per host: not measured by this bench)"
+                f"on its own CPU and {per_host_bytes / 1024:.0f} KiB on its link, "
+                f"{size * per_host_bytes / 1024 / 1024:.1f} MiB through the controller's"
             )
 
 
@@ -517,12 +591,13 @@ def print_commands(runs: list[Run]) -> None:
         counts = remote_commands(last, host)
         varying = {sum(remote_commands(r, host).values()) for r in runs}
         total = totals[host]
+        lock = sum(c for (kind, _, _), c in counts.items() if kind == "lock")
         facts = sum(c for (kind, _, _), c in counts.items() if kind == "fact")
         ops = sum(c for (kind, _, _), c in counts.items() if kind == "operation")
-        other = total - facts - ops
+        other = total - lock - facts - ops
         note = "" if len(varying) == 1 else f"  (varies between runs: {sorted(varying)})"
         print(
-            f"{host}: {total} remote commands: {facts} for facts, {ops} for operations"
+            f"{host}: {total} remote commands: {lock} for the lock, {facts} for facts, {ops} for operations"
             + (f", {other} other" if other else "")
             + note
         )

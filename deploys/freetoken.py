@@ -14,7 +14,8 @@
 5. Health gate: /health ok on the version this run installed, a question with one right answer,
    decode tokens/s. Skipped only when the host's last passed gate was for exactly what is
    installed and serving now.
-A second run on a converged host changes nothing.
+A second run on a converged host changes nothing, and reads nothing but its converge record when
+nothing the last converge read has changed (step 0's fast check; README, "Re-runs").
 """
 
 from collections.abc import Mapping
@@ -31,7 +32,8 @@ from facts import batch
 from freetoken_infra import plan as converge
 from freetoken_infra.core import records
 from freetoken_infra.core.layout import ENGINE_UNIT
-from freetoken_infra.preflight import fleet_settings, gather, run_preflight, stop_host
+from freetoken_infra.preflight import fast_check, fleet_settings, gather, run_preflight, stop_host
+from freetoken_infra.preflight import fingerprint as fingerprint_of
 from operations import (
     cuda,
     engine,
@@ -61,6 +63,16 @@ def lock_then_facts(command: str, script: str, elevation: Mapping[str, Any]) -> 
     return batch.prefetch(state, host, first=(command, script))
 
 
+def lock_alone(command: str, script: str, elevation: Mapping[str, Any]) -> tuple[bool, list[str]]:
+    """The fast check's round trip when the host's last run left a record: the lock's command
+    alone. When the record stands no fact is read; when it does not, the facts follow in one more
+    round trip."""
+    if elevation.get("_sudo"):
+        host.data._sudo = True
+    ok, output = host.run_shell_command(command, _stdin=script, print_output=False, print_input=False, **elevation)
+    return ok, list(output.output_lines)
+
+
 def wait_for_restart(message: str) -> None:
     def stop():
         raise OperationError(message)
@@ -69,21 +81,41 @@ def wait_for_restart(message: str) -> None:
 
 
 # One run per host at a time (operations/host_lock.py): taken before the facts this run acts on
-# are read, so that a run that waited plans from the state the other run left.
-lock_refused = host_lock.take(
+# are read, so that a run that waited plans from the state the other run left. In the same round
+# trip, the no-op fast check: when nothing the host's last converge read has changed since (its
+# converge record, facts/inputs.py) and this run's fingerprint is the one it was made for, no
+# fact is read and nothing is taken.
+host_settings = fleet_settings(state)[host.name]
+fingerprint = fingerprint_of(state, host) if fast_check(host_settings) else None
+# The facts ride along with the lock unless the host's last run left a record (then the check
+# most likely answers alone, and they would only cost their text on the wire and in its shell).
+alone = fingerprint is not None and batch.expects_record(host)
+taken = host_lock.take(
     state,
     host,
-    fleet_settings(state)[host.name].host_lock_timeout_s,
+    host_settings.host_lock_timeout_s,
     {"_sudo": True} if host.data.get("_sudo") else {},
-    run=lock_then_facts,
+    run=lock_alone if alone else lock_then_facts,
+    unchanged_if=fingerprint,
 )
+unchanged = taken.inputs if isinstance(taken, host_lock.Unchanged) else None
+lock_refused = taken if isinstance(taken, str) else None
+if taken is None and alone:
+    batch.prefetch(state, host)  # the lock is held: every fact the last run read, in one command
 # The host's preflight record (the settings and everything this deploy knows of the host), what
 # else the plan reads, and every decision of this run (freetoken_infra/plan.py).
-pre = None if lock_refused else run_preflight(state, host, stop_blocked=False)[0]
+pre = None if lock_refused or unchanged is not None else run_preflight(state, host, stop_blocked=False)[0]
 plan = converge.converge_plan(
-    gather(state, host, lock_refused, pre),
+    gather(state, host, lock_refused, pre, unchanged),
     converge.Renderers(service.engine_unit, service.engine_environment),
 )
+
+if plan.unchanged is not None:
+    click.echo(
+        f"    [{host.name}] unchanged since its last converge ({plan.unchanged.inputs} inputs of its facts "
+        "checked in one read): nothing to do",
+        err=True,
+    )
 
 if plan.windows is not None:
     # .wslconfig [wsl2] and /etc/wsl.conf [boot] systemd=true, merged into the user's files.
@@ -180,3 +212,7 @@ if plan.converge is not None:
         subject=c.gate.subject,
         _if=run_if,
     )
+    if fingerprint is not None:
+        # When the host's lock is released at the end of a run whose operations all succeeded:
+        # the converge record the next run's fast check reads.
+        host_lock.HostLockKeeper.of(state).record_at_release(host, fingerprint)

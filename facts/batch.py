@@ -469,6 +469,7 @@ class _Memo:
     path: Path | None = None
     reading: int = 0  # > 0 while a fact is being read
     warned: bool = False  # the learned list's dropped entries were reported
+    read: list[dict] = field(default_factory=list)  # every fact this run read: name and arguments
 
 
 _memos: dict[tuple[int, str], _Memo] = {}
@@ -484,6 +485,25 @@ def learned_path(host) -> Path:
     where = str(host.data.get("ssh_hostname") or "")
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{host.name}@{where}")
     return base / "freetoken-infra" / "fact-requests" / f"{name}.json"
+
+
+def expects_record(host) -> bool:
+    """Whether this host's last run on this controller left a converge record (written at its
+    release, operations/host_lock.py), so that this run's fast check will likely answer alone.
+    A hint only, for how the first round trip is shaped: the host decides."""
+    return learned_path(host).with_suffix(".recorded").exists()
+
+
+def set_expects_record(host, recorded: bool) -> None:
+    hint = learned_path(host).with_suffix(".recorded")
+    try:
+        if recorded:
+            hint.parent.mkdir(parents=True, exist_ok=True)
+            hint.touch()
+        else:
+            hint.unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only home only costs the next run the facts riding along with its lock
 
 
 def _load_learned(path: Path) -> list[dict]:
@@ -609,6 +629,13 @@ def _get_fact(self: Any, name_or_cls: Any, *args: Any, **kwargs: Any) -> Any:
     memo = _memos.get((id(state), self.name)) if state is not None else None
     if memo is None or not enabled():  # prefetch() was never called for this host: plain pyinfra
         return _original_get_fact(self, name_or_cls, *args, **kwargs)
+    if isinstance(name_or_cls, type):
+        read = make_request(state, self, name_or_cls, args, kwargs)
+        entry = {"fact": _class_path(read.cls), "kwargs": dict(read.fact_kwargs)}
+    else:  # a fact named by a string: nothing facts/inputs.py can know
+        entry = {"fact": str(name_or_cls), "kwargs": {}}
+    if entry not in memo.read:
+        memo.read.append(entry)
     if not batchable(name_or_cls):
         with _reading(memo):
             return _original_get_fact(self, name_or_cls, *args, **kwargs)
@@ -625,6 +652,15 @@ def _get_fact(self: Any, name_or_cls: Any, *args: Any, **kwargs: Any) -> Any:
         value = _original_get_fact(self, name_or_cls, *args, **kwargs)
     memo.values[request.key] = value
     return copy.deepcopy(value)
+
+
+def read_this_run(state, host) -> list[dict] | None:
+    """Every fact this host's run read, batched or not (``{"fact": "module:Class", "kwargs":
+    ...}``), for the converge record (facts/inputs.py); None when it ran without the memo."""
+    memo = _memos.get((id(state), host.name))
+    if memo is None or not enabled():
+        return None
+    return list(memo.read)
 
 
 class _Forget(BaseStateCallback):

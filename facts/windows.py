@@ -225,3 +225,64 @@ class WslConfFile(FactBase[IniFileInfo]):
 
     def process(self, output: list[str]) -> IniFileInfo:
         return parse_ini_output(self.path, output)
+
+
+# --------------------------------------------------------------------------- the owner's shortcuts
+
+
+@dataclass(frozen=True)
+class DesktopShortcuts:
+    """The owner's Desktop folder (a WSL path) and what its FreeToken shortcuts hold now."""
+
+    desktop_exists: bool
+    distro: str  # the distro's name as Windows knows it ("" when unknown); untrusted until checked
+    files: dict[str, bytes]  # file name -> bytes, for the names asked about that exist
+
+
+# The owner's Desktop shortcuts (operations/owner.py writes them).
+SNOOZE_SHORTCUT = "FreeToken - leave the GPU to me for 2 h.cmd"
+RESUME_SHORTCUT = "FreeToken - serve again.cmd"
+OWNER_SHORTCUTS = (SNOOZE_SHORTCUT, RESUME_SHORTCUT)
+
+
+class OwnerShortcuts(FactBase[DesktopShortcuts]):
+    """
+    Returns ``DesktopShortcuts``: whether ``path`` is a folder, the distro's Windows name
+    (``$WSL_DISTRO_NAME``, else from ``wslpath -w /``, as ``WslDistroName``) and the bytes of
+    each of ``OWNER_SHORTCUTS`` there. One command, read only.
+
+    + path: the owner's Desktop as a WSL path (``/mnt/c/Users/dev/Desktop``)
+    """
+
+    def command(self, path: str) -> str:
+        desktop, names = path, OWNER_SHORTCUTS
+        d = quote(desktop)
+        parts = [
+            'N="$WSL_DISTRO_NAME"; if [ -z "$N" ]; then '
+            "N=$(wslpath -w / 2>/dev/null | sed -e 's#^\\\\\\\\[^\\\\]*\\\\##' -e 's#\\\\.*##'); fi; "
+            "printf '@@ft:distro %s\\n' \"$N\"",
+            f"if [ -d {d} ]; then echo '@@ft:desktop'; fi",
+        ]
+        for i, name in enumerate(names):
+            p = quote(f"{desktop}/{name}")
+            parts.append(f"if [ -f {p} ]; then echo '@@ft:file{i}'; head -c 65536 {p} | base64; fi")
+        return "; ".join(parts) + "; true"
+
+    @staticmethod
+    def default() -> DesktopShortcuts:
+        return DesktopShortcuts(False, "", {})
+
+    def process(self, output: list[str]) -> DesktopShortcuts:
+        return parse_shortcuts_output(output)
+
+
+def parse_shortcuts_output(lines: list[str], names: tuple[str, ...] = OWNER_SHORTCUTS) -> DesktopShortcuts:
+    secs = section_map(lines)
+    files = {}
+    for i, name in enumerate(names):
+        if f"file{i}" in secs:
+            data = b64decode_lines(secs[f"file{i}"][1])
+            if data is not None:
+                files[name] = data
+    distro = secs.get("distro", ("", []))[0].strip()
+    return DesktopShortcuts("desktop" in secs, distro, files)

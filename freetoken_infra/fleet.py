@@ -9,7 +9,11 @@
 `drain` lets the host's running streams finish and sends every new request elsewhere (follow-up
 turns of its sessions too); `ready` puts it back (it serves again once its health checks pass).
 `status` prints one table: host, in service / parked / draining / failed, active requests, the
-last health check, and the decode tok/s of the host's last health gate. `add` and `remove`
+last health check, and the decode tok/s of the host's last health gate. A host its agent gave
+to its owner says why instead of parked or draining: `yielded (game)`, `yielded (app NAME)`,
+`yielded (full-screen)`, `snoozed`, `reboot pending`, `off schedule` (the agent's answer after
+`#`, which HAProxy keeps in `show stat`'s `last_agt`; only these words are shown,
+``owner.word_from_last_agt``). `add` and `remove`
 enrol a PC that ran operations/scripts/enrol.py and take one out (freetoken_infra/enrolment.py).
 
 The gateway is the inventory's `gateway` group (deploys/gateway.py); the commands reach it over
@@ -32,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken_infra.core import owner
 from freetoken_infra.core.gate_record import GateRecordError, GateResult
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
@@ -107,7 +112,7 @@ def runtime_command(command: str) -> str:
 @dataclass(frozen=True)
 class ServerStatus:
     host: str
-    state: str  # IN_SERVICE, PARKED, DRAINING, FAILED or MAINTENANCE
+    state: str  # IN_SERVICE, PARKED, DRAINING, FAILED, MAINTENANCE or the owner's word (owner.fleet_word)
     active: int  # requests in flight on this host (both backends)
     health: str  # the last check: e.g. "L7OK/200 in 2ms", "L4CON Connection refused"
     haproxy_status: str  # HAProxy's own word: UP, DOWN, DRAIN, MAINT, "UP 1/2", ...
@@ -145,10 +150,16 @@ def parse_stat(text: str) -> list[ServerStatus]:
         health = check + (f"/{code}" if code else "") + (f" in {took}ms" if took else "")
         if detail and check not in ("L7OK",):
             health += f" {detail}"
+        state = classify(row["status"], check)
+        # The host's agent says why it left (an operator's maintenance comes first); a host
+        # serving again says nothing after `#`.
+        word = owner.word_from_last_agt(row.get("last_agt") or "")
+        if word is not None and state != MAINTENANCE:
+            state = word
         out.append(
             ServerStatus(
                 row["svname"],
-                classify(row["status"], check),
+                state,
                 # streams it serves and requests waiting for its slots (a session's)
                 int(row.get("scur") or 0) + int(row.get("qcur") or 0),
                 health.strip() or "-",
@@ -173,7 +184,8 @@ def format_status(servers: Sequence[ServerStatus], gate_tps: dict[str, float | N
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()  # noqa: E731
     counts = {st: sum(1 for s in servers if s.state == st) for st in (IN_SERVICE, PARKED, DRAINING, FAILED)}
-    summary = ", ".join(f"{n} {st}" for st, n in counts.items())
+    owners = sum(1 for s in servers if owner.fleet_word(s.state) is not None)
+    summary = ", ".join(f"{n} {st}" for st, n in counts.items()) + (f", {owners} with their owner" if owners else "")
     return "\n".join(
         [
             "== fleet status (gateway) ==",

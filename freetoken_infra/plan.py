@@ -162,16 +162,28 @@ class Converge:
 
 
 @dataclass(frozen=True)
+class Unchanged:
+    """The host's converge record stood (operations/host_lock.py): every input of every fact its
+    last converge read reads as it did then, and the controller's fingerprint is the same."""
+
+    host_name: str
+    inputs: int
+
+
+@dataclass(frozen=True)
 class ConvergePlan:
     host_name: str
     stop: Stop | None = None  # the host stops here, before any change
     windows: WindowsSide | None = None  # the Windows-side merges (None: not touched)
     converge: Converge | None = None  # None: the host does not converge this run
+    unchanged: Unchanged | None = None  # nothing to do: read from its converge record
 
 
 # --------------------------------------------------------------------------- the one function
-def converge_plan(seen: Seen | LockRefused, render: Renderers, find: Lookup = lookup) -> ConvergePlan:
+def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find: Lookup = lookup) -> ConvergePlan:
     """Every decision of one converge on one host, in the order the deploy acts on them."""
+    if isinstance(seen, Unchanged):
+        return ConvergePlan(seen.host_name, unchanged=seen)
     if isinstance(seen, LockRefused):
         if seen.connection_lost:  # one line, as for a connection lost in a step
             stop = Stop("connection lost", lost_in=FACTS_STEP, advice="re-run to finish")

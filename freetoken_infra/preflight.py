@@ -7,7 +7,14 @@ what its plan reads, ``gather``, and stops a host as the plan says, ``stop_host`
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
 import click
+import pyinfra
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra.facts.files import Sha256File
 from pyinfra.facts.systemd import SystemdStatus
@@ -31,8 +38,8 @@ from freetoken_infra import plan, rules
 from freetoken_infra.core.gate_record import GateRecordError, GateResult
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, ENGINE_UNIT, WSL_CONF, WSLCONFIG_NAME, HostLayout
 from freetoken_infra.core.pyinfra_internals import connection_lost, reached_host_names
-from freetoken_infra.core.records import RunRecords
-from freetoken_infra.core.settings import Settings, SettingsError, validate_inventory
+from freetoken_infra.core.records import RECORD_ENV, RunRecords
+from freetoken_infra.core.settings import Settings, SettingsError, controller_key, validate_inventory
 from freetoken_infra.core.text import printable
 from freetoken_infra.core.wsl_ini import drive_root
 from freetoken_infra.report import findings_table, fleet_summary, print_gate_report_if_gated, record_host
@@ -227,17 +234,75 @@ def run_preflight(state, host, stop_blocked: bool = True) -> tuple[rules.HostPre
     return pre, not pre.blocked
 
 
+# What a converge's decisions are made by on the controller (the fast check's fingerprint): this
+# checkout's code, and every host's settings and place in the inventory.
+_CODE_ROOT = Path(__file__).resolve().parents[1]
+_CODE_DIRS = ("deploys", "operations", "facts", "freetoken_infra", "group_data")
+FINGERPRINT_VERSION = 1
+
+
+@functools.cache
+def code_digest() -> str:
+    """sha256 over this checkout's Python code (the deploy, operations, facts, the library,
+    group_data and config.py) and pyinfra's version: another release or a local edit is a new
+    fingerprint."""
+    h = hashlib.sha256(f"pyinfra {pyinfra.__version__}\n".encode())
+    files = sorted(p for d in _CODE_DIRS for p in (_CODE_ROOT / d).rglob("*.py"))
+    for path in [*files, _CODE_ROOT / "config.py"]:
+        if path.is_file():
+            h.update(f"{path.relative_to(_CODE_ROOT)}\n".encode())
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def fingerprint(state, host) -> str:
+    """What this run would converge ``host`` from, on the controller side: the code, every
+    host's settings (the plan reads other hosts': gateways, the LAN cache host), the inventory's
+    names, addresses and groups, the run's elevation, and the API key a ``file:``/``env:``
+    source gives (as its hash). The host's converge record names the fingerprint it was made
+    for; another one means a full run."""
+    run = RunRecords.of(state)
+    if run.fleet_fingerprint is None:  # once per run: the same for every host
+        settings = fleet_settings(state)
+        keys = {}
+        for name, s in settings.items():
+            if s.api_key_source.partition(":")[0] in ("file", "env"):
+                keys[name] = hashlib.sha256(controller_key(s.api_key_source).encode()).hexdigest()
+        fleet = {
+            "version": FINGERPRINT_VERSION,
+            "code": code_digest(),
+            "settings": {name: s.model_dump(mode="json") for name, s in sorted(settings.items())},
+            "fleet": sorted([h.name, h.ssh_hostname, sorted(h.groups)] for h in fleet_of(state.inventory).values()),
+            "keys": keys,
+        }
+        run.fleet_fingerprint = hashlib.sha256(json.dumps(fleet, sort_keys=True, default=str).encode()).hexdigest()
+    doc = [run.fleet_fingerprint, host.name, bool(host.data.get("_sudo"))]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+
+def fast_check(settings: Settings) -> bool:
+    """Whether this run may answer a host from its converge record: the ``fast_check`` setting,
+    and not under a rollout (``$FREETOKEN_RUN_RECORD``: its fleet report wants every host's
+    preflight)."""
+    return settings.fast_check and not os.environ.get(RECORD_ENV)
+
+
 def fleet_of(inventory) -> dict[str, plan.FleetHost]:
     """The inventory as the plan reads it: each host's name, ``ssh_hostname`` and groups."""
     return {h.name: plan.FleetHost(h.name, h.data.get("ssh_hostname"), tuple(h.groups)) for h in inventory}
 
 
-def gather(state, host, lock_refused: str | None, pre: rules.HostPreflight | None) -> plan.Seen | plan.LockRefused:
+def gather(
+    state, host, lock_refused: str | None, pre: rules.HostPreflight | None, unchanged: int | None = None
+) -> plan.Seen | plan.LockRefused | plan.Unchanged:
     """What the deploy's plan reads beyond the preflight's record, read before any change (a
     step that asks the same fact later gets pyinfra's cached answer): the lock's outcome, the
     Windows-side files (on a host that converges or only waits for the WSL restart), and on a
     host the preflight lets on whether the engine runs, the model manifest's hash (when the gate
-    may be skipped) and the distro's name (a blocked host may have no systemd to ask)."""
+    may be skipped) and the distro's name (a blocked host may have no systemd to ask).
+    ``unchanged``: the host's converge record stood (its number of inputs): nothing is read."""
+    if unchanged is not None:
+        return plan.Unchanged(host.name, unchanged)
     if lock_refused or pre is None:
         return plan.LockRefused(host.name, lock_refused or "not locked", connection_lost=connection_lost(host))
     fleet = fleet_of(state.inventory)

@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,16 @@ import click
 import gevent
 from pyinfra.api.state import BaseStateCallback
 
-from freetoken_infra.core.layout import HOST_LOCK_FILE, HOST_LOCK_MUTEX
-from freetoken_infra.core.pyinfra_internals import connection_lost, use_upload_dir
+from facts import batch
+from facts.inputs import inputs_of_run
+from freetoken_infra.core.layout import CONVERGE_RECORD_FILE, HOST_LOCK_FILE, HOST_LOCK_MUTEX
+from freetoken_infra.core.pyinfra_internals import (
+    changed_operations,
+    connection_lost,
+    is_active,
+    operations_ran,
+    use_upload_dir,
+)
 from freetoken_infra.core.redact import mask_text, redact_command
 
 SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
@@ -44,6 +53,7 @@ SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
 LEASE_S = 120.0
 POLL_S = 2.0
 HELD_EXIT = 3
+UNCHANGED_EXIT = 5
 _RUN_STARTED = time.time()
 
 
@@ -93,9 +103,22 @@ def lock_command(
     token: str | None = None,
     lease_s: float = LEASE_S,
     upload_dir: str | None = None,
+    unchanged_if: str | None = None,
+    record: tuple[str, dict] | None = None,
 ) -> str:
-    """The target-side command; the script itself comes on stdin (``python3 -``)."""
-    argv = ["python3", "-", action, "--lock-file", HOST_LOCK_FILE, "--mutex", HOST_LOCK_MUTEX]
+    """The target-side command; the script itself comes on stdin (``python3 -``).
+
+    ``unchanged_if`` (take): the controller's fingerprint, answered with "unchanged" when the
+    converge record stands; ``record`` (release): ``(fingerprint, inputs)`` written before the
+    lock is released."""
+    # -I -S: none of the environment's PYTHON* variables, no site-packages (the script is stdlib only)
+    argv = ["python3", "-I", "-S", "-", action, "--lock-file", HOST_LOCK_FILE, "--mutex", HOST_LOCK_MUTEX]
+    if unchanged_if is not None:
+        argv += ["--record", CONVERGE_RECORD_FILE, "--unchanged-if", unchanged_if]
+    if record is not None:
+        fingerprint, inputs = record
+        encoded = base64.b64encode(json.dumps(inputs, sort_keys=True).encode()).decode()
+        argv += ["--record", CONVERGE_RECORD_FILE, "--fingerprint", fingerprint, "--inputs", encoded]
     if action in ("take", "renew"):
         argv += ["--lease", f"{lease_s:g}"]
     if holder is not None:
@@ -132,6 +155,7 @@ class HostLockKeeper(BaseStateCallback):
         self.renewers: dict[str, Any] = {}
         self.elevation: dict[str, dict[str, Any]] = {}
         self.upload_dirs: dict[str, str] = {}
+        self.fingerprints: dict[str, str] = {}  # hosts whose converge is recorded at release
 
     @classmethod
     def of(cls, state) -> HostLockKeeper:
@@ -165,8 +189,14 @@ class HostLockKeeper(BaseStateCallback):
                 )
                 return
 
+    def record_at_release(self, host, fingerprint: str) -> None:
+        """Write the converge record when this host's lock is released, if its run executed its
+        operations and none failed (``converge_record``)."""
+        self.fingerprints[host.name] = fingerprint
+
     def host_disconnect(self, state, host) -> None:  # type: ignore[override]  # pyinfra's is static
         renewer = self.renewers.pop(host.name, None)
+        fingerprint = self.fingerprints.pop(host.name, None)
         if renewer is not None:
             renewer.kill()
         token = self.tokens.pop(host.name, None)
@@ -180,14 +210,47 @@ class HostLockKeeper(BaseStateCallback):
                 except Exception:  # best effort: a 0700 folder of the SSH user's in /tmp
                     pass
             return
+        record = converge_record(state, host, fingerprint) if fingerprint else None
         try:
-            host.run_shell_command(
-                lock_command("release", token=token, upload_dir=upload_dir),
+            _, output = host.run_shell_command(
+                lock_command("release", token=token, upload_dir=upload_dir, record=record),
                 _stdin=SCRIPT_SOURCE.read_text(),
                 **self.elevation.get(host.name, {}),
             )
         except Exception:  # best effort: the holder's session ends with the run, which frees it
-            pass
+            return
+        if fingerprint:
+            recorded = (_last_json(output.stdout_lines) or {}).get("recorded")
+            batch.set_expects_record(host, isinstance(recorded, int))
+
+
+def converge_record(state, host, fingerprint: str) -> tuple[str, dict] | None:
+    """What the release writes as the host's converge record: the fingerprint and the inputs of
+    every fact this run read (facts/inputs.py). None (the record stays removed, as the take left
+    it) unless the run executed its operations, the host is still in it and none of them changed
+    anything, and every fact it read has known inputs.
+
+    Only a run that found nothing to do records: the facts it read are then exactly those the
+    next run reads on the same host (a run that changes something reads what it found before:
+    a check it skipped because an earlier one already failed is no input of its record). So the
+    run after a converge that changed something reads every fact once more and records."""
+    if not operations_ran(state) or not is_active(state, host) or changed_operations(state, host):
+        return None
+    read = batch.read_this_run(state, host)
+    if not read:
+        return None
+    inputs = inputs_of_run(read)
+    if isinstance(inputs, str):
+        click.echo(f"    [{host.name}] no converge record: {inputs}; the next run reads every fact", err=True)
+        return None
+    return fingerprint, inputs.to_json()
+
+
+@dataclass(frozen=True)
+class Unchanged:
+    """The host's converge record stands: nothing it lists changed since its last converge."""
+
+    inputs: int
 
 
 Run = Callable[[str, str, Mapping[str, Any]], "tuple[bool, list[str]] | None"]
@@ -201,12 +264,17 @@ def take(
     lease_s: float = LEASE_S,
     argv: list[str] | None = None,
     run: Run | None = None,
-) -> str | None:
+    unchanged_if: str | None = None,
+) -> str | Unchanged | None:
     """Take ``host``'s lock for this run, waiting up to ``timeout_s`` for another run's.
 
     Returns None once held (renewed in the background, released at disconnect), else the one
     line that says why not (the caller stops the host with it). Prints who holds the lock while
     it waits, and whose lock it took over.
+
+    ``unchanged_if``: this run's fingerprint (``preflight.fingerprint``). When the host's converge
+    record names it and every input it lists reads as then, nothing is taken and ``Unchanged`` is
+    returned (the no-op fast check, in the same round trip); the lock is free at that moment.
 
     ``run(command, script, elevation)`` makes the round trip (the deploy reads its facts in the
     same one, after the lock is held: ``facts/batch.prefetch``) and returns ``(exited 0, output
@@ -222,11 +290,16 @@ def take(
     deadline = time.monotonic() + timeout_s
     announced = None
     while True:
-        command = lock_command("take", holder=holder, lease_s=lease_s)
+        command = lock_command("take", holder=holder, lease_s=lease_s, unchanged_if=unchanged_if)
         result = (run or _run_alone(host))(command, script, elevation)
         ok, lines = result if result is not None else (False, [])
         doc = _last_json(lines) or {}
+        if doc.get("unchanged") is True and isinstance(doc.get("inputs"), int):
+            batch.set_expects_record(host, True)
+            return Unchanged(doc["inputs"])
         if ok and doc.get("taken"):
+            if unchanged_if is not None and isinstance(doc.get("fast_check"), str):
+                click.echo(f"    [{host.name}] reading every fact: {mask_text(doc['fast_check'])}", err=True)
             if doc.get("took_over"):
                 click.echo(
                     f"    [{host.name}] took over the host lock ({doc.get('why')}) from {describe(doc['took_over'])}",

@@ -16,20 +16,32 @@ read-only system, its one writable folder root's state folder, no new privileges
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import os
+import re
 
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.files import File
-from pyinfra.operations import systemd
+from pyinfra.operations import files, systemd
 
-from freetoken_infra.core import hostio, owner
+from facts.windows import (
+    RESUME_SHORTCUT,
+    SNOOZE_SHORTCUT,
+    WINDOWS_SYSTEM32,
+    OwnerShortcuts,
+    WindowsUserProfile,
+    WslConfFile,
+    system32,
+)
+from freetoken_infra.core import hostio, owner, wsl_ini
 from freetoken_infra.core.layout import (
     AGENT_RUN_DIR_NAME,
     AGENT_SCRIPT,
     AGENT_STATE_FILE,
     AGENT_UNIT,
+    DEFAULT_DRIVE_ROOT,
     ENGINE_UNIT,
     HOSTIO_MODULE,
     OWNER_COMMAND,
@@ -45,6 +57,7 @@ from operations.managed import ManagedFile
 
 _LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "owner_agent.py")
 UNIT_PATH = f"{UNIT_DIR}/{AGENT_UNIT}"
+REBOOT_LOOKS = 12
 
 
 def engine_url(settings: Settings) -> str:
@@ -56,7 +69,9 @@ def engine_url(settings: Settings) -> str:
     return f"http://{host}:{settings.listen_port}"
 
 
-def agent_unit(settings: Settings) -> str:
+def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32) -> str:
+    """The unit; ``system32``: ``C:\\Windows\\System32`` under the drive root the distro mounts
+    (the agent runs Windows' tasklist.exe, reg.exe and PowerShell from there, never from PATH)."""
     args = [
         "/usr/bin/python3",
         AGENT_SCRIPT,
@@ -83,7 +98,22 @@ def agent_unit(settings: Settings) -> str:
         AGENT_STATE_FILE,
         "--override-file",
         OWNER_OVERRIDE_FILE,
+        "--system32",
+        system32,
+        "--windows-interval-s",
+        str(settings.owner_windows_interval_s),
+        # Windows Update's flags change rarely: read every 12th look (every minute by default).
+        "--reboot-interval-s",
+        str(REBOOT_LOOKS * settings.owner_windows_interval_s),
     ]
+    for app in settings.owner_apps:
+        args += ["--app", app]
+    if settings.owner_fullscreen:
+        args.append("--fullscreen")
+    if settings.owner_reboot_drain:
+        args.append("--reboot-drain")
+    if settings.serve_hours:
+        args += ["--serve-hours", settings.serve_hours]
     about = Section(
         "Unit",
         (
@@ -126,6 +156,57 @@ def owner_command() -> str:
     )
 
 
+# The owner's Desktop shortcuts (Windows batch files, CRLF): snooze and resume through wsl.exe
+# by its full path (a double-clicked .cmd runs in the Desktop folder, where cmd.exe would find a
+# planted wsl.exe first).
+# What WSL accepts as a distribution name (`wsl --import`): anything else never reaches a file
+# the owner runs.
+_DISTRO = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def shortcut_texts(distro: str) -> dict[str, bytes]:
+    """The two shortcuts for ``distro`` (a checked WSL distribution name)."""
+    if not _DISTRO.fullmatch(distro):
+        raise ValueError(f"not a WSL distribution name: {distro!r}")
+    wsl = f'"%SystemRoot%\\System32\\wsl.exe" -d {distro} -u root freetoken-owner'
+
+    def cmd(what: str, verb: str) -> bytes:
+        lines = [
+            "@echo off",
+            f"rem {managed_by('operations/owner.py')}",
+            f"rem FreeToken: {what}",
+            f"{wsl} {verb}",
+            "pause",
+        ]
+        return ("\r\n".join(lines) + "\r\n").encode("ascii")
+
+    return {
+        SNOOZE_SHORTCUT: cmd("the engine leaves the GPU for 2 hours (freetoken-owner snooze 2h)", "snooze 2h"),
+        RESUME_SHORTCUT: cmd("end the snooze, serve again once the GPU is free (freetoken-owner resume)", "resume"),
+    }
+
+
+def desktop_shortcuts(settings: Settings, root: str):
+    """Write the owner's two shortcuts on their Windows Desktop (``owner_shortcuts``): only when
+    the profile, the Desktop folder and a valid distro name are known, and only what differs."""
+    moved = {} if root == DEFAULT_DRIVE_ROOT else {"drive_root": root}
+    profile = host.get_fact(WindowsUserProfile, **moved)
+    if profile.path is None:
+        host.noop(f"no Windows user profile ({profile.error}): no Desktop shortcuts for the owner")
+        return
+    desktop = f"{profile.path}/Desktop"
+    seen = host.get_fact(OwnerShortcuts, path=desktop)
+    if not seen.desktop_exists:
+        host.noop(f"{desktop} is not a folder (a Desktop moved to OneDrive?): no shortcuts written")
+        return
+    if not _DISTRO.fullmatch(seen.distro):
+        host.noop(f"the distro's Windows name is unknown or not a name ({seen.distro[:64]!r}): no shortcuts written")
+        return
+    for name, data in shortcut_texts(seen.distro).items():
+        if seen.files.get(name) != data:
+            yield from files.put._inner(src=io.BytesIO(data), dest=f"{desktop}/{name}")
+
+
 @operation()
 def agent(settings: Settings):
     """
@@ -146,11 +227,15 @@ def agent(settings: Settings):
         if host.get_fact(File, path=UNIT_PATH):
             yield from systemd.service._inner(service=AGENT_UNIT, running=False, enabled=False)
         return
+    wslconf = host.get_fact(WslConfFile)
+    root = wsl_ini.drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
     changed = yield from managed.put(
         ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
         ManagedFile(OWNER_MODULE, local=owner.__file__),
         ManagedFile(AGENT_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
         ManagedFile(OWNER_COMMAND, text=owner_command(), mode="755"),
-        ManagedFile(UNIT_PATH, text=agent_unit(settings), unit=True),
+        ManagedFile(UNIT_PATH, text=agent_unit(settings, system32(root)), unit=True),
     )
     yield from managed.running(AGENT_UNIT, changed=bool(changed - {OWNER_COMMAND}))
+    if settings.owner_shortcuts:
+        yield from desktop_shortcuts(settings, root)

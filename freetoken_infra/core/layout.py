@@ -80,6 +80,10 @@ OWNER_OVERRIDE_FILE = f"{DEPLOY_STATE_DIR}/owner-override.json"
 # preflight, so also on a host the preflight then refuses, which must be left as it was.
 HOST_LOCK_FILE = f"{DEPLOY_RUN_DIR}/run.lock"
 HOST_LOCK_MUTEX = f"{DEPLOY_RUN_DIR}/run.lock.mutex"
+# The last successful converge: the controller's fingerprint and the signature of every input of
+# the facts it read (operations/host_lock.py, facts/inputs.py). Root's, 0600: while it stands, a
+# re-run reads it instead of the facts (the no-op fast check).
+CONVERGE_RECORD_FILE = f"{DEPLOY_STATE_DIR}/converged.json"
 # The health gate's record: the last result, what it gated, and the last passed gate.
 GATE_RECORD_FILE = f"{DEPLOY_STATE_DIR}/health-gate.json"
 # Written into an engine venv as the last step of building it: a venv without it is unfinished.

@@ -10,7 +10,15 @@ functions of plain values: tested without a host in ``tests/unit/test_owner.py``
 
 The owner's claim on the GPU is what other processes hold (under WSL ``nvidia-smi`` counts the
 owner's Windows games in the card's used memory without listing them, microsoft/WSL#7162) above
-``owner_vram_threshold_gb``, or a snooze the owner set with ``freetoken-owner snooze``.
+``owner_vram_threshold_gb``, or a snooze the owner set with ``freetoken-owner snooze``, or
+(issue 22 items 2 and 3, through interop) an app of ``owner_apps`` running on Windows, a
+full-screen app (``owner_fullscreen``), the owner's ``serve_hours`` over, or a pending Windows
+reboot. Each claim has a status word (``Claim.word``: ``yielded (game)``, ``yielded (app
+NAME)``, ``snoozed``, ``reboot pending``, ``off schedule``) that the agent appends to its
+agent-check answer after ``#``; HAProxy 2.6 keeps it in ``show stat``'s ``last_agt`` (``via
+agent : up (WORD)``), where ``freetoken_infra.fleet`` reads it back (``fleet_word``). A pending
+reboot only drains (mode ``held``: no new work, the engine left as it is, Windows will stop it);
+every other claim also stops the engine.
 
     serving --claim--> yielding (drain at the gateway) --gateway read it--> yielded (engine
     stopped after its streams) --claim gone for owner_quiet_s--> starting --/health ok--> serving
@@ -26,8 +34,8 @@ import re
 import time
 from dataclasses import asdict, dataclass, replace
 
-SERVING, YIELDING, YIELDED, STARTING = "serving", "yielding", "yielded", "starting"
-MODES = (SERVING, YIELDING, YIELDED, STARTING)
+SERVING, YIELDING, YIELDED, STARTING, HELD = "serving", "yielding", "yielded", "starting", "held"
+MODES = (SERVING, YIELDING, YIELDED, STARTING, HELD)
 STOP, START = "stop", "start"
 
 MIB_PER_GIB = 1024
@@ -47,7 +55,12 @@ SNOOZE_MAX_S = 7 * 24 * 3600
 # The agent-check answers (HAProxy 2.6, "agent-check"): `drain` alone keeps the server's weight,
 # which the conversations' `use-server ... srv_weight gt 0` rules read, so `0%` goes with it (the
 # fleet CLI's drain also sets weight 0); `ready 100%` undoes both; `up` changes nothing.
+# While the host is the owner's the answer is `drain 0% up #WORD` (WORD: the claim's status word):
+# HAProxy 2.6 keeps the text after `#` only from an answer that also carries a state word
+# (measured with 2.6.12: `drain 0% #x` leaves `last_agt` empty, `drain 0% up #x` gives `via agent
+# : up (x)`), and `up` changes nothing else (the health checks still decide).
 WORD_DRAIN = b"drain 0%\n"
+DRAIN_PREFIX = b"drain 0%"
 WORD_READY = b"ready 100%\n"
 WORD_UP = b"up\n"
 
@@ -58,6 +71,10 @@ class Policy:
 
     vram_threshold_mib: int  # others' VRAM above this is a claim; 0: VRAM never claims
     quiet_s: float  # the claim gone this long before the engine starts again
+    apps: tuple[str, ...] = ()  # owner_apps: Windows image names (app_name_ok), any case
+    fullscreen: bool = False  # owner_fullscreen: a full-screen app on Windows claims the GPU
+    hours: Hours | None = None  # serve_hours (parse_hours); None: always
+    reboot: bool = True  # owner_reboot_drain: a pending Windows reboot drains the host
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,10 @@ class Observation:
     health_ok: bool  # /health said "status": "ok"
     snooze_until: float | None = None  # the owner's snooze, if any
     drain_answered: bool = False  # the gateway has read `drain` since this yield began
+    apps_running: tuple[str, ...] = ()  # the policy's apps seen running on Windows (their names as set)
+    fullscreen: bool = False  # Windows said a full-screen app runs (notification_fullscreen)
+    reboot_pending: bool = False  # Windows Update's flags (reg.exe, reboot_flag)
+    local: tuple[int, int] | None = None  # the host's local (weekday Mon=0, minute of the day)
 
 
 @dataclass(frozen=True)
@@ -86,6 +107,7 @@ class AgentState:
     stopped: bool = False  # the agent stopped the engine (it starts only what it stopped)
     idle_used_mib: int | None = None  # the card's used memory last seen with the engine stopped
     engine_mib: int | None = None  # what the engine took when it came up (used less idle_used)
+    word: str = ""  # the claim's status word (Claim.word) while not serving
 
 
 def others_mib(obs: Observation, learned_engine_mib: int | None = None) -> int | None:
@@ -120,44 +142,111 @@ def gib(mib: float) -> str:
     return f"{mib / MIB_PER_GIB:.1f} GiB"
 
 
-def claim(obs: Observation, policy: Policy, learned_engine_mib: int | None = None) -> str | None:
-    """Why the owner claims the GPU now, or None."""
+# --------------------------------------------------------------------------- the owner's claims
+SNOOZE, APP, FULLSCREEN, VRAM, SCHEDULE, REBOOT = "snooze", "app", "fullscreen", "vram", "schedule", "reboot"
+# Before serve_hours end the host drains this much ahead, so that streams finish in its hours.
+SCHEDULE_LEAD_S = 60.0
+# Windows image names an owner may list (owner_apps): a file name ending in .exe, no path, no
+# quotes, commas, `#` or control characters (the name goes into the agent-check answer).
+_APP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._+()&'-]{0,58}\.exe", re.IGNORECASE)
+
+
+def app_name_ok(name: str) -> bool:
+    return _APP_NAME.fullmatch(name) is not None and "  " not in name
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The owner's claim on the GPU: its kind, the status word the gateway and `fleet status`
+    show, and the reason the agent records."""
+
+    kind: str
+    word: str
+    reason: str
+
+    @property
+    def stops_engine(self) -> bool:
+        """A pending reboot only drains; every other claim frees the card."""
+        return self.kind != REBOOT
+
+
+def claims(obs: Observation, policy: Policy, learned_engine_mib: int | None = None) -> list[Claim]:
+    """Every claim the owner has now, strongest first (the owner's own use before the schedule,
+    the schedule before a reboot)."""
+    out = []
     if obs.snooze_until is not None and obs.snooze_until > obs.now:
-        return f"snoozed by the owner until {time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(obs.snooze_until))}"
+        until = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(obs.snooze_until))
+        out.append(Claim(SNOOZE, "snoozed", f"snoozed by the owner until {until}"))
+    wanted = {a.lower(): a for a in policy.apps}
+    running = [wanted[a.lower()] for a in obs.apps_running if a.lower() in wanted]
+    if running:
+        out.append(
+            Claim(APP, f"yielded (app {running[0]})", f"the owner's app {running[0]} runs on Windows (owner_apps)")
+        )
+    if policy.fullscreen and obs.fullscreen:
+        out.append(Claim(FULLSCREEN, "yielded (full-screen)", "a full-screen app runs on Windows (owner_fullscreen)"))
     others = others_mib(obs, learned_engine_mib)
     if policy.vram_threshold_mib > 0 and others is not None and others > policy.vram_threshold_mib:
-        return (
+        reason = (
             f"the owner's GPU use: {gib(others)} held by other processes "
             f"(over owner_vram_threshold_gb, {gib(policy.vram_threshold_mib)})"
         )
-    return None
+        out.append(Claim(VRAM, "yielded (game)", reason))
+    if policy.hours is not None and obs.local is not None:
+        day, minute = obs.local
+        ahead = minute + int(SCHEDULE_LEAD_S // 60)
+        if not in_hours(policy.hours, day, minute) or not in_hours(
+            policy.hours, (day + ahead // 1440) % 7, ahead % 1440
+        ):
+            out.append(Claim(SCHEDULE, "off schedule", f"outside serve_hours ({format_hours(policy.hours)})"))
+    if policy.reboot and obs.reboot_pending:
+        out.append(Claim(REBOOT, "reboot pending", "Windows has a reboot pending (Windows Update): no new work"))
+    return out
+
+
+def claim(obs: Observation, policy: Policy, learned_engine_mib: int | None = None) -> str | None:
+    """Why the owner claims the GPU now (the strongest claim's reason), or None."""
+    found = claims(obs, policy, learned_engine_mib)
+    return found[0].reason if found else None
+
+
+def _strongest(found: list[Claim]) -> Claim | None:
+    """The claim that decides: the first that frees the card, else the first (a reboot)."""
+    return next((c for c in found if c.stops_engine), found[0] if found else None)
 
 
 def step(state: AgentState, obs: Observation, policy: Policy) -> tuple[AgentState, str | None]:
     """The next state and the action to take now (``STOP``, ``START`` or None)."""
     state = learn(state, obs)
-    now, why = obs.now, claim(obs, policy, state.engine_mib)
+    now = obs.now
+    found = claims(obs, policy, state.engine_mib)
+    c = _strongest(found)
     others = others_mib(obs, state.engine_mib)
     state = replace(state, others_mib=others if others is not None else state.others_mib)
-    if state.mode == SERVING:
-        if why is None:
+    if state.mode in (SERVING, HELD):
+        if c is None:
+            if state.mode == HELD:
+                return _serving(state, now, "the pending reboot is gone"), None
             return state, None
+        if not c.stops_engine:  # a pending reboot: no new work, the engine left as it is
+            if state.mode == HELD:
+                return replace(state, reason=c.reason, word=c.word), None
+            return _owned(state, HELD, c, now), None
         if obs.engine_active:  # drain first; the engine stops once the gateway has read it
-            return replace(state, mode=YIELDING, reason=why, since=now, clear_since=None, ready_until=0.0), None
+            return _owned(state, YIELDING, c, now), None
         # Not running (the guard, the operator): nothing to stop, but it is the owner's now.
-        return (
-            replace(state, mode=YIELDED, reason=why, since=now, clear_since=None, ready_until=0.0, stopped=False),
-            None,
-        )
+        return replace(_owned(state, YIELDED, c, now), stopped=False), None
     if state.mode == YIELDING:
-        if why is None:  # gone before the engine stopped: undo the drain
+        if c is None:  # gone before the engine stopped: undo the drain
             return _serving(state, now, "the owner's claim ended before the engine stopped"), None
+        if not c.stops_engine:
+            return _owned(state, HELD, c, now), None
         if obs.drain_answered or now - state.since >= GATEWAY_NOTICE_S:
-            return replace(state, mode=YIELDED, reason=why, stopped=True), STOP
-        return replace(state, reason=why), None
+            return replace(state, mode=YIELDED, reason=c.reason, word=c.word, stopped=True), STOP
+        return replace(state, reason=c.reason, word=c.word), None
     if state.mode == YIELDED:
-        if why is not None:
-            return replace(state, reason=why, clear_since=None), None
+        if c is not None:
+            return replace(state, reason=c.reason, word=c.word, clear_since=None), None
         if others is None:  # cannot tell: wait
             return state, None
         clear = state.clear_since if state.clear_since is not None else now
@@ -165,17 +254,23 @@ def step(state: AgentState, obs: Observation, policy: Policy) -> tuple[AgentStat
             if not state.stopped:  # someone else stopped it: theirs to start
                 return _serving(state, now, "the owner's claim is gone (the engine was not ours to start)"), None
             reason = f"the owner's claim gone for {now - clear:.0f} s: starting the engine"
-            return replace(state, mode=STARTING, reason=reason, since=now, clear_since=None), START
+            return replace(state, mode=STARTING, reason=reason, word="", since=now, clear_since=None), START
         return replace(state, clear_since=clear), None
     if state.mode == STARTING:
-        if obs.snooze_until is not None and obs.snooze_until > now and why is not None:
-            return replace(state, mode=YIELDED, reason=why, since=now, clear_since=None, stopped=True), STOP
+        # A claim that does not hang on VRAM (the engine's own grows while it loads) stops it again.
+        hard = next((x for x in found if x.stops_engine and x.kind != VRAM), None)
+        if hard is not None:
+            return replace(_owned(state, YIELDED, hard, now), stopped=True), STOP
         if obs.engine_active and obs.health_ok:
             return _serving(state, now, "back in service after a yield"), None
         if now - state.since >= START_TIMEOUT_S:
             return _serving(state, now, f"the engine was not healthy {START_TIMEOUT_S:.0f} s after its start"), None
         return state, None
     return _serving(state, now, f"unknown mode {state.mode!r} reset"), None
+
+
+def _owned(state: AgentState, mode: str, c: Claim, now: float) -> AgentState:
+    return replace(state, mode=mode, reason=c.reason, word=c.word, since=now, clear_since=None, ready_until=0.0)
 
 
 def _serving(state: AgentState, now: float, reason: str) -> AgentState:
@@ -187,13 +282,16 @@ def _serving(state: AgentState, now: float, reason: str) -> AgentState:
         clear_since=None,
         ready_until=now + REJOIN_READY_S,
         stopped=False,
+        word="",
     )
 
 
 def agent_word(state: AgentState, now: float) -> bytes:
-    """What the agent-check port answers: one of three fixed lines."""
+    """What the agent-check port answers: ``drain 0% up #WORD`` while the host is the owner's
+    (``drain 0%`` when the word is not one of ours), else ``ready 100%`` or ``up``."""
     if state.mode != SERVING:
-        return WORD_DRAIN
+        word = fleet_word(state.word)
+        return WORD_DRAIN if word is None else f"drain 0% up #{word}\n".encode()
     if now < state.ready_until:
         return WORD_READY
     return WORD_UP
@@ -236,6 +334,7 @@ def load_state(text: str) -> AgentState:
         stopped=doc.get("stopped") is True,
         idle_used_mib=_mib(doc.get("idle_used_mib")),
         engine_mib=_mib(doc.get("engine_mib")),
+        word=fleet_word(doc.get("word")) or "",
     )
 
 
@@ -273,7 +372,200 @@ def describe(state: AgentState, snooze_until: float | None, now: float) -> str:
         f"since:   {when}",
         f"others' GPU memory: {gib(state.others_mib) if state.others_mib is not None else 'unknown'}",
     ]
+    if state.mode != SERVING and fleet_word(state.word):
+        lines.append(f"fleet status shows: {state.word}")
     if snooze_until is not None and snooze_until > now:
         left = int(snooze_until - now)
         lines.append(f"snoozed: {left // 3600} h {left % 3600 // 60} min left (freetoken-owner resume ends it)")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- status words
+_FLEET_WORDS = ("yielded (game)", "yielded (full-screen)", "snoozed", "reboot pending", "off schedule")
+_APP_WORD = re.compile(r"yielded \(app (.{1,64})\)")
+
+
+def fleet_word(text: object) -> str | None:
+    """``text`` when it is one of the agent's status words, else None: what the fleet CLI reads
+    back from HAProxy (a host's answer, untrusted) is only ever compared with this vocabulary."""
+    if not isinstance(text, str):
+        return None
+    if text in _FLEET_WORDS:
+        return text
+    match = _APP_WORD.fullmatch(text)
+    return text if match and app_name_ok(match.group(1)) else None
+
+
+# HAProxy 2.6's `show stat` field `last_agt` after an answer with a state word and `#WORD`.
+_LAST_AGT = re.compile(r"via agent : up \((.{1,100})\)")
+
+
+def word_from_last_agt(last_agt: str) -> str | None:
+    """The status word in ``last_agt`` (``via agent : up (yielded (app x.exe))``), or None."""
+    match = _LAST_AGT.fullmatch(last_agt.strip())
+    return fleet_word(match.group(1)) if match else None
+
+
+# --------------------------------------------------------------------------- serve_hours
+DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_HHMM = r"([01][0-9]|2[0-4]):([0-5][0-9])"
+_DAY = r"(?:mon|tue|wed|thu|fri|sat|sun)"
+_DAYSPEC = rf"{_DAY}(?:-{_DAY})?(?:,{_DAY}(?:-{_DAY})?)*"
+_RANGE = re.compile(rf"(?:({_DAYSPEC})\s+)?{_HHMM}-{_HHMM}", re.IGNORECASE)
+HOURS_MAX_RANGES = 14
+
+
+@dataclass(frozen=True)
+class HoursRange:
+    days: frozenset[int]  # the days a range starts on (Mon=0)
+    start: int  # minute of the day
+    end: int  # minute of the day, 1..1440; end <= start: it runs past midnight into the next day
+
+
+Hours = tuple[HoursRange, ...]
+
+
+def _minute(hh: str, mm: str, text: str) -> int:
+    minute = int(hh) * 60 + int(mm)
+    if minute > 1440:
+        raise ValueError(f"serve_hours: {text!r}: {hh}:{mm} is not a time of day")
+    return minute
+
+
+def _days(spec: str | None, text: str) -> frozenset[int]:
+    if spec is None:
+        return frozenset(range(7))
+    out: set[int] = set()
+    for part in spec.lower().split(","):
+        first, _, last = part.partition("-")
+        a, b = DAYS.index(first), DAYS.index(last or first)
+        out.update((a + i) % 7 for i in range((b - a) % 7 + 1))  # Fri-Mon wraps over the weekend
+    return frozenset(out)
+
+
+def parse_hours(text: str) -> Hours:
+    """``serve_hours``: when the host serves, in the host's local time. One or more ranges
+    separated by ``;``, each ``[DAYS ]HH:MM-HH:MM``; DAYS: ``Mon``..``Sun``, a span ``Mon-Fri``
+    (``Fri-Mon`` wraps) or a list ``Mon,Wed,Sat-Sun``; no DAYS: every day. A range whose end is
+    not after its start runs past midnight (``Mon-Fri 18:00-08:00``: Friday 18:00 to Saturday
+    08:00 too; Monday 00:00-08:00 only if Sunday is listed); ``24:00`` ends a day
+    (``Sat-Sun 00:00-24:00``). ValueError, naming the part, for anything else."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("serve_hours: empty (leave it unset to serve at any hour)")
+    parts = [p.strip() for p in text.split(";")]
+    if len(parts) > HOURS_MAX_RANGES:
+        raise ValueError(f"serve_hours: at most {HOURS_MAX_RANGES} ranges, not {len(parts)}")
+    out = []
+    for part in parts:
+        match = _RANGE.fullmatch(part)
+        if match is None:
+            raise ValueError(
+                f"serve_hours: {part!r} is not a range: say [DAYS ]HH:MM-HH:MM, e.g. 'Mon-Fri 18:00-08:00' "
+                "or '22:00-07:00', several separated by ';'"
+            )
+        start = _minute(match.group(2), match.group(3), part)
+        end = _minute(match.group(4), match.group(5), part)
+        if start == 1440:
+            raise ValueError(f"serve_hours: {part!r}: a range cannot start at 24:00")
+        if end == 0:
+            end = 1440  # 18:00-00:00: to midnight
+        if start == end:
+            raise ValueError(f"serve_hours: {part!r}: start and end are the same (say 00:00-24:00 for a whole day)")
+        out.append(HoursRange(_days(match.group(1), part), start, end))
+    return tuple(out)
+
+
+def in_hours(hours: Hours, weekday: int, minute: int) -> bool:
+    """Whether (weekday Mon=0, minute of the day) lies in ``hours``."""
+    for r in hours:
+        if r.start < r.end:
+            if weekday in r.days and r.start <= minute < r.end:
+                return True
+        elif (weekday in r.days and minute >= r.start) or ((weekday - 1) % 7 in r.days and minute < r.end):
+            return True
+    return False
+
+
+def format_hours(hours: Hours) -> str:
+    def days(d: frozenset[int]) -> str:
+        return "" if len(d) == 7 else ",".join(DAYS[i].title() for i in sorted(d)) + " "
+
+    def hhmm(m: int) -> str:
+        return f"{m // 60:02d}:{m % 60:02d}"
+
+    return "; ".join(f"{days(r.days)}{hhmm(r.start)}-{hhmm(r.end)}" for r in hours)
+
+
+# --------------------------------------------------------------------------- Windows' answers
+# Everything Windows prints is untrusted text: parsed strictly, only compared, never run.
+TASKLIST_ARGS = ("/fo", "csv", "/nh")
+_TASKLIST_ROW = re.compile(
+    r'"([^"\x00-\x1f]{1,260})","(\d{1,10})","([^"\x00-\x1f]{0,64})","(\d{1,10})","([^"\x00-\x1f]{0,32})"'
+)
+
+
+def parse_tasklist(data: bytes) -> set[str] | None:
+    """``tasklist.exe /fo csv /nh``: the image names running (lower case), or None when the
+    output is not tasklist's five quoted fields per line (``"System Idle Process","0",
+    "Services","0","8 K"``; the console's code page: bytes that are not UTF-8 become U+FFFD and
+    match no name of the list, which is ASCII)."""
+    text = data.decode("utf-8", errors="replace")
+    names: set[str] = set()
+    rows = 0
+    for line in text.replace("\r\n", "\n").split("\n"):
+        if not line.strip():
+            continue
+        if line.startswith("INFO: "):  # "INFO: No tasks are running which match the specified criteria."
+            continue
+        match = _TASKLIST_ROW.fullmatch(line.strip())
+        if match is None:
+            return None
+        names.add(match.group(1).lower())
+        rows += 1
+    return names if rows else None
+
+
+def running_apps(names: set[str], apps: tuple[str, ...]) -> tuple[str, ...]:
+    """The listed apps among the running image names (case-insensitive, whole names only)."""
+    return tuple(a for a in apps if a.lower() in names)
+
+
+# shell32's SHQueryUserNotificationState, through PowerShell: one number, QUERY_USER_NOTIFICATION_STATE.
+NOTIFICATION_SCRIPT = (
+    "$t = Add-Type -PassThru -Name Quns -Namespace FreeToken -MemberDefinition "
+    "'[DllImport(\"shell32.dll\")] public static extern int SHQueryUserNotificationState(out int state);'; "
+    "$s = 0; if ($t::SHQueryUserNotificationState([ref]$s) -eq 0) { $s } else { 'error' }"
+)
+QUNS_BUSY, QUNS_RUNNING_D3D_FULL_SCREEN, QUNS_PRESENTATION_MODE = 2, 3, 4
+FULLSCREEN_STATES = (QUNS_BUSY, QUNS_RUNNING_D3D_FULL_SCREEN, QUNS_PRESENTATION_MODE)
+
+
+def parse_notification_state(data: bytes) -> int | None:
+    """The state PowerShell printed (1..7), or None for anything else."""
+    text = data.decode("ascii", errors="replace").strip()
+    return int(text) if len(text) == 1 and text in "1234567" else None
+
+
+def notification_fullscreen(state: int | None) -> bool:
+    """A full-screen app (busy, Direct3D full screen, presentation mode)."""
+    return state in FULLSCREEN_STATES
+
+
+# Windows Update's pending-reboot flags: `reg.exe query KEY` exits 0 when the key exists (and
+# prints a blank line and the key's full name first), 1 when it does not.
+REBOOT_KEYS = (
+    r"HKLM\SOFTWARE\Microsoft\Windows\CurrentVersion\WindowsUpdate\Auto Update\RebootRequired",
+    r"HKLM\SOFTWARE\Microsoft\Windows\CurrentVersion\Component Based Servicing\RebootPending",
+)
+
+
+def reboot_flag(key: str, returncode: int, data: bytes) -> bool | None:
+    """Whether ``key`` exists per ``reg.exe query KEY``: True (exit 0 and the first line names
+    the key), False (exit 1), None for anything else."""
+    if returncode == 1:
+        return False
+    if returncode != 0:
+        return None
+    lines = [line.strip() for line in data.decode("utf-8", errors="replace").splitlines() if line.strip()]
+    full = "HKEY_LOCAL_MACHINE" + key[len("HKLM") :]
+    return True if lines and lines[0].lower() == full.lower() else None

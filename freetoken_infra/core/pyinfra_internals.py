@@ -351,6 +351,14 @@ def is_active(state: State, host: Any) -> bool:
     return host in state.active_hosts
 
 
+def operations_ran(state: State) -> bool:
+    """Whether this run executed its operations (``State.current_stage`` reached Execute): not a
+    ``--dry`` run, nor one that stopped at the confirmation prompt."""
+    from pyinfra.api.state import StateStage
+
+    return state.current_stage >= StateStage.Execute
+
+
 def active_host_names(state: State) -> set[str]:
     """Hosts still in the run (``State.active_hosts``): reached and not failed."""
     return {h.name for h in state.active_hosts}

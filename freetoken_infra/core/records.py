@@ -303,6 +303,7 @@ class RunRecords(BaseStateCallback):
 
     def __init__(self) -> None:
         self.settings: dict[str, Any] | None = None  # host name -> Settings (preflight.fleet_settings)
+        self.fleet_fingerprint: str | None = None  # what every host's fingerprint shares (preflight)
         self.preflight: dict[str, Any] = {}  # host name -> rules.HostPreflight
         self.summary_printed = False
         self.gates: dict[str, GateResult] = {}  # host name -> this run's gate result

@@ -30,7 +30,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from freetoken_infra.core import redact, wol
+from freetoken_infra.core import owner, redact, wol
 from freetoken_infra.core.hardware import HARDWARE_PROFILES
 
 if TYPE_CHECKING:
@@ -245,6 +245,8 @@ class Settings(BaseModel):
     """How long the health gate waits for `/health` ok."""
     host_lock_timeout_s: int = Field(600, ge=0, le=86400)
     """How long a run waits for another run's lock on the host before it stops that host."""
+    fast_check: bool = True
+    """A re-run on a host where nothing the last converge read has changed (files, packages, units, boot, the engine's `/health`; same settings and code) reads one record instead of every fact; false: every run reads every fact."""
     decode_floor_tps: float | None = Field(None, gt=0)
     """Lowest decode tokens/s the gate accepts (set per hardware class)."""
     guard_enabled: bool = True
@@ -263,6 +265,18 @@ class Settings(BaseModel):
     """Seconds the owner's claim must have been gone before the engine starts again."""
     owner_drain_timeout_s: float = Field(10.0, ge=0, le=10)
     """How long a yield lets running streams finish (FreeToken's prepare-stop; at most its own 10 s)."""
+    owner_apps: list[str] = Field(default_factory=list, max_length=64)
+    """Windows image names (e.g. `eldenring.exe`): while one runs on Windows (`tasklist.exe`, through interop) the host yields."""
+    owner_fullscreen: bool = False
+    """A full-screen app on Windows (shell32's notification state: busy, Direct3D full screen, presentation) makes the host yield."""
+    owner_reboot_drain: bool = True
+    """A pending Windows reboot (Windows Update's RebootRequired / RebootPending keys) drains the host: no new work."""
+    owner_windows_interval_s: int = Field(5, ge=1, le=300)
+    """Seconds between the agent's looks at Windows (apps, full screen); each interop start costs about half a second."""
+    owner_shortcuts: bool = True
+    """Put two shortcuts on the owner's Windows Desktop: `freetoken-owner snooze 2h` and `resume` through `wsl.exe -u root`."""
+    serve_hours: str | None = None
+    """When the host serves, local time: `Mon-Fri 18:00-08:00`, `22:00-07:00`, several joined by `;`; outside them it drains and stops the engine. Unset: always."""
     node_exporter_enabled: bool = True
     """Install Debian's prometheus-node-exporter, its textfile collector reading the guard's samples."""
     node_exporter_port: int = Field(9100, ge=1, le=65535)
@@ -315,6 +329,24 @@ class Settings(BaseModel):
     @classmethod
     def _wake_on_lan_mac(cls, v: str | None) -> str | None:
         return None if v is None else wol.parse_mac(v)
+
+    @field_validator("owner_apps")
+    @classmethod
+    def _owner_apps(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not owner.app_name_ok(name):
+                raise ValueError(
+                    f"{name!r} is not a Windows image name: a file name ending in .exe (letters, digits, "
+                    "space, . _ + ( ) & ' -; no path), e.g. eldenring.exe"
+                )
+        return v
+
+    @field_validator("serve_hours")
+    @classmethod
+    def _serve_hours(cls, v: str | None) -> str | None:
+        if v is not None:
+            owner.parse_hours(v)  # its ValueError names the part and the syntax
+        return v
 
     @field_validator("engine_version")
     @classmethod

@@ -21,7 +21,21 @@ Commands (the lock file is --lock-file; every decision is taken under an flock o
     renew --token T --lease S           exit 0 when still ours (lease extended), else 3
     release --token T [--upload-dir D]  exit 0 (removed when ours; left alone when not); D, the
                                         run's upload folder, is removed
+    take ... --unchanged-if FP --record R
+                                        first, when the lock may be taken: if the converge record R
+                                        (written by release, below) names fingerprint FP and every
+                                        input it lists reads as it did then, exit 5 and print
+                                        {"unchanged": true, "inputs": N}: nothing is taken or
+                                        written. Else the lock is taken as above and R is removed
+                                        (this run's end writes it again if the run succeeds), and
+                                        the output says why in "fast_check"
+    release ... --record R --fingerprint FP --inputs B64JSON
+                                        before the lock is released (when ours): write R, the
+                                        signature of the inputs (facts/inputs.py) as they read now
     (any, without root)                 exit 4 and print {"need_root": true, "error": ...}
+    check --record R                    print {"changes": {INPUT: NOW}} (or a string: why there is
+                                        no record to check): the converge record's inputs that read
+                                        otherwise now; reads only (the drift tests' probe)
     show                                print {"holder": CURRENT|null, "alive": bool|null,
                                         "expired": bool|null, "now": EPOCH}
 
@@ -39,12 +53,21 @@ import json
 import os
 import re
 import shutil
+import stat
+import subprocess
 import sys
 import tempfile
 import time
 
 HELD = 3
 NEED_ROOT = 4
+UNCHANGED = 5
+# The converge record's inputs (facts/inputs.py): at most this many entries under a tree and in
+# all, and this long for the engine's /health; beyond, the record cannot stand (a full run).
+TREE_CAP = 5000
+HEALTH_TIMEOUT_S = 2.0
+HEALTH_MAX_BYTES = 65536
+HEALTH_KEYS = ("status", "version", "model")
 # The run's upload folder (pyinfra's _temp_dir): with sudo, pyinfra uploads a file as the SSH
 # user to TEMP/pyinfra-<sha1 of the destination> before root copies it into place; in /tmp that
 # name is predictable, and another local user could plant it first. So a run that went through
@@ -116,6 +139,189 @@ def session_alive(session: dict | None) -> bool | None:
     return info is not None and info[2] == session.get("start")
 
 
+def _sig(path: str, folder: bool = False) -> str:
+    """A path's metadata, not following its last component (a link's target is stat-ed too, for
+    its metadata only: nothing is read or written through it). A non-root user cannot set
+    ctime: a change of content, mode or owner shows even when undone. ``folder``: a folder's
+    type, mode, owner and inode only (its times change with every entry made in it)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"error {exc.errno}"
+    if folder and stat.S_ISDIR(st.st_mode):
+        return f"{st.st_mode:o} {st.st_uid}:{st.st_gid} {st.st_ino}"
+    sig = f"{st.st_mode:o} {st.st_uid}:{st.st_gid} {st.st_size} {st.st_ino} {st.st_mtime_ns} {st.st_ctime_ns}"
+    if os.path.islink(path):
+        try:
+            target = os.stat(path)
+            sig += (
+                f" -> {os.readlink(path)} {target.st_mode:o} {target.st_ino} {target.st_mtime_ns} {target.st_ctime_ns}"
+            )
+        except OSError as exc:
+            sig += f" -> error {exc.errno}"
+    return sig
+
+
+def _tree(root: str, out: dict) -> bool:
+    """Every entry below ``root`` (links not followed); False past TREE_CAP entries."""
+    count = 0
+    for folder, dirs, files in os.walk(root):  # followlinks=False: a link is an entry
+        for name in sorted(dirs) + sorted(files):
+            count += 1
+            if count > TREE_CAP:
+                return False
+            path = os.path.join(folder, name)
+            out[f"tree {path}"] = _sig(path, folder=True)
+    return True
+
+
+def _units(units: list) -> dict:
+    if not units:
+        return {}
+    try:
+        done = subprocess.run(
+            ["systemctl", "show", "--property=Id,ActiveState,UnitFileState,LoadState", "--", *units],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"units": f"error {exc}"}
+    out = {}
+    for i, block in enumerate(done.stdout.strip().split("\n\n")):
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        name = units[i] if i < len(units) else props.get("Id", "?")
+        out[f"unit {name}"] = " ".join(props.get(k, "?") for k in ("ActiveState", "UnitFileState", "LoadState"))
+    return out
+
+
+def _get(url: str) -> tuple:
+    """(HTTP status, body) of a plain GET on loopback. A bare HTTP/1.0 request over a socket, not
+    urllib or http.client: both import ssl, about a third of this script's CPU on a no-op run, on
+    the owner's PC, for a loopback request that needs none of it."""
+    import socket
+
+    match = re.fullmatch(r"http://(\[[0-9a-fA-F:.]+\]|[0-9.]+):(\d+)(/[A-Za-z0-9/_.-]*)", url)
+    if not match:
+        raise ValueError(f"not a loopback URL: {url}")
+    host, port, path = match.group(1).strip("[]"), int(match.group(2)), match.group(3)
+    with socket.create_connection((host, port), timeout=HEALTH_TIMEOUT_S) as conn:
+        conn.sendall(f"GET {path} HTTP/1.0\r\nHost: {match.group(1)}:{port}\r\n\r\n".encode("ascii"))
+        data, deadline = b"", time.monotonic() + HEALTH_TIMEOUT_S
+        while len(data) <= HEALTH_MAX_BYTES:  # at most so much, and so long in all (a drip too)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("too slow")
+            conn.settimeout(left)
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if len(status) < 2 or not status[0].startswith(b"HTTP/") or not status[1].isdigit():
+        raise ValueError("not an HTTP answer")
+    return int(status[1]), body[:HEALTH_MAX_BYTES]
+
+
+def _health(url: str) -> str:
+    """The engine's /health as far as the deploy reads it (its text is the engine's: only these
+    fields of it are kept, and only compared)."""
+    try:
+        status, body = _get(url)
+    except Exception as exc:  # refused, timed out, reset, not HTTP: the engine does not answer
+        return f"unreachable {type(exc).__name__}"
+    try:
+        doc = json.loads(body) if status == 200 else None
+    except ValueError:
+        doc = None
+    fields = [doc.get(k) if isinstance(doc, dict) else None for k in HEALTH_KEYS]
+    return json.dumps([status, *[f if isinstance(f, (str, int, float, bool)) else None for f in fields]])
+
+
+def _boot() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = "?"
+    info = _stat(1)
+    return f"{boot_id} {info[2] if info else '?'}"
+
+
+def digest(inputs: dict) -> dict | None:
+    """The signature of every input (facts/inputs.py), one string per input; None when it cannot
+    stand for them (a tree past its cap)."""
+    import glob
+
+    out = {"boot": _boot()}
+    for path in inputs.get("paths", []):
+        out[f"path {path}"] = _sig(path)
+    for path in inputs.get("dirs", []):
+        out[f"dir {path}"] = _sig(path, folder=True)
+    for pattern in inputs.get("globs", []):
+        matches = sorted(glob.glob(pattern))
+        out[f"glob {pattern}"] = " ".join(matches)
+        for path in matches:
+            out[f"path {path}"] = _sig(path)
+    for root in inputs.get("trees", []):
+        if not _tree(root, out):
+            return None
+    out.update(_units(list(inputs.get("units", []))))
+    for url in inputs.get("health", []):
+        out[f"health {url}"] = _health(url)
+    return out
+
+
+def changes(record: dict | None) -> dict | str:
+    """Each input of the converge record that reads otherwise now: input -> what it reads now;
+    or why the record cannot be checked."""
+    if record is None:
+        return "no record of a converge"
+    inputs, then = record.get("inputs"), record.get("digest")
+    if not isinstance(inputs, dict) or not isinstance(then, dict):
+        return "no record of a converge"
+    now = digest(inputs)
+    if now is None:
+        return "too many files to check"
+    return {k: now.get(k, "gone") for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)}
+
+
+def unchanged(record_path: str, fingerprint: str) -> tuple:
+    """(True, inputs) when the converge record names ``fingerprint`` and its inputs read as then;
+    else (False, why)."""
+    record = _read(record_path)
+    if record is not None and record.get("fingerprint") != fingerprint:
+        return False, "settings or code changed"
+    changed = changes(record)
+    if isinstance(changed, str):
+        return False, changed
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        return False, "changed: " + ", ".join(list(changed)[:3]) + more
+    return True, len((record or {}).get("digest") or ())
+
+
+def write_record(record_path: str, fingerprint: str, inputs: dict) -> int | None:
+    """Write the converge record (root's, 0600); the number of inputs, None when none stands."""
+    now = digest(inputs)
+    if now is None:
+        _remove(record_path)
+        return None
+    os.makedirs(os.path.dirname(record_path) or ".", mode=0o755, exist_ok=True)
+    _write(record_path, {"fingerprint": fingerprint, "inputs": inputs, "digest": now, "written": time.time()})
+    return len(now)
+
+
+def _remove(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _read(path: str) -> dict | None:
     try:
         with open(path, encoding="utf-8") as f:
@@ -152,11 +358,15 @@ def free_reason(current: dict | None, now: float) -> str | None:
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description="The deploy's host lock.")
-    parser.add_argument("command", choices=("take", "renew", "release", "show"))
+    parser.add_argument("command", choices=("take", "renew", "release", "show", "check"))
     parser.add_argument("--holder", help="base64 of the holder's JSON (take)")
     parser.add_argument("--token", help="the holder's token (renew, release)")
     parser.add_argument("--upload-dir", help="the run's upload folder, removed (release)")
     parser.add_argument("--lease", type=float, default=300.0, help="seconds the lease lasts")
+    parser.add_argument("--record", help="layout.CONVERGE_RECORD_FILE (take --unchanged-if, release)")
+    parser.add_argument("--unchanged-if", help="take: the controller's fingerprint; answer unchanged if so")
+    parser.add_argument("--fingerprint", help="release: the fingerprint the record is written for")
+    parser.add_argument("--inputs", help="release: base64 of the inputs' JSON (facts/inputs.py)")
     parser.add_argument("--lock-file", required=True, help="layout.HOST_LOCK_FILE")
     parser.add_argument("--mutex", required=True, help="layout.HOST_LOCK_MUTEX")
     args = parser.parse_args(argv)
@@ -173,6 +383,9 @@ def main(argv: list | None = None) -> int:
         fcntl.flock(mutex, fcntl.LOCK_EX)
         now = time.time()
         current = _read(args.lock_file)
+        if args.command == "check":
+            print(json.dumps({"changes": changes(_read(args.record) if args.record else None)}))
+            return 0
         if args.command == "show":
             print(
                 json.dumps(
@@ -197,11 +410,29 @@ def main(argv: list | None = None) -> int:
             if why is None:
                 print(json.dumps({"taken": False, "holder": current, "now": now}))
                 return HELD
+            fast_check = None
+            if args.unchanged_if and args.record and not ours:
+                same, detail = unchanged(args.record, args.unchanged_if)
+                if same:
+                    print(json.dumps({"unchanged": True, "taken": False, "inputs": detail}))
+                    return UNCHANGED
+                fast_check = detail
             doc = {**holder, "session": session_of(holder), "taken_at": now, "expires": now + args.lease}
             _write(args.lock_file, doc)
+            _remove(args.record)  # written again by this run's release, if the run succeeds
             took_over = current if why in ("holder gone", "lease expired") else None
             upload_dir = make_upload_dir()
-            print(json.dumps({"taken": True, "took_over": took_over, "why": why, "upload_dir": upload_dir}))
+            print(
+                json.dumps(
+                    {
+                        "taken": True,
+                        "took_over": took_over,
+                        "why": why,
+                        "upload_dir": upload_dir,
+                        "fast_check": fast_check,
+                    }
+                )
+            )
             return 0
         ours = current is not None and current.get("token") == args.token
         if args.command == "renew":
@@ -212,9 +443,14 @@ def main(argv: list | None = None) -> int:
             print(json.dumps({"renewed": True}))
             return 0
         remove_upload_dir(args.upload_dir)  # release
+        recorded = None
+        if ours and args.record and args.fingerprint and args.inputs:
+            inputs = json.loads(base64.b64decode(args.inputs).decode("utf-8"))
+            if isinstance(inputs, dict):
+                recorded = write_record(args.record, args.fingerprint, inputs)
         if ours:
             os.unlink(args.lock_file)
-        print(json.dumps({"released": ours}))
+        print(json.dumps({"released": ours, "recorded": recorded}))
         return 0
     finally:
         os.close(mutex)

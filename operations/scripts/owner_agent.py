@@ -20,6 +20,15 @@ the engine's key from root's 0600 file and sends it in a header (never an argume
 fixed argument lists (``systemctl``, ``nvidia-smi``), and takes nothing from the engine's
 answers but a status word and two numbers, each checked for its type.
 
+Windows (issue 22 items 2 and 3), through interop, from a thread every ``--windows-interval-s``
+(each interop start costs about half a second): ``tasklist.exe /fo csv /nh`` when ``--app``
+names are set, PowerShell's call of shell32's ``SHQueryUserNotificationState`` with
+``--fullscreen``, and ``reg.exe query`` of Windows Update's two reboot flags (every
+``REBOOT_EVERY_S``). Root runs them only from their fixed paths under ``--system32`` (System32
+under the drive root the deploy read from wsl.conf), with fixed arguments, never from PATH; what
+they print is parsed strictly (``owner.parse_tasklist``, ``parse_notification_state``,
+``reboot_flag``) and only compared: an app counts when its image name equals a listed one.
+
 ``owner snooze 2h | resume | status``: the owner's override (snooze and resume as root).
 
 Runs on the target with the system python3; standard library only.
@@ -59,6 +68,9 @@ WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"
 KEY_VAR = "FREETOKEN_API_KEY"
 # The most the engine's prepare-stop waits for running streams (its own bound: 10 s).
 PREPARE_STOP_MAX_S = 10.0
+# Windows Update's flags change rarely: read every minute, not every round.
+REBOOT_EVERY_S = 60.0
+WINDOWS_TIMEOUT_S = 20.0
 # No proxy between the agent and the engine on loopback.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -153,6 +165,121 @@ def read_text(path: str) -> str | None:
         return None
 
 
+# --------------------------------------------------------------------------- Windows, through interop
+class WindowsWatch:
+    """Reads the owner's side of the PC from a thread (interop is slow): the listed apps
+    running, a full-screen app, a pending reboot. Each answer it cannot read counts as no
+    claim, and is logged once per change."""
+
+    def __init__(
+        self,
+        system32: str | None,
+        apps: tuple[str, ...],
+        fullscreen: bool,
+        reboot: bool,
+        interval_s: float,
+        reboot_interval_s: float = REBOOT_EVERY_S,
+    ):
+        self.system32 = system32
+        self.apps, self.fullscreen_wanted, self.reboot_wanted = apps, fullscreen, reboot
+        self.interval_s, self.reboot_interval_s = interval_s, reboot_interval_s
+        self.lock = threading.Lock()
+        self.apps_running: tuple[str, ...] = ()
+        self.fullscreen = False
+        self.reboot_pending = False
+        self._reboot_read = 0.0
+        self._problems: dict[str, str | None] = {}
+
+    @property
+    def wanted(self) -> bool:
+        if self.system32 is None or not (self.apps or self.fullscreen_wanted or self.reboot_wanted):
+            return False
+        if not os.path.isdir(self.system32):
+            log(f"no Windows here ({self.system32} is not there): apps, full screen and reboots are not watched")
+            return False
+        return True
+
+    def tool(self, relative: str) -> str | None:
+        """A Windows program at its fixed place under System32 (never PATH), or None."""
+        assert self.system32 is not None
+        path = os.path.join(self.system32, relative)
+        return path if os.path.isfile(path) else None
+
+    def run(self, relative: str, args: list[str]) -> tuple[int, bytes] | None:
+        path = self.tool(relative)
+        if path is None:
+            self.problem(relative, f"{relative} is not in {self.system32}")
+            return None
+        # From the C: drive: from a Linux folder Windows programs warn about UNC paths.
+        drive = os.path.dirname(os.path.dirname(path if self.system32 is None else self.system32.rstrip("/")))
+        try:
+            done = subprocess.run(
+                [path, *args],
+                capture_output=True,
+                timeout=WINDOWS_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+                cwd=drive if os.path.isdir(drive) else "/",
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.problem(relative, f"{relative}: {type(exc).__name__}")
+            return None
+        return done.returncode, done.stdout[: 1 << 20]
+
+    def problem(self, what: str, text: str | None) -> None:
+        if self._problems.get(what) != text:
+            self._problems[what] = text
+            log(f"Windows: {text}" if text else f"Windows: {what} read again")
+
+    def read_once(self, now: float) -> None:
+        apps: tuple[str, ...] = ()
+        if self.apps:
+            out = self.run("tasklist.exe", list(owner.TASKLIST_ARGS))
+            names = owner.parse_tasklist(out[1]) if out and out[0] == 0 else None
+            if out is not None:
+                self.problem("tasklist.exe", None if names is not None else "tasklist.exe's answer was not understood")
+            apps = owner.running_apps(names or set(), self.apps)
+        fullscreen = False
+        if self.fullscreen_wanted:
+            argv = ["-NoProfile", "-NonInteractive", "-Command", owner.NOTIFICATION_SCRIPT]
+            out = self.run("WindowsPowerShell/v1.0/powershell.exe", argv)
+            state = owner.parse_notification_state(out[1]) if out and out[0] == 0 else None
+            if out is not None:
+                self.problem(
+                    "powershell.exe", None if state is not None else "the notification state was not understood"
+                )
+            fullscreen = owner.notification_fullscreen(state)
+        with self.lock:
+            self.apps_running, self.fullscreen = apps, fullscreen
+        if self.reboot_wanted and now - self._reboot_read >= self.reboot_interval_s:
+            self._reboot_read = now
+            flags = []
+            for key in owner.REBOOT_KEYS:
+                out = self.run("reg.exe", ["query", key])
+                flags.append(owner.reboot_flag(key, out[0], out[1]) if out else None)
+            self.problem("reg.exe", None if None not in flags else "reg.exe did not run or was not understood")
+            with self.lock:
+                self.reboot_pending = any(f is True for f in flags)
+
+    def serve(self) -> None:
+        while True:
+            started = time.time()
+            try:
+                self.read_once(started)
+            except Exception as exc:  # never let the thread die: no Windows claim until it reads again
+                self.problem("watch", f"reading Windows failed: {type(exc).__name__}")
+            time.sleep(max(0.0, self.interval_s - (time.time() - started)))
+
+    def seen(self) -> tuple[tuple[str, ...], bool, bool]:
+        with self.lock:
+            return self.apps_running, self.fullscreen, self.reboot_pending
+
+
+def local_now(now: float) -> tuple[int, int]:
+    t = time.localtime(now)
+    return t.tm_wday, t.tm_hour * 60 + t.tm_min
+
+
 # --------------------------------------------------------------------------- acting
 def prepare_stop(base: str, key: str | None, drain_timeout_s: float) -> str:
     """FreeToken closes its door to new generations and waits for running ones (bounded)."""
@@ -199,7 +326,7 @@ class AgentPort:
                 conn.settimeout(1.0)
                 with self.lock:
                     word = self.word
-                    if word == owner.WORD_DRAIN:
+                    if word.startswith(owner.DRAIN_PREFIX):
                         self.drain_answers += 1
                 conn.sendall(word)
                 conn.shutdown(socket.SHUT_WR)
@@ -210,7 +337,7 @@ class AgentPort:
 
     def set(self, word: bytes) -> None:
         with self.lock:
-            if word != self.word and word == owner.WORD_DRAIN:
+            if word.startswith(owner.DRAIN_PREFIX) and not self.word.startswith(owner.DRAIN_PREFIX):
                 self.drain_answers = 0
             self.word = word
 
@@ -220,7 +347,25 @@ class AgentPort:
 
 
 def serve(args: argparse.Namespace) -> int:
-    policy = owner.Policy(int(args.vram_threshold_gb * owner.MIB_PER_GIB), args.quiet_s)
+    apps = tuple(args.app or ())
+    bad = [a for a in apps if not owner.app_name_ok(a)]
+    if bad:
+        log(f"not Windows image names, left out: {bad!r}")
+        apps = tuple(a for a in apps if owner.app_name_ok(a))
+    hours = owner.parse_hours(args.serve_hours) if args.serve_hours else None
+    policy = owner.Policy(
+        int(args.vram_threshold_gb * owner.MIB_PER_GIB),
+        args.quiet_s,
+        apps=apps,
+        fullscreen=args.fullscreen,
+        hours=hours,
+        reboot=args.reboot_drain,
+    )
+    watch = WindowsWatch(
+        args.system32, apps, args.fullscreen, args.reboot_drain, args.windows_interval_s, args.reboot_interval_s
+    )
+    if watch.wanted:
+        threading.Thread(target=watch.serve, daemon=True).start()
     text = read_text(args.state_file)
     state = owner.load_state(text) if text else owner.AgentState(since=time.time())
     port = AgentPort(args.bind, args.port)
@@ -233,6 +378,7 @@ def serve(args: argparse.Namespace) -> int:
         now = time.time()
         active = engine_active(args.unit)
         key = read_key(args.key_file)
+        seen = watch.seen()
         obs = owner.Observation(
             now=now,
             gpu_used_mib=gpu_used_mib(),
@@ -241,11 +387,15 @@ def serve(args: argparse.Namespace) -> int:
             health_ok=active and health_ok(args.engine_url),
             snooze_until=owner.load_snooze(read_text(args.override_file) or ""),
             drain_answered=port.drained(),
+            apps_running=seen[0],
+            fullscreen=seen[1],
+            reboot_pending=seen[2],
+            local=local_now(now),
         )
         before = state
         state, action = owner.step(state, obs, policy)
         port.set(owner.agent_word(state, now))
-        if state.mode != before.mode:
+        if state.mode != before.mode or state.word != before.word:
             log(f"{before.mode} -> {state.mode}: {state.reason}")
         if action == owner.STOP:
             if active:
@@ -310,6 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--quiet-s", type=float, required=True)
     s.add_argument("--drain-timeout-s", type=float, required=True)
     s.add_argument("--interval-s", type=float, default=1.0)
+    s.add_argument("--system32", help="C:\\Windows\\System32 as the distro mounts it (interop tools)")
+    s.add_argument("--app", action="append", help="a Windows image name whose running claims the GPU")
+    s.add_argument("--fullscreen", action="store_true", help="a full-screen app claims the GPU")
+    s.add_argument("--reboot-drain", action="store_true", help="a pending Windows reboot drains the host")
+    s.add_argument("--serve-hours", help="when the host serves (owner.parse_hours)")
+    s.add_argument("--windows-interval-s", type=float, default=5.0)
+    s.add_argument("--reboot-interval-s", type=float, default=REBOOT_EVERY_S)
     s.add_argument("--state-file", required=True)
     s.add_argument("--override-file", required=True)
     o = sub.add_parser("owner")

@@ -736,6 +736,8 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
         "schtasks.exe",
         "powershell.exe",
         "powercfg.exe",
+        "tasklist.exe",
+        "reg.exe",
         "wslinfo",
         "wslpath",
     ):
@@ -745,13 +747,14 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     # files are only in System32, not on PATH: a real distro reached over SSH (sshd under
     # systemd) gets no Windows folders on PATH, so the deploy must find them there itself.
     system32 = root / "mnt/c/Windows/System32"
-    for exe in ("wsl.exe", "cmd.exe", "schtasks.exe", "powercfg.exe"):
+    for exe in ("wsl.exe", "cmd.exe", "schtasks.exe", "powercfg.exe", "tasklist.exe", "reg.exe"):
         _link(system32 / exe, f"/.sim/bin/{exe}")
     _link(system32 / "WindowsPowerShell/v1.0/powershell.exe", "/.sim/bin/powershell.exe")
     _link(root / "usr/bin/wslinfo", "/.sim/bin/wslinfo")
     _link(root / "usr/bin/wslpath", "/.sim/bin/wslpath")
     user_dir = root / "mnt/c/Users" / profile.windows_user
     _write(user_dir / ".wslconfig", WSLCONFIG)
+    (user_dir / "Desktop").mkdir(parents=True, exist_ok=True)  # where the owner's shortcuts go
     (root / "mnt/c/.sim").mkdir(parents=True, exist_ok=True)
 
     # GPU (STAND-INs): WSL's driver library directory, nvidia-smi, libcuda, /dev/dxg.

@@ -8,10 +8,17 @@ under WSL nvidia-smi names no Windows process, microsoft/WSL#7162). Measured: th
 drained at the gateway, and to its engine stopped (goal: at most 10 s); client errors (goal: none
 for requests that had not started, none cut mid-stream); the game's end to ws1 back in service
 (goal: at most 30 s after the quiet time). Then the owner's own override: `freetoken-owner snooze`
-and `resume`. At the end the gateway host is removed and ws1/ws2 converge back to the defaults."""
+and `resume`. Then Windows (issue 22 items 2, 3 and 6, through the stand-ins tasklist.exe and
+reg.exe): an app of `owner_apps` starting on ws1 makes it yield and `fleet status` says
+`yielded (app eldenring.exe)`; a pending Windows reboot drains ws1 (`reboot pending`) without
+stopping its engine. At the end the gateway host is removed and ws1/ws2 converge back to the
+defaults."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -24,6 +31,11 @@ pytestmark = pytest.mark.fleet
 
 QUIET_S = 5
 GAME = "/.sim/gpu-memory-used-mib"
+# The Windows stand-ins' state (tests/fleet/standins/bin/tasklist.exe, reg.exe) on the C: drive.
+PROCESSES = "/mnt/c/.sim/windows-processes"
+REBOOT = "/mnt/c/.sim/reboot-pending"
+APP = "eldenring.exe"
+WINDOWS_INTERVAL_S = 1
 ENGINE = "freetoken.service"
 
 
@@ -32,12 +44,17 @@ def gateway(sim_fleet, tmp_path_factory):
     keys = write_keys(tmp_path_factory.mktemp("owner") / "keys")
     harness.start_gateway()
     try:
-        hosts, first = converge_behind_gateway(keys, ["--data", f"owner_quiet_s={QUIET_S}"])
+        settings = [
+            f"owner_quiet_s={QUIET_S}",
+            f'owner_apps=["{APP}"]',
+            f"owner_windows_interval_s={WINDOWS_INTERVAL_S}",
+        ]
+        hosts, first = converge_behind_gateway(keys, [a for s in settings for a in ("--data", s)])
         assert hosts.returncode == 0, "the workstations did not converge behind the gateway"
         assert first.returncode == 0, "the gateway did not converge"
         yield sim_fleet
     finally:
-        sim_fleet.run("ws1", f"rm -f {GAME}; freetoken-owner resume")
+        sim_fleet.run("ws1", f"rm -f {GAME} {PROCESSES} {REBOOT}; freetoken-owner resume")
         harness.stop_gateway()
         # Back to the default settings (engines on loopback), as the other modules expect them.
         client.deploy("--limit", "ws1", "--limit", "ws2")
@@ -134,3 +151,110 @@ def test_the_owners_snooze_takes_ws1_out_and_resume_brings_it_back(gateway):
         print(fleet.run("ws1", "journalctl -u freetoken-agent.service -o cat --no-pager | tail -12").stdout)
         fleet.run("ws1", "freetoken-owner resume")
         watcher.close()
+
+
+def fleet_status() -> str:
+    run = subprocess.run(
+        [sys.executable, "-m", "freetoken_infra.fleet", "-i", "inventories/sim.py", "status"],
+        cwd=client.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def row(table: str, host: str) -> str:
+    return next(line for line in table.splitlines() if line.startswith(host + " "))
+
+
+def test_an_app_of_the_owners_list_starting_on_windows_makes_ws1_yield_and_fleet_status_says_so(gateway):
+    fleet = gateway
+    watcher = Watcher(fleet.ssh_argv(GATEWAY_NAME))
+    try:
+        wait_until("ws1 and ws2 in service", lambda: in_service(watcher, "ws1", "ws2"), 60)
+        start = time.time()
+        fleet.run("ws1", f"echo {APP} > {PROCESSES}", check=True)  # the owner starts the game
+        drained = watcher.wait_for("ws1", lambda s: s != "UP", start, 20)
+        stopped = wait_until("ws1's engine stopped for the app", lambda: not engine_active(fleet, "ws1"), 30)
+        table = fleet_status()
+        status = fleet.run("ws1", "freetoken-owner status", check=True).stdout
+        over = time.time()
+        fleet.run("ws1", f"rm -f {PROCESSES}", check=True)
+        back = watcher.wait_for("ws1", lambda s: s == "UP", over, QUIET_S + 60)
+        after = fleet_status()
+    finally:
+        print(fleet.run("ws1", "journalctl -u freetoken-agent.service -o cat --no-pager | tail -12").stdout)
+        fleet.run("ws1", f"rm -f {PROCESSES}")
+        watcher.close()
+    print(f"\nfleet status while the app ran:\n{table}\nowner status:\n{status}")
+    print(
+        f"app to drained {drained - start if drained else None} s, to the engine stopped {stopped - start:.2f} s; "
+        f"app ended to back in service {back - over if back else None} s"
+    )
+    assert drained is not None and drained - start <= 10, "ws1 was not drained within 10 s of the app"
+    assert "yielded (app eldenring.exe)" in row(table, "ws1"), table
+    assert "in service" in row(table, "ws2")
+    assert "with their owner" in table
+    assert "state:   yielded" in status and "eldenring.exe runs on Windows" in status, status
+    assert "fleet status shows: yielded (app eldenring.exe)" in status
+    assert back is not None, "ws1 did not come back once the app ended"
+    assert "in service" in row(after, "ws1"), after
+
+
+def test_a_pending_windows_reboot_drains_ws1_and_leaves_its_engine(gateway):
+    fleet = gateway
+    watcher = Watcher(fleet.ssh_argv(GATEWAY_NAME))
+    try:
+        wait_until("ws1 and ws2 in service", lambda: in_service(watcher, "ws1", "ws2"), 60)
+        start = time.time()
+        fleet.run("ws1", f"echo RebootRequired > {REBOOT}", check=True)  # Windows Update's flag
+        # read every 12th look at Windows (12 s here): drained within that and an agent read
+        drained = watcher.wait_for("ws1", lambda s: "DRAIN" in s, start, 12 * WINDOWS_INTERVAL_S + 15)
+        table = fleet_status()
+        active = engine_active(fleet, "ws1")
+        status = fleet.run("ws1", "freetoken-owner status", check=True).stdout
+        over = time.time()
+        fleet.run("ws1", f"rm -f {REBOOT}", check=True)
+        back = watcher.wait_for("ws1", lambda s: s == "UP", over, 12 * WINDOWS_INTERVAL_S + 30)
+    finally:
+        print(fleet.run("ws1", "journalctl -u freetoken-agent.service -o cat --no-pager | tail -8").stdout)
+        fleet.run("ws1", f"rm -f {REBOOT}")
+        watcher.close()
+    print(f"\nfleet status with a reboot pending:\n{table}\nowner status:\n{status}")
+    print(
+        f"flag to drained {drained - start if drained else None} s; flag gone to back {back - over if back else None} s"
+    )
+    assert drained is not None, "ws1 was not drained for the pending reboot"
+    assert "reboot pending" in row(table, "ws1"), table
+    assert active, "the engine was stopped for a pending reboot (it should only stop taking work)"
+    assert "state:   held" in status and "fleet status shows: reboot pending" in status, status
+    assert back is not None, "ws1 did not come back once the reboot was no longer pending"
+
+
+def test_the_owner_finds_snooze_and_resume_shortcuts_on_the_windows_desktop(gateway):
+    import base64
+
+    from facts.windows import RESUME_SHORTCUT, SNOOZE_SHORTCUT
+
+    fleet = gateway
+    desktop = f"/mnt/c/Users/{PROFILES['ws1'].windows_user}/Desktop"
+
+    def read(name: str) -> bytes:  # the bytes (CRLF), not text
+        return base64.b64decode(fleet.run("ws1", f"base64 -w0 '{desktop}/{name}'", check=True).stdout)
+
+    snooze, resume = read(SNOOZE_SHORTCUT), read(RESUME_SHORTCUT)
+    print(f"\nthe snooze shortcut:\n{snooze!r}")
+    assert b'"%SystemRoot%\\System32\\wsl.exe" -d Ubuntu-24.04 -u root freetoken-owner snooze 2h\r\n' in snooze
+    assert b"-u root freetoken-owner resume\r\n" in resume
+    # the line the shortcut runs, given to the distro as wsl.exe would: the snooze takes effect
+    line = next(x for x in snooze.decode().split("\r\n") if "wsl.exe" in x)
+    command = line.split(" -u root ", 1)[1]
+    try:
+        fleet.run("ws1", command, check=True)
+        status = fleet.run("ws1", "freetoken-owner status", check=True).stdout
+        assert "snoozed: 1 h 59 min left" in status, status  # read from the override the agent reads
+    finally:
+        fleet.run("ws1", "freetoken-owner resume")

@@ -66,9 +66,9 @@ def test_take_hold_release(tmp_path):
     rc, doc = lock(tmp_path, "take", "--holder", b64(holder("B")), "--lease", "60")
     assert rc == host_lock.HELD_EXIT and doc["taken"] is False and doc["holder"]["token"] == "A"
     assert lock(tmp_path, "take", "--holder", b64(holder("A")), "--lease", "60")[0] == 0  # ours again
-    assert lock(tmp_path, "release", "--token", "B") == (0, {"released": False})
+    assert lock(tmp_path, "release", "--token", "B") == (0, {"released": False, "recorded": None})
     assert (tmp_path / "run.lock").exists()
-    assert lock(tmp_path, "release", "--token", "A") == (0, {"released": True})
+    assert lock(tmp_path, "release", "--token", "A") == (0, {"released": True, "recorded": None})
     assert not (tmp_path / "run.lock").exists()
 
 

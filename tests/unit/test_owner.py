@@ -59,13 +59,13 @@ def test_a_game_drains_first_then_stops_the_engine_once_the_gateway_read_it():
     state, action = step(state, seen(11, used=CARD_IDLE_MIB + GAME_MIB), POLICY)
     assert (state.mode, action) == ("yielding", None)
     assert "12.8 GiB held by other processes" in state.reason and "owner_vram_threshold_gb" in state.reason
-    assert agent_word(state, 11) == b"drain 0%\n"
+    assert agent_word(state, 11) == b"drain 0% up #yielded (game)\n"
     # not stopped before the gateway read `drain`
     state, action = step(state, seen(12, used=CARD_IDLE_MIB + GAME_MIB), POLICY)
     assert (state.mode, action) == ("yielding", None)
     state, action = step(state, seen(13, used=CARD_IDLE_MIB + GAME_MIB, drain_answered=True), POLICY)
     assert (state.mode, action) == ("yielded", STOP)
-    assert agent_word(state, 13) == b"drain 0%\n"
+    assert agent_word(state, 13) == b"drain 0% up #yielded (game)\n"
 
 
 def test_without_a_gateway_reading_it_the_engine_stops_after_the_notice_time():
@@ -193,7 +193,22 @@ def test_the_agent_unit_runs_the_uploaded_script_as_root_confined():
         f"ExecStart=/usr/bin/python3 {AGENT_SCRIPT} serve --unit freetoken.service --engine-url "
         "http://127.0.0.1:8000 --key-file /etc/freetoken/api-key.env --bind 0.0.0.0 --port 8020 "
         "--vram-threshold-gb 4 --quiet-s 5 --drain-timeout-s 10 "
-        f"--state-file {AGENT_STATE_FILE} --override-file {OWNER_OVERRIDE_FILE}\n"
+        f"--state-file {AGENT_STATE_FILE} --override-file {OWNER_OVERRIDE_FILE} "
+        "--system32 /mnt/c/Windows/System32 --windows-interval-s 5 --reboot-interval-s 60 --reboot-drain\n"
+    ) in text
+    # The owner's apps, full screen and hours, each one argument (systemd's quoting), moved drives.
+    text = owner_op.agent_unit(
+        Settings(
+            owner_apps=["eldenring.exe", "Among Us.exe"],
+            owner_fullscreen=True,
+            owner_reboot_drain=False,
+            serve_hours="Mon-Fri 18:00-08:00",
+        ),
+        "/c/Windows/System32",
+    )
+    assert (
+        '--system32 /c/Windows/System32 --windows-interval-s 5 --reboot-interval-s 60 --app eldenring.exe --app "Among Us.exe" '
+        '--fullscreen --serve-hours "Mon-Fri 18:00-08:00"\n'
     ) in text
     for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "RuntimeDirectory=freetoken-agent"):
         assert line + "\n" in text
@@ -338,9 +353,11 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
     try:
         assert wait(lambda: word() == b"up\n")
         used.write_text(str(6895 + 12 * 1024) + "\n")  # the game
-        assert wait(lambda: word() == b"drain 0%\n")  # read by "the gateway": the stop may go on
+        assert wait(lambda: word() == b"drain 0% up #yielded (game)\n")  # read by "the gateway": the stop may go on
         assert wait(lambda: "stop freetoken.service" in calls.read_text())
         assert prepared == [{"drain_timeout_s": 2.0, "abort_timeout_s": 3.0}]
+        # the state is written just after the stop returns: wait for it (a busy machine lags)
+        assert wait(lambda: owner.load_state(state_file.read_text()).mode == "yielded")
         state = owner.load_state(state_file.read_text())
         assert state.mode == "yielded" and "held by other processes" in state.reason
         assert oct(state_file.stat().st_mode & 0o777) == "0o644"

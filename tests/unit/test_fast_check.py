@@ -1,0 +1,332 @@
+"""The no-op fast check (issue 21 item 1): the converge record the host lock's script writes at
+the end of a converge and reads in the next run's first round trip, run here on temporary files as
+on a target; what each fact depends on (facts/inputs.py); the plan's and the fingerprint's part.
+
+The attacks: a file changed and its mtime put back (ctime still shows it), a folder's mode
+changed, a new file in the model folder, a record written for other settings or code, a flood of
+files under a tree, an engine whose /health says something else. Each must make the next run read
+every fact."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import importlib
+import json
+import os
+import pkgutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pyinfra.api import FactBase
+
+import facts
+from facts import batch
+from facts.inputs import Inputs, inputs_of, inputs_of_run
+from freetoken_infra import plan
+from operations import host_lock
+from tests.unit.test_host_lock import b64, holder, lock
+
+FP = "f" * 64
+
+
+def take(tmp_path: Path, token: str = "A", fingerprint: str = FP) -> tuple[int, dict]:
+    return lock(
+        tmp_path,
+        "take",
+        "--holder",
+        b64(holder(token)),
+        "--lease",
+        "60",
+        "--record",
+        str(tmp_path / "converged.json"),
+        "--unchanged-if",
+        fingerprint,
+    )
+
+
+def release(tmp_path: Path, inputs: dict, token: str = "A", fingerprint: str = FP) -> tuple[int, dict]:
+    encoded = base64.b64encode(json.dumps(inputs).encode()).decode()
+    return lock(
+        tmp_path,
+        "release",
+        "--token",
+        token,
+        "--record",
+        str(tmp_path / "converged.json"),
+        "--fingerprint",
+        fingerprint,
+        "--inputs",
+        encoded,
+    )
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A converged 'host': a unit-like file, a config folder, a model tree; recorded once."""
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "freetoken.service").write_text("[Service]\nExecStart=/bin/true\n")
+    (root / "model").mkdir()
+    for name in ("config.json", "model-00001-of-00002.safetensors"):
+        (root / "model" / name).write_text(name)
+    inputs = Inputs(
+        paths={str(root / "etc" / "freetoken.service"), str(root / "missing.conf")},
+        dirs={str(root / "etc")},
+        trees={str(root / "model")},
+    ).to_json()
+    rc, doc = take(tmp_path)
+    assert rc == 0 and doc["taken"] and doc["fast_check"] == "no record of a converge"
+    rc, doc = release(tmp_path, inputs)
+    assert rc == 0 and doc["released"] and doc["recorded"] >= 5
+    return root
+
+
+def test_nothing_changed_answers_unchanged_and_takes_nothing(tmp_path, host):
+    rc, doc = take(tmp_path)
+    assert rc == host_lock.UNCHANGED_EXIT and doc == {"unchanged": True, "taken": False, "inputs": doc["inputs"]}
+    assert not (tmp_path / "run.lock").exists()  # nothing taken
+    assert take(tmp_path)[0] == host_lock.UNCHANGED_EXIT  # and again: reading changed nothing
+    record = tmp_path / "converged.json"
+    assert oct(record.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_changed_file_with_its_mtime_put_back_is_found(tmp_path, host):
+    unit = host / "etc" / "freetoken.service"
+    before = unit.stat()
+    time.sleep(0.01)
+    unit.write_text("[Service]\nExecStart=/bin/sh -c evil\n"[: before.st_size])  # same size too
+    os.utime(unit, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert unit.stat().st_mtime_ns == before.st_mtime_ns and unit.stat().st_size == before.st_size
+    rc, doc = take(tmp_path)
+    assert rc == 0 and doc["taken"] and f"path {unit}" in doc["fast_check"]
+    # The record is gone the moment a run takes the lock: a run cut now leaves a full read next.
+    assert not (tmp_path / "converged.json").exists()
+    lock(tmp_path, "release", "--token", "A")
+    assert take(tmp_path, token="B")[1]["fast_check"] == "no record of a converge"
+
+
+def test_a_file_that_appears_is_found(tmp_path, host):
+    (host / "missing.conf").write_text("x")
+    assert take(tmp_path)[1]["fast_check"].startswith("changed: path ")
+
+
+def test_a_folder_counts_its_mode_and_owner_not_its_times(tmp_path, host):
+    (host / "etc" / "new-sample.prom").write_text("guard sample")  # the folder's mtime moves
+    assert take(tmp_path)[0] == host_lock.UNCHANGED_EXIT
+    os.chmod(host / "etc", 0o777)
+    assert f"dir {host / 'etc'}" in take(tmp_path)[1]["fast_check"]
+
+
+def test_a_new_or_changed_file_under_a_tree_is_found(tmp_path, host):
+    (host / "model" / "extra.bin").write_text("planted")
+    assert "tree " in take(tmp_path)[1]["fast_check"]
+
+
+def test_a_tree_past_its_cap_is_never_trusted(tmp_path, host, monkeypatch):
+    for i in range(40):
+        (host / "model" / f"f{i}").write_text("")
+    script = Path(host_lock.SCRIPT_SOURCE).read_text().replace("TREE_CAP = 5000", "TREE_CAP = 10")
+    patched = tmp_path / "host_lock_small_cap.py"
+    patched.write_text(script)
+    monkeypatch.setattr("tests.unit.test_host_lock.SCRIPT", patched)
+    rc, doc = take(tmp_path)
+    assert rc == 0 and doc["fast_check"] == "too many files to check"
+
+
+def test_another_fingerprint_reads_everything(tmp_path, host):
+    rc, doc = take(tmp_path, fingerprint="0" * 64)
+    assert rc == 0 and doc["fast_check"] == "settings or code changed"
+
+
+def test_a_held_lock_is_waited_for_not_answered_unchanged(tmp_path, host):
+    assert lock(tmp_path, "take", "--holder", b64(holder("OTHER")), "--lease", "60")[0] == 0
+    rc, doc = take(tmp_path)
+    assert rc == host_lock.HELD_EXIT and doc["taken"] is False
+
+
+def test_a_release_that_is_not_ours_writes_no_record(tmp_path):
+    assert take(tmp_path)[0] == 0
+    assert release(tmp_path, {"paths": ["/etc/hostname"]}, token="B")[1] == {"released": False, "recorded": None}
+    assert not (tmp_path / "converged.json").exists()
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    body: dict = {"status": "ok", "version": "0.2.1", "model": "m", "uptime_s": 1}
+
+    def do_GET(self):
+        data = json.dumps(type(self).body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_engines_health_counts_by_status_version_and_model_only(tmp_path):
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/health"
+        assert take(tmp_path)[0] == 0
+        assert release(tmp_path, {"health": [url]})[1]["recorded"] == 2  # boot and health
+        _Health.body = {**_Health.body, "uptime_s": 99}  # moves on its own: not counted
+        assert take(tmp_path)[0] == host_lock.UNCHANGED_EXIT
+        _Health.body = {**_Health.body, "status": "loading"}
+        assert f"health {url}" in take(tmp_path)[1]["fast_check"]
+    finally:
+        server.shutdown()
+        _Health.body = {"status": "ok", "version": "0.2.1", "model": "m", "uptime_s": 1}
+
+
+def test_an_engine_that_drips_its_health_answer_holds_the_check_at_most_its_timeout(tmp_path):
+    """The engine's user runs what answers /health: an answer sent a byte at a time must not hold
+    the lock's mutex (every run on the host waits for it) longer than HEALTH_TIMEOUT_S."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip():
+        conn, _ = listener.accept()
+        conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n")
+        while not stop.is_set():
+            try:
+                conn.sendall(b" ")
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=drip, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/health"
+        assert take(tmp_path)[0] == 0
+        started = time.monotonic()
+        rc, doc = release(tmp_path, {"health": [url]})
+        assert rc == 0 and doc["recorded"] == 2
+        assert time.monotonic() - started < 5
+        record = json.loads((tmp_path / "converged.json").read_text())
+        assert record["digest"][f"health {url}"] == "unreachable TimeoutError"
+    finally:
+        stop.set()
+        listener.close()
+
+
+# --------------------------------------------------------------------------- facts/inputs.py
+def _fact_classes() -> set[str]:
+    found = set()
+    for info in pkgutil.iter_modules(facts.__path__):
+        module = importlib.import_module(f"facts.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, FactBase) and value.__module__ == module.__name__:
+                found.add(f"{module.__name__}:{value.__qualname__}")
+    return found
+
+
+# Facts whose inputs are not known on purpose: a run that reads one records nothing.
+UNKNOWN_ON_PURPOSE = {
+    "facts.windows_tasks:ScheduledTaskExists",  # Windows' Task Scheduler: not visible from WSL
+    "facts.windows_tasks:WslDistroName",
+    "facts.host_lock:HostLock",  # the doctor's
+}
+
+
+def test_every_fact_the_deploy_may_read_has_its_inputs_declared():
+    """A new fact must say what it depends on, or be listed here as not known (its runs then
+    record nothing): the fast check never trusts a fact it knows nothing of."""
+    for fact in sorted(_fact_classes() | batch.PYINFRA_FACTS):
+        kwargs = {"path": "/x", "paths": ["/x"], "base_dir": "/x", "state_file": "/x", "model_dir": "/x"}
+        kwargs |= {"services": ["u.service"], "account": "a", "cuda_home": "/x", "host": "127.0.0.1", "port": 1}
+        known = inputs_of(fact, kwargs) is not None
+        assert known != (fact in UNKNOWN_ON_PURPOSE), fact
+
+
+def test_a_run_that_read_an_unknown_fact_has_no_inputs():
+    why = inputs_of_run([{"fact": "facts.files:FileText", "kwargs": {"path": "/a"}}, {"fact": "x:Y", "kwargs": {}}])
+    assert why == "the run read 'x:Y', whose inputs are not known"
+
+
+def test_inputs_of_the_deploys_facts():
+    merged = inputs_of_run(
+        [
+            {"fact": "facts.ownership:DirOwnership", "kwargs": {"path": "/var/lib/freetoken", "adopt_from": None}},
+            {"fact": "pyinfra.facts.systemd:SystemdStatus", "kwargs": {"services": ["freetoken.service"]}},
+            {"fact": "facts.model_manifest:ModelManifest", "kwargs": {"model_dir": "/m"}},
+            {"fact": "pyinfra.facts.deb:DebPackages", "kwargs": {}},
+            {"fact": "facts.engine:EngineHealth", "kwargs": {"host": "::1", "port": 8000}},
+        ]
+    )
+    assert isinstance(merged, Inputs)
+    assert merged.to_json() == {
+        "paths": ["/m", "/var/lib/dpkg/status"],
+        "dirs": ["/var", "/var/lib", "/var/lib/freetoken"],
+        "globs": [],
+        "trees": ["/m"],
+        "units": ["freetoken.service"],
+        "health": ["http://[::1]:8000/health"],
+    }
+    adopting = {"fact": "facts.ownership:DirOwnership", "kwargs": {"path": "/v/m", "adopt_from": "old"}}
+    adopted = inputs_of_run([adopting])
+    assert isinstance(adopted, Inputs) and adopted.trees == {"/v/m"}  # every entry's owner below
+
+
+# --------------------------------------------------------------------------- plan
+def test_the_plan_of_an_unchanged_host_does_nothing():
+    p = plan.converge_plan(plan.Unchanged("ws1", 140), render=None)  # type: ignore[arg-type]
+    assert p == plan.ConvergePlan("ws1", unchanged=plan.Unchanged("ws1", 140))
+    assert p.stop is None and p.windows is None and p.converge is None
+
+
+# --------------------------------------------------------------------------- the fingerprint
+def _fleet(data: dict[str, dict], groups: dict | None = None):
+    from pyinfra.api import Config, Inventory, State
+
+    inventory = Inventory(([(name, d) for name, d in data.items()], {}), **(groups or {}))
+    return State(inventory, Config())
+
+
+def _fingerprints(data: dict[str, dict], groups: dict | None = None) -> dict[str, str]:
+    from freetoken_infra.preflight import fingerprint
+
+    state = _fleet(data, groups)
+    return {h.name: fingerprint(state, h) for h in state.inventory}
+
+
+BASE = {"ws1": {"ssh_hostname": "10.0.0.11"}, "ws2": {"ssh_hostname": "10.0.0.12"}}
+
+
+def test_the_fingerprint_is_stable_per_host_and_moves_with_any_hosts_settings_or_place():
+    first = _fingerprints(BASE)
+    assert first == _fingerprints(BASE) and first["ws1"] != first["ws2"]
+    other_setting = _fingerprints({**BASE, "ws2": {**BASE["ws2"], "listen_port": 8100}})
+    assert other_setting["ws1"] != first["ws1"]  # the plan reads other hosts' settings too
+    moved = _fingerprints({**BASE, "ws2": {"ssh_hostname": "10.0.0.99"}})
+    assert moved["ws1"] != first["ws1"]  # the firewall admits the gateway by its address
+    grouped = _fingerprints(BASE, {"gateway": (["ws2"], {})})
+    assert grouped["ws1"] != first["ws1"]
+    sudo = _fingerprints({**BASE, "ws1": {**BASE["ws1"], "_sudo": True}})
+    assert sudo["ws1"] != first["ws1"] and sudo["ws2"] == first["ws2"]
+
+
+def test_the_fingerprint_moves_with_the_controllers_api_key_and_holds_no_part_of_it(tmp_path):
+    key = tmp_path / "key"
+    key.write_text("sk-first-secret\n")
+    data = {**BASE, "ws1": {**BASE["ws1"], "api_key_source": f"file:{key}"}}
+    first = _fingerprints(data)
+    key.write_text("sk-second-secret\n")
+    assert _fingerprints(data)["ws1"] != first["ws1"]
+    assert all(len(v) == 64 and "secret" not in v for v in first.values())
+
+
+def test_the_fingerprint_moves_with_the_code(monkeypatch):
+    from freetoken_infra import preflight
+
+    first = _fingerprints(BASE)
+    real = preflight.code_digest()
+    monkeypatch.setattr(preflight, "code_digest", lambda: "0" * 64)
+    assert _fingerprints(BASE)["ws1"] != first["ws1"]
+    assert len(real) == 64
