@@ -42,7 +42,7 @@ BOOT_S = 300.0  # while a woken host is not up this long, no other host is woken
 _HELD_WORDS = ("drain", "maint", "down", "stopped", "fail")
 _MAC_RE = re.compile(r"[0-9a-f]{2}([:-])[0-9a-f]{2}(\1[0-9a-f]{2}){4}")
 _MAX_ROWS = 1024
-_MAX_WORD = 64
+_MAX_WORD = 160
 
 
 class MacError(ValueError):
@@ -172,6 +172,22 @@ class Memory:
     booting: dict[str, float] = field(default_factory=dict)  # woken and not seen up since
 
 
+_VIA_AGENT = re.compile(r"via agent\s*:\s*", re.I)
+# "up (snoozed)", "up (yielded (app eldenring.exe))": the state word, then the agent's #WORD
+_AGENT_NOTE = re.compile(r"\S+\s+\((.{1,120})\)")
+
+
+def agent_said(last_agt: str) -> str:
+    """The agent's word as the waker remembers it, from HAProxy's ``last_agt``. The host agent
+    answers ``drain 0% up #WORD`` while the host is its owner's (core/owner.py ``agent_word``:
+    yielded, snoozed, off schedule, reboot pending), which HAProxy 2.6 shows as ``via agent : up
+    (WORD)`` (seen in the fleet test; core/owner.py ``word_from_last_agt`` reads the same): a
+    note in brackets is a drain."""
+    text = _VIA_AGENT.sub("", last_agt.strip(), count=1)
+    note = _AGENT_NOTE.fullmatch(text)
+    return f"drain ({note.group(1).strip()})" if note else text
+
+
 def held(word: str) -> bool:
     """The agent's word keeps its host out: a yield, a snooze, off schedule, a reboot pending."""
     return word.strip().lower().startswith(_HELD_WORDS)
@@ -183,15 +199,15 @@ def step(
     """The next memory, the host to wake now (or None), and why (one line for the journal)."""
     words = dict(memory.last_word)
     for server in reading.servers:
+        said = agent_said(server.agent_word) if server.agent_answered else ""
         if server.up:  # what it says while in HAProxy's view (a DOWN row's weight says nothing)
-            word = server.agent_word if server.agent_answered else ""
             if server.weight == 0 or server.status.startswith("DRAIN"):
                 # drained by its agent (or the operator), and HAProxy keeps it so
-                words[server.name] = word if held(word) else ("drain (weight 0)" if server.weight == 0 else "drain")
+                words[server.name] = said if held(said) else ("drain (weight 0)" if server.weight == 0 else "drain")
             else:
-                words[server.name] = word or "up"  # in service: an earlier drain is over
-        elif server.agent_answered and server.agent_word:
-            words[server.name] = server.agent_word
+                words[server.name] = said or "up"  # in service: an earlier drain is over
+        elif said:
+            words[server.name] = said
     booting = {
         name: at
         for name, at in memory.booting.items()

@@ -176,7 +176,7 @@ def test_a_host_cannot_make_its_word_long_or_the_queue_huge():
         "freetoken_engines,BACKEND,-3,0,0,UP,1,,,,,",
     )
     reading = waker.read_stat(text, "freetoken_engines")
-    assert reading.queue == 0 and len(reading.servers[0].agent_word) == 64
+    assert reading.queue == 0 and len(reading.servers[0].agent_word) == 160
 
 
 @pytest.mark.parametrize(
@@ -443,3 +443,33 @@ def test_the_journal_says_the_same_reason_once():
     assert script._gist("queue 7 for 5.0 s, no host to wake") == script._gist("queue 1 for 10.0 s, no host to wake")
     assert script._gist("queue 9: waiting for ws2 to boot") == script._gist("queue 3: waiting for ws2 to boot")
     assert script._gist("queue 9: waiting for ws2 to boot") != script._gist("queue 9: waiting for ws3 to boot")
+
+
+@pytest.mark.parametrize(
+    "last_agt,word",
+    [
+        ("via agent : up (snoozed)", "drain (snoozed)"),  # seen in the fleet test (HAProxy 2.6)
+        ("via agent : up (yielded (app eldenring.exe))", "drain (yielded (app eldenring.exe))"),
+        ("via agent : drain", "drain"),
+        ("via agent : ready", "ready"),
+        ("drain 0%", "drain 0%"),
+        ("up", "up"),
+        ("", ""),
+    ],
+)
+def test_what_haproxy_shows_of_the_agent_is_read_as_its_word(last_agt, word):
+    assert waker.agent_said(last_agt) == word
+
+
+def test_a_snoozed_host_whose_engine_stopped_is_remembered_as_drained():
+    # the fleet run: ws2 DOWN (its engine stopped by the snooze), the agent answering, weight 0
+    snoozed = Server("ws2", "DOWN", 0, True, "via agent : up (snoozed)", 0)
+    memory, _, _ = step(Memory(), Reading(0, (up("ws1"), snoozed)), (WS2,), 90.0)
+    memory, chosen, why, _ = built(memory, Reading(3, (up("ws1"), asleep("ws2"))), (WS2,))
+    assert chosen is None and "ws2 (its agent said 'drain (snoozed)')" in why
+    # resumed: the agent's `ready 100%`, in service again, then asleep: woken
+    memory, _, _ = step(
+        memory, Reading(0, (up("ws1"), Server("ws2", "UP", 0, True, "via agent : ready", 24))), (WS2,), 200
+    )
+    _, chosen, _, _ = built(memory, Reading(3, (up("ws1"), asleep("ws2"))), (WS2,), start=201.0)
+    assert chosen == WS2
