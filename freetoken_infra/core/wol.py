@@ -14,10 +14,11 @@ A host is woken only when all of these hold:
 - the last word its host agent answered before it went quiet was not a drain (the agent drains
   a host that yields to its owner's game or is snoozed; ``serve_hours`` and a pending reboot
   drain it too): the waker remembers that word, since an asleep agent answers nothing. HAProxy
-  2.6 does not show the word itself (seen in the fleet test: ``agent_status`` CHECKED,
-  ``last_agt`` empty, ``agent_desc`` "No status change"), but the drain's ``0%``: weight and
-  uweight 0, kept after the agent goes quiet; so the memory is taken from rows in service with
-  weight 0 or DRAIN (and from ``last_agt`` where a version reports it);
+  2.6 shows the agent's ``drain 0% up #snoozed`` as ``last_agt`` ``via agent : up (snoozed)``
+  (``agent_word``), and a bare ``drain 0%`` not at all (``agent_status`` CHECKED, ``last_agt``
+  empty; both seen in the fleet test), but the drain's ``0%`` as weight 0, kept after the agent
+  goes quiet: so the memory is taken from the note, and from rows in service with weight 0 or
+  DRAIN;
 - it has a ``wake_on_lan_mac`` and is within its serve hours (a hook: True until the owner's
   ``serve_hours`` feeds it);
 - it was not woken in the last ``cooldown_s``, and no other woken host is still booting
