@@ -20,7 +20,7 @@ from freetoken_infra.core import addresses
 from freetoken_infra.core.layout import GATEWAY_GROUP
 from freetoken_infra.preflight import fleet_settings
 from freetoken_infra.rollout import measured_decode_tps
-from operations import cuda, gateway, host_lock
+from operations import cuda, gateway, host_lock, waker
 
 every = fleet_settings(state)  # every host's settings, validated before any host is touched
 
@@ -42,20 +42,30 @@ if GATEWAY_GROUP in host.groups:
         tls = None
         if settings.gateway_tls_cert_file is not None:
             tls = gateway.tls_pem(host.name, settings.gateway_tls_cert_file)
+        sleepers = waker.targets(every)  # hosts with wake_on_lan_mac (issue 22 item 4)
         scrape = gateway.scrape_config(
             address, settings, {b.name: (b.address, every[b.name]) for b in backends}, tls=tls is not None
         )
-    except (gateway.GatewayError, addresses.AddressError) as exc:
+    except (gateway.GatewayError, addresses.AddressError, ValueError) as exc:
         raise PyinfraError(f"gateway on {host.name}: {exc}") from None
 
     cuda.packages_present(name="Gateway: HAProxy and socat (Debian packages)", packages=["haproxy", "socat"])
+    if sleepers:  # before HAProxy's config names it for the waker's socket
+        waker.user(name="Gateway: the waker's system user")
     gateway.gateway(
         name="Gateway: HAProxy in front of "
         + ", ".join(f"{b.name} ({b.slots} slot{'s' if b.slots > 1 else ''}, weight {b.weight})" for b in backends)
         + " (validated, reloaded)",
-        config=gateway.haproxy_config(settings, backends, engine_key is not None, tls=tls is not None),
+        config=gateway.haproxy_config(
+            settings, backends, engine_key is not None, tls=tls is not None, waker=bool(sleepers)
+        ),
         client_keys=client_keys,
         engine_keys=gateway.engine_key_map(engine_key),
         scrape=scrape,
         tls=tls,
+    )
+    waker.waker(
+        name="Gateway: the waker (Wake-on-LAN for " + (", ".join(t["name"] for t in sleepers) or "no host") + ")",
+        gw=settings,
+        hosts=sleepers,
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pyinfra.api import FactBase
 
-from ._output import parse_int, section_map
+from ._output import b64decode_lines, parse_int, section_map
 
 WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"
 QUERY_FIELDS = "index,name,compute_cap,memory.total,memory.used,memory.free,driver_version"
@@ -38,9 +38,9 @@ class GpuInfo:
 class GpuProcess:
     """One row of the plain table's "Processes:" section (the name is the host's text)."""
 
-    gpu: int
+    gpu: int | None  # None from --query-compute-apps, which does not say which GPU
     pid: int
-    name: str
+    name: str  # the host's text, made safe to print (``safe_process_name``)
     used_mib: int | None  # None where the table says N/A
 
 
@@ -55,6 +55,9 @@ class GpuReport:
     # The table's "Processes:" rows. Under WSL they stay empty while Windows' apps hold memory
     # (microsoft/WSL#7162): an empty list says nothing about who holds the card.
     processes: tuple[GpuProcess, ...] = ()
+    # ``--query-compute-apps``: the compute processes with their whole names (the table cuts them),
+    # all GPUs together (its ``gpu`` is None); also empty under WSL. None: not asked or unreadable.
+    compute_apps: tuple[GpuProcess, ...] | None = None
 
 
 def _unavailable(value: str) -> bool:
@@ -193,7 +196,46 @@ def parse_table_processes(table: str) -> tuple[GpuProcess, ...]:
         match = _TABLE_PROCESS_RE.match(line.rstrip())
         if match:
             gpu, pid, name, used = match.groups()
-            found.append(GpuProcess(int(gpu), int(pid), name, int(used) if used else None))
+            found.append(GpuProcess(int(gpu), int(pid), safe_process_name(name), int(used) if used else None))
+    return tuple(found[:MAX_PROCESSES])
+
+
+# A process's name is whatever that process (any user's, the engine's too) chose: any bytes but
+# NUL, newlines and terminal escapes included. It is only ever shown, never run or used as a path;
+# shown, it is printable ASCII only (anything else a "?") and at most this long.
+MAX_PROCESS_NAME = 80
+MAX_PROCESSES = 32  # more rows than any workstation has: the rest are not read
+_PRINTABLE = re.compile(r"[^\x20-\x7e]")
+_APP_PID = re.compile(r"[0-9]{1,10}")
+_APP_MEMORY = re.compile(r"([0-9]{1,9})(?: MiB)?")
+
+
+def safe_process_name(name: str) -> str:
+    shown = _PRINTABLE.sub("?", name.strip())
+    if len(shown) > MAX_PROCESS_NAME:
+        shown = shown[: MAX_PROCESS_NAME - 3] + "..."
+    return shown or "?"
+
+
+def parse_compute_apps(text: str) -> tuple[GpuProcess, ...]:
+    """Parse ``--query-compute-apps=pid,process_name,used_memory --format=csv,noheader[,nounits]``.
+
+    Strict: a row is a pid of digits, then the name, then MiB of digits (or N/A), split at the
+    first and the last comma (a name may hold commas); anything else (the header, "No running
+    processes found", an error) is not a row. The name is made safe to print."""
+    found: list[GpuProcess] = []
+    for line in text.splitlines():
+        first, _, rest = line.partition(",")
+        name, comma, last = rest.rpartition(",")
+        pid, used = first.strip(), last.strip()
+        if not comma or not _APP_PID.fullmatch(pid) or int(pid) == 0:
+            continue
+        memory = _APP_MEMORY.fullmatch(used)
+        if memory is None and not _unavailable(used):
+            continue
+        found.append(GpuProcess(None, int(pid), safe_process_name(name), int(memory.group(1)) if memory else None))
+        if len(found) == MAX_PROCESSES:
+            break
     return tuple(found)
 
 
@@ -205,12 +247,29 @@ def parse_nvidia_smi_output(lines: list[str]) -> GpuReport:
     query_rc = parse_int(secs.get("query-rc", ("", []))[0])
     query = "\n".join(line.rstrip("\r") for line in secs.get("query", ("", []))[1])
     table = "\n".join(line.rstrip("\r") for line in secs.get("table", ("", []))[1])
+    if "table64" in secs:  # the table travels base64-encoded: its process names are any process's text
+        table = _decoded(secs["table64"][1]) or ""
+    apps = None
+    if "apps64" in secs and parse_int(secs.get("apps-rc", ("", []))[0]) == 0:
+        decoded = _decoded(secs["apps64"][1])
+        apps = parse_compute_apps(decoded) if decoded is not None else None
     gpus, error = parse_query_csv(query)
     if error and query_rc not in (0, None):
         error = f"{error} (exit {query_rc})"
     return GpuReport(
-        gpus, parse_cuda_version(table), smi_path, error, parse_driver_version(table), parse_table_processes(table)
+        gpus,
+        parse_cuda_version(table),
+        smi_path,
+        error,
+        parse_driver_version(table),
+        parse_table_processes(table),
+        apps,
     )
+
+
+def _decoded(lines: list[str]) -> str | None:
+    data = b64decode_lines(lines)
+    return None if data is None else data.decode("utf-8", "replace").replace("\r", "")
 
 
 class NvidiaGpus(FactBase[GpuReport]):
@@ -227,7 +286,13 @@ class NvidiaGpus(FactBase[GpuReport]):
             "echo \"@@ft:path $S\"; echo '@@ft:query'; "
             f'"$S" --query-gpu={QUERY_FIELDS} --format=csv,noheader,nounits 2>&1 </dev/null; '
             'echo "@@ft:query-rc $?"; '
-            'echo \'@@ft:table\'; "$S" 2>&1 </dev/null; echo "@@ft:table-rc $?"; fi; true'
+            # The table and the compute apps name processes, whose names are theirs to choose
+            # (newlines, "@@ft:" lines): both travel base64-encoded, out of the markers' reach.
+            "echo '@@ft:table64'; T=$(\"$S\" 2>&1 </dev/null); R=$?; printf '%s\\n' \"$T\" | base64; "
+            'echo "@@ft:table-rc $R"; '
+            "echo '@@ft:apps64'; "
+            'A=$("$S" --query-compute-apps=pid,process_name,used_memory --format=csv,noheader,nounits 2>&1 </dev/null); '
+            'R=$?; printf \'%s\\n\' "$A" | base64; echo "@@ft:apps-rc $R"; fi; true'
         )
 
     @staticmethod

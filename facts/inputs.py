@@ -173,6 +173,9 @@ _FIXED: dict[str, Inputs] = {
     # Read only while the engine does not serve (a serving engine proves allocations work): the
     # engine's /health and unit state are inputs of the same run, and its answer is the card's.
     "facts.gpu_memory:GpuMemoryProbe": BOOT_ONLY,
+    # Wake-on-LAN readiness (Windows' adapters, powercfg): a warning of the preflight only, which
+    # the no-op run does not repeat (the doctor does).
+    "facts.wake_on_lan:WakeOnLanReadiness": BOOT_ONLY,
     "facts.windows:WslConfFile": _paths("/etc/wsl.conf"),
     "facts.apt_sources:AptSourceFiles": Inputs(paths={APT_SOURCES_DIR}, trees={APT_SOURCES_DIR}),
     "pyinfra.facts.deb:DebPackages": _paths(DPKG_STATUS),

@@ -30,6 +30,7 @@ from facts.init import InitSystem
 from facts.model import ModelDirectory
 from facts.resources import HostResources
 from facts.restart import RestartPending
+from facts.wake_on_lan import WakeOnLanReadiness
 from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.windows_tasks import WslDistroName
 from facts.wsl import WslKernel, WslVersion
@@ -123,6 +124,12 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         else None
     )
     gpu_memory = host.get_fact(GpuMemoryProbe) if probe_gpu_memory and gpus.gpus else None
+    # Wake-on-LAN readiness, through PowerShell (a second or so): only where the waker may wake it.
+    wake_on_lan = (
+        on_windows_drive(host, WakeOnLanReadiness, wslconf)
+        if settings.wake_on_lan_mac is not None and kernel.kind == "wsl2"
+        else None
+    )
     # Files whose change waits for a WSL restart (a rollout's fleet report says so).
     restart_files = [WSL_CONF]
     if profile is not None and profile.path:
@@ -144,6 +151,7 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         health=health,
         gate_record=_gate_record(host.get_fact(FileText, path=layout.last_gate_file)),
         restart_pending=host.get_fact(RestartPending, paths=restart_files),
+        wake_on_lan=wake_on_lan,
     )
 
 

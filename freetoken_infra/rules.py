@@ -25,6 +25,7 @@ from facts.gpu_memory import GpuMemoryProbeResult
 from facts.init import InitInfo
 from facts.model import ModelDirInfo
 from facts.resources import ResourcesInfo
+from facts.wake_on_lan import WakeOnLanInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
 from facts.wsl import WslKernelInfo, WslVersionInfo
 from freetoken_infra.core import gpu_room, wsl_ini
@@ -79,6 +80,7 @@ class Observations:
     guard_state: dict | None = None
     gate_record: GateResult | None = None  # the host's last health gate record (None: none or unreadable)
     restart_pending: list[str] | None = None  # Windows-side files changed since WSL started
+    wake_on_lan: WakeOnLanInfo | None = None  # read only for a host with wake_on_lan_mac
 
 
 def _v(version: tuple[int, ...]) -> str:
@@ -292,12 +294,12 @@ def check_gpu_memory(obs: Observations) -> Finding:
         else "memory unknown"
     )
     if p.status == "healthy":
-        return Finding("gpu_memory", "pass", f"{free}; 32 MiB and large allocations succeed")
+        return Finding("gpu_memory", "pass", f"{free}{_others_note(obs)}; 32 MiB and large allocations succeed")
     if p.status == "allocation_locked" and not p.free_bytes:
         return Finding(
             "gpu_memory",
             "block",
-            f"{free}: the card is full, allocations fail",
+            f"{free}{_others_note(obs)}: the card is full, allocations fail",
             "stop what holds GPU memory (see nvidia-smi on Windows), then re-run",
         )
     if p.status == "allocation_locked":
@@ -314,6 +316,12 @@ def check_gpu_memory(obs: Observations) -> Finding:
         f"CUDA unusable: {p.error or 'libcuda.so.1 missing'}",
         "check the Windows NVIDIA driver and /usr/lib/wsl/lib/libcuda.so.1",
     )
+
+
+def _others_note(obs: Observations) -> str:
+    gpu = primary_gpu(obs)
+    who = holders_of(obs, gpu) if gpu is not None else None
+    return f"; {gpu.memory_used_mib / 1024:.1f} GiB {who}" if gpu is not None and who else ""
 
 
 def check_nvcc(obs: Observations) -> Finding:
@@ -469,6 +477,9 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
     need = estimated_vram_gb(plan)
     assert need is not None  # an integer cache size (only 'auto' has no estimate, handled above)
     summary = f"cache {plan.moe_cache_size}, {plan.num_tokens} tokens: ~{need:.1f} GB of {usable:.1f} GB usable"
+    who = holders_of(obs, gpu)
+    if who:  # the plan stays sized to the card (re-runs give the same plan); gpu_free weighs the rest
+        summary += f" on the card; {gpu.memory_used_mib / 1024:.1f} GiB of it {who} now (see gpu_free)"
     if need > usable:
         return Finding(
             "launch_plan",
@@ -486,31 +497,72 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
     return Finding("launch_plan", "pass", summary)
 
 
+# --- what other processes hold of the card, and who (issue 22 item 5) ------------------
+
+# Under WSL nvidia-smi counts the owner's Windows apps and games as used but lists none of them
+# (microsoft/WSL#7162); on Linux it lists compute processes, yet not always all (another
+# container's, graphics-only ones).
+UNLISTED_WSL = "Windows-side processes (not listed under WSL)"
+UNLISTED = "processes nvidia-smi does not list"
+# Less than this held, with nobody listed: the desktop's own share (WDDM keeps ~1 GB idle; the
+# field report's idle cards read 1.0 and 1.5 GiB used), not worth a word.
+NOTABLE_HELD_MIB = 2048
+
+
+def engine_holds_gpu(obs: Observations) -> bool:
+    """An engine of ours answers: its own memory is in the card's used figure."""
+    return obs.health is not None and obs.health.status in ("ok", "loading")
+
+
+def holders_of(obs: Observations, gpu: GpuInfo) -> str | None:
+    """``held by ...``: who holds the card's used memory while no engine of ours does (None: not
+    known, an engine of ours holds some, or too little is held to mention). The names are the
+    processes' own text, made printable by the fact; listed by ``--query-compute-apps`` (whole
+    names) on a one-GPU host, else by the table's rows for this GPU."""
+    if engine_holds_gpu(obs) or "memory.used" in gpu.unavailable_fields:
+        return None
+    apps = obs.gpus.compute_apps
+    if apps is not None and len(obs.gpus.gpus) == 1:
+        listed = list(apps)
+    else:
+        listed = [p for p in obs.gpus.processes if p.gpu == gpu.index]
+    if not listed and gpu.memory_used_mib < NOTABLE_HELD_MIB:
+        return None
+    named = ", ".join(f"{p.name} (pid {p.pid}, {_mib_text(p.used_mib)})" for p in listed)
+    unlisted = UNLISTED_WSL if obs.kernel.kind == "wsl2" else UNLISTED
+    rest_mib = gpu.memory_used_mib - sum(p.used_mib or 0 for p in listed)
+    if not listed:
+        return f"held by {unlisted}"
+    if rest_mib >= NOTABLE_HELD_MIB:
+        return f"held by {named} and {unlisted} ({rest_mib / 1024:.1f} GiB)"
+    return f"held by {named}"
+
+
 def check_gpu_free(settings: Settings, obs: Observations) -> Finding | None:
     """The plan against what the card has free now, not its size (issue 22): memory held by
     other processes (under WSL the owner's Windows apps and games, which nvidia-smi counts as
     used but does not list, microsoft/WSL#7162) is not the engine's to take. Judged only while
     no engine of ours holds memory (not answering ``/health`` ok or loading): a serving engine's
     own share is in the card's used memory too. What is left is ``core.gpu_room``'s, the same
-    formula the engine's own start checks (``operations/scripts/gpu_free.py``)."""
+    formula the engine's own start checks (``operations/scripts/gpu_free.py``).
+
+    A blocker, not a wait: the deploy stops for this host before it changes anything (nothing
+    it would install is wrong, but its last step starts or restarts the engine), the rest of the
+    fleet goes on, and the finding says to re-run once the owner lets go. Waiting inside the
+    deploy would hold the run (and the fleet's lock) for as long as a game lasts. The waits are
+    the engine unit's own (``ExecStartPre`` refuses, systemd tries again) and the host agent's
+    (it rejoins once the owner's claim is gone)."""
     gpu = primary_gpu(obs)
     plan = plan_for(settings, obs)
     need = estimated_vram_gb(plan) if plan is not None else None
     if gpu is None or plan is None or need is None or not gpu.memory_total_mib:
         return None
-    if "memory.used" in gpu.unavailable_fields:
-        return None
-    if obs.health is not None and obs.health.status in ("ok", "loading"):
+    if "memory.used" in gpu.unavailable_fields or engine_holds_gpu(obs):
         return None
     total = gpu.memory_total_mib / 1024
     held = gpu.memory_used_mib / 1024
     room = gpu_room.room_gb(gpu.memory_total_mib, gpu.memory_used_mib, plan.memory_ratio)
-    holders = [p for p in obs.gpus.processes if p.gpu == gpu.index]
-    who = (
-        "held by " + ", ".join(f"{p.name} (pid {p.pid}, {_mib_text(p.used_mib)})" for p in holders)
-        if holders
-        else "nvidia-smi names no process (under WSL it never lists Windows' apps, microsoft/WSL#7162)"
-    )
+    who = holders_of(obs, gpu) or "none of it by a listed process"
     evidence = f"{held:.1f} GiB of {total:.1f} GiB in use, {who}; the plan needs ~{need:.1f} GB"
     if need > room:
         return Finding(
@@ -525,6 +577,56 @@ def check_gpu_free(settings: Settings, obs: Observations) -> Finding | None:
 
 def _mib_text(mib: int | None) -> str:
     return "memory not reported" if mib is None else f"{mib / 1024:.1f} GiB"
+
+
+# What WSL cannot see of Wake-on-LAN: said in every wake_on_lan finding.
+WOL_UNSEEN = "the PC's firmware (BIOS/UEFI: Wake-on-LAN, power on by PCI-E) and Windows' Fast Startup (off) cannot be seen from WSL"
+
+
+def check_wake_on_lan(settings: Settings, obs: Observations) -> Finding | None:
+    """Wake-on-LAN readiness as far as WSL sees it (issue 22 item 4), for a host with
+    ``wake_on_lan_mac``: Windows has an adapter with that MAC, it wakes on a magic packet, and it
+    is armed to wake the PC. A warning, never a blocker: a host that cannot be woken still serves."""
+    mac = settings.wake_on_lan_mac
+    if mac is None:
+        return None
+    info = obs.wake_on_lan
+    if obs.kernel.kind != "wsl2" or info is None or info.adapters is None:
+        why = (info.error if info is not None else None) or "PowerShell's Get-NetAdapter could not be read"
+        return Finding(
+            "wake_on_lan",
+            "warn",
+            f"wake_on_lan_mac {mac}: Windows' network adapters not seen ({why})",
+            f"on Windows, check the adapter with MAC {mac}: Device Manager, its Power Management: allow it to wake "
+            f"the computer, only with a magic packet; {WOL_UNSEEN}",
+        )
+    adapter = next((a for a in info.adapters if a.mac == mac), None)
+    if adapter is None:
+        seen = ", ".join(f"{a.name} ({a.mac or '?'})" for a in info.adapters) or "none"
+        return Finding(
+            "wake_on_lan",
+            "warn",
+            f"no network adapter on Windows has wake_on_lan_mac {mac} (physical adapters: {seen})",
+            "set wake_on_lan_mac to the MAC of the wired adapter the PC sleeps on (`Get-NetAdapter` on Windows)",
+        )
+    problems = []
+    if adapter.wake_on_magic_packet.lower() != "enabled":
+        problems.append(f"its WakeOnMagicPacket is {adapter.wake_on_magic_packet or 'not reported'}")
+    armed = info.wake_armed
+    if armed is not None and adapter.description not in armed:
+        problems.append("powercfg /devicequery wake_armed does not list it")
+    where = f"{adapter.name} ({adapter.description}, {mac})"
+    if problems:
+        return Finding(
+            "wake_on_lan",
+            "warn",
+            f"{where}: {'; '.join(problems)}",
+            f"on Windows, Device Manager, {adapter.description}: Advanced, Wake on Magic Packet enabled; Power "
+            "Management, allow this device to wake the computer and only a magic packet (or as administrator: "
+            f'powercfg /deviceenablewake "{adapter.description}"); also {WOL_UNSEEN}',
+        )
+    checked = "wakes on a magic packet" + (" and is armed to wake the PC" if armed is not None else "")
+    return Finding("wake_on_lan", "pass", f"{where} {checked}; {WOL_UNSEEN}")
 
 
 def check_guard(obs: Observations) -> Finding | None:
@@ -556,7 +658,7 @@ def evaluate(settings: Settings, obs: Observations) -> list[Finding]:
         check_hardware_profile(settings, obs),
         check_launch_plan(settings, obs),
     ]
-    for extra in (check_gpu_free(settings, obs), check_guard(obs)):
+    for extra in (check_gpu_free(settings, obs), check_wake_on_lan(settings, obs), check_guard(obs)):
         if extra:
             findings.append(extra)
     return findings

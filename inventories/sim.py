@@ -10,6 +10,7 @@ NVIDIA's repository, PyPI and the model hub. When the gateway host runs (`up --g
 is the group `gateway` (deploys/gateway.py), a plain Debian host that runs no engine.
 """
 
+import ipaddress
 import json
 import os
 from pathlib import Path
@@ -37,6 +38,8 @@ SIM_DATA = {
 
 
 def _host(h, **data):
+    if h.get("wake_on_lan_mac"):  # tests/fleet/harness.py set_wake_on_lan: its eth0's MAC
+        data["wake_on_lan_mac"] = h["wake_on_lan_mac"]
     return (
         h["name"],
         {
@@ -56,4 +59,6 @@ rtx5090_32gb = [_host(h) for h in _hosts if h["hardware_class"] == "rtx5090_32gb
 sim = ([h["name"] for h in _hosts], SIM_DATA)
 # The fleet's gateway (deploys/gateway.py), only while it runs: not a workstation.
 if _state.get("gateway"):
-    gateway = [_host(_state["gateway"])]
+    # Its magic packets go to the bridge's broadcast address (the hosts have no default route).
+    _bridge = ipaddress.ip_network(f"{_state['bridge']['address']}/{_state['bridge']['prefix']}", strict=False)
+    gateway = [_host(_state["gateway"], wake_on_lan_broadcast=str(_bridge.broadcast_address))]

@@ -45,6 +45,8 @@ from freetoken_infra.core.layout import (
     GATEWAY_TLS_PEM,
     SERVED_BY_HEADER,
     SESSION_HEADER,
+    WAKER_SOCKET,
+    WAKER_USER,
     HostLayout,
 )
 from freetoken_infra.core.settings import ControllerSourceError, Settings, read_controller_source
@@ -339,9 +341,12 @@ def affinity_buckets(backends: Sequence[GatewayBackend]) -> dict[str, list[int]]
     return out
 
 
-def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key: bool, tls: bool = False) -> str:
+def haproxy_config(
+    gw: Settings, backends: Sequence[GatewayBackend], engine_key: bool, tls: bool = False, waker: bool = False
+) -> str:
     """/etc/haproxy/haproxy.cfg of the gateway host; with `tls`, both frontends speak HTTPS only
-    (HAProxy's own TLS, the certificate and key in GATEWAY_TLS_PEM)."""
+    (HAProxy's own TLS, the certificate and key in GATEWAY_TLS_PEM); with `waker`, a read-only
+    stats socket for the waker's user (operations/waker.py)."""
     ssl = f" ssl crt {GATEWAY_TLS_PEM}" if tls else ""
     session = SESSION_HEADER.lower()
     servers = "\n".join(
@@ -417,6 +422,12 @@ def haproxy_config(gw: Settings, backends: Sequence[GatewayBackend], engine_key:
         ]
     )
     retry = f"retry-on {RETRY_ON}\n    retries 3\n    option redispatch 1"
+    waker_socket = (
+        "\n    # The waker (Wake-on-LAN when the queue builds): read-only, its own user only.\n"
+        f"    stats socket {WAKER_SOCKET} mode 600 user {WAKER_USER} level user"
+        if waker
+        else ""
+    )
     return f"""# Managed by freetoken-infra (deploys/gateway.py); local edits are overwritten.
 global
     log /dev/log local0
@@ -427,7 +438,7 @@ global
     maxconn 2048
     tune.bufsize {BUFSIZE}
     # The runtime API (python -m freetoken_infra.fleet drain/ready/status): root only.
-    stats socket {GATEWAY_RUNTIME_SOCKET} mode 600 level admin expose-fd listeners
+    stats socket {GATEWAY_RUNTIME_SOCKET} mode 600 level admin expose-fd listeners{waker_socket}
     stats timeout 30s
     # Drained hosts stay drained across a reload: the deploy dumps the states here first.
     server-state-file {GATEWAY_SERVER_STATE}

@@ -234,6 +234,15 @@ SESSION_HEADER = "X-Session-Id"
 # The gateway names the host that answered in this response header.
 SERVED_BY_HEADER = "X-FreeToken-Host"
 
+# The gateway's waker (operations/waker.py, issue 22 item 4): its own user reads HAProxy's stats
+# through this socket (level user: read-only, no key, no state change) and wakes sleeping hosts.
+WAKER_UNIT = "freetoken-waker.service"
+WAKER_USER = "freetoken-waker"
+WAKER_SOCKET = "/run/haproxy/freetoken-waker.sock"
+WAKER_SCRIPT = f"{LIB_DIR}/waker.py"
+WOL_MODULE = f"{LIB_DIR}/wol.py"  # waker.py imports it from its own folder
+WAKER_CONFIG = "/etc/freetoken/waker.json"  # root's 0644: hosts, MACs, timings (no secret)
+
 # The gateway's TLS certificate and key (gateway_tls_cert_file, uploaded from the controller):
 # 0600 root, read by HAProxy while still root, like the key maps.
 GATEWAY_TLS_PEM = "/etc/haproxy/freetoken-gateway.pem"

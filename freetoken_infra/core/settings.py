@@ -13,6 +13,7 @@ import difflib
 import fnmatch
 import os
 import re
+from ipaddress import IPv4Address
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
@@ -29,7 +30,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from freetoken_infra.core import owner, redact
+from freetoken_infra.core import owner, redact, wol
 from freetoken_infra.core.hardware import HARDWARE_PROFILES
 
 if TYPE_CHECKING:
@@ -313,7 +314,22 @@ class Settings(BaseModel):
     gateway_prefix_affinity_bytes: int = Field(0, ge=0, le=4096)
     """Requests without X-Session-Id keep a host by the first N bytes of their body (model, system prompt), like a session; 0: off."""
 
+    # --- Wake-on-LAN (issue 22 item 4; README "Waking a sleeping PC") ---
+    wake_on_lan_mac: str | None = None
+    """The workstation's network card (`aa:bb:cc:dd:ee:ff`): the gateway's waker may wake it when the queue builds; unset: never woken."""
+    wake_on_lan_broadcast: IPv4Address = IPv4Address("255.255.255.255")
+    """(gateway) Where the waker sends magic packets (UDP port 9): the LAN's broadcast address."""
+    wake_on_lan_queue_s: float = Field(3.0, ge=0.5, le=3600)
+    """(gateway) Seconds requests must have been queued at the gateway before the waker wakes a sleeping host."""
+    wake_on_lan_cooldown_s: int = Field(600, ge=10, le=86400)
+    """(gateway) A host woken is not woken again for this long; one host boots at a time."""
+
     # --- validators ---------------------------------------------------------------
+    @field_validator("wake_on_lan_mac")
+    @classmethod
+    def _wake_on_lan_mac(cls, v: str | None) -> str | None:
+        return None if v is None else wol.parse_mac(v)
+
     @field_validator("owner_apps")
     @classmethod
     def _owner_apps(cls, v: list[str]) -> list[str]:

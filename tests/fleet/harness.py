@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -734,6 +735,7 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
         "cmd.exe",
         "schtasks.exe",
         "powershell.exe",
+        "powercfg.exe",
         "tasklist.exe",
         "reg.exe",
         "wslinfo",
@@ -745,7 +747,7 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     # files are only in System32, not on PATH: a real distro reached over SSH (sshd under
     # systemd) gets no Windows folders on PATH, so the deploy must find them there itself.
     system32 = root / "mnt/c/Windows/System32"
-    for exe in ("wsl.exe", "cmd.exe", "schtasks.exe", "tasklist.exe", "reg.exe"):
+    for exe in ("wsl.exe", "cmd.exe", "schtasks.exe", "powercfg.exe", "tasklist.exe", "reg.exe"):
         _link(system32 / exe, f"/.sim/bin/{exe}")
     _link(system32 / "WindowsPowerShell/v1.0/powershell.exe", "/.sim/bin/powershell.exe")
     _link(root / "usr/bin/wslinfo", "/.sim/bin/wslinfo")
@@ -1187,7 +1189,7 @@ VOLATILE = ("/var/lib/apt/lists", "/var/lib/systemd/timers", "/var/lib/systemd/r
             "/mnt/c/.sim/calls.jsonl")
 QUERIES = ("wsl.exe --version", "wsl.exe --status", "wsl.exe --list", "wsl.exe -l",
            "cmd.exe /c echo", "schtasks.exe /Query", "wslinfo", "wslpath",
-           "powershell.exe -NoProfile -NonInteractive -Command Get-")
+           "powershell.exe -NoProfile -NonInteractive -Command Get-", "powercfg.exe /devicequery")
 files = {}
 for top in ROOTS:
     for d, dirs, names in os.walk(top):
@@ -1236,6 +1238,93 @@ class SimHost:
     root: str
     hardware_class: str
     netns: str
+
+
+def host_mac(name: str) -> str:
+    """The MAC address of a host's network card (its eth0, inside its network namespace)."""
+    state = load_state() or {}
+    out = _sh("ip", "-n", _record(state, name)["netns"], "-j", "link", "show", "eth0", stdout=subprocess.PIPE).stdout
+    return json.loads(out)[0]["address"]
+
+
+def set_wake_on_lan(name: str, on: bool = True) -> str | None:
+    """Give a host's MAC to the inventory (inventories/sim.py: its `wake_on_lan_mac`), or take it
+    back; returns the MAC."""
+    state = load_state()
+    if not state:
+        raise FleetError("simulated fleet not running: python -m tests.fleet up")
+    mac = host_mac(name) if on else None
+    if on:
+        state["hosts"][name]["wake_on_lan_mac"] = mac
+    else:
+        state["hosts"][name].pop("wake_on_lan_mac", None)
+    _save_state(state)
+    return mac
+
+
+class WakeListener:
+    """STAND-IN for the network cards of sleeping PCs with Wake-on-LAN armed: a UDP listener on
+    the bridge (port 9, where magic packets go) run by the harness. A magic packet for the MAC of
+    a powered-off host (Fleet.power_off) boots that host (Fleet.power_on); every packet seen is
+    recorded (time, MAC, sender) in ``packets``, every boot in ``boots`` (name, packet time,
+    booted time). Nothing in a packet but its MAC is read."""
+
+    def __init__(self, fleet: Fleet, port: int = 9):
+        self.fleet = fleet
+        self.port = port
+        self.packets: list[tuple[float, str, str]] = []
+        self.boots: list[tuple[str, float, float | None]] = []
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __enter__(self) -> WakeListener:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, BRIDGE_NAME.encode())
+        sock.bind(("0.0.0.0", self.port))
+        sock.settimeout(0.5)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._listen, name="wake-listener", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(5)
+        if self._sock:
+            self._sock.close()
+
+    def _listen(self) -> None:
+        from freetoken_infra.core.wol import packet_mac
+
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                data, sender = self._sock.recvfrom(2048)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            mac = packet_mac(data)
+            if mac is None:
+                continue
+            at = time.time()
+            self.packets.append((at, mac, sender[0]))
+            state = self.fleet.state
+            for name, h in state["hosts"].items():
+                if h.get("wake_on_lan_mac") == mac and not (h.get("pid") and _alive(h["pid"])):
+                    _log(f"magic packet for {name} ({mac}) from {sender[0]}: booting it")
+                    threading.Thread(target=self._boot, args=(name, at), daemon=True).start()
+
+    def _boot(self, name: str, at: float) -> None:
+        try:
+            self.fleet.power_on(name)
+            self.boots.append((name, at, time.time()))
+        except FleetError as exc:
+            _log(f"{name} did not boot: {exc}")
+            self.boots.append((name, at, None))
 
 
 class Fleet:

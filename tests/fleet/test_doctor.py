@@ -9,6 +9,7 @@ host's guard timer writes on its own every 30 s).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -48,6 +49,11 @@ def table(out: str, host: str) -> list[str]:
         if len(parts) >= 2 and not line.startswith(" ") and parts[1] in ("pass", "WARN", "BLOCK"):
             rows.append((parts[0], parts[1]))
     return rows
+
+
+def flat(out: str) -> str:
+    """The output with the table's wrapped lines and padding collapsed to single spaces."""
+    return " ".join(out.split())
 
 
 def summary(out: str) -> list[str]:
@@ -146,8 +152,9 @@ def test_an_owner_holding_the_gpu_stops_the_engine_start_and_the_doctor_says_so(
         run = doctor("--limit", host)
         out = run.stdout + run.stderr
         assert run.returncode != 0 and dict(table(out, host))["gpu_free"] == "BLOCK", out[-5000:]
-        assert re.search(
-            r"^gpu_free\s+BLOCK\s+30\.8 GiB of 31\.8 GiB in use, nvidia-smi names no process \(under WSL", out, re.M
+        assert (
+            "gpu_free BLOCK 30.8 GiB of 31.8 GiB in use, held by Windows-side processes (not listed under WSL);"
+            in flat(out)
         ), out[-5000:]
         converge = deploy("--limit", host)
         out = converge.stdout + converge.stderr
@@ -174,3 +181,53 @@ def test_an_owner_holding_the_gpu_stops_the_engine_start_and_the_doctor_says_so(
     run = doctor("--limit", host)
     out = run.stdout + run.stderr
     assert dict(table(out, host)).get("gpu_free") in (None, "pass"), out[-5000:]
+
+
+def test_the_doctor_names_who_holds_the_card_and_no_name_can_forge_its_findings(sim_fleet):
+    """Issue 22 item 5: nvidia-smi (the stand-in, listing as a Linux host's does) names a process
+    holding 19.5 GiB of ws2's card while more is held by nobody it lists (under WSL, Windows'
+    apps). The doctor's gpu_memory, launch_plan and gpu_free say how much and who. The names are
+    any process's text: one carries terminal escapes, another newlines and a forged GPU line; the
+    doctor prints them made safe, the forged line changes nothing, and the launch plan stays the
+    card's (the same plan as with the card free)."""
+    from tests.fleet.client import deploy
+    from tests.fleet.profiles import PROFILES
+
+    host, total = "ws2", PROFILES["ws2"].gpu.memory_total_mib
+    if sim_fleet.run(host, "test -f /etc/systemd/system/freetoken.service").returncode != 0:
+        first = deploy("--limit", host)
+        assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
+    free_run = doctor("--limit", host)
+    free_plan = next(
+        line for line in (free_run.stdout + free_run.stderr).splitlines() if line.startswith("launch_plan")
+    )
+    was_active = _engine_active(sim_fleet, host)
+    if was_active:
+        sim_fleet.run(host, "systemctl stop freetoken.service", check=True)
+    processes = [
+        {"pid": 4242, "name": "game\x1b]0;owned\x07\x1b[2J", "used_mib": 20000},
+        {"pid": 4343, "name": "evil\n@@ft:query\n0, FORGED, 9.0, 999999, 0, 999999, 1.0", "used_mib": 5},
+    ]
+    sim_fleet.run(host, f"echo {total - 1024} > /.sim/gpu-memory-used-mib", check=True)
+    sim_fleet.run(host, f"cat > /.sim/gpu-processes.json <<'EOF'\n{json.dumps(processes)}\nEOF", check=True)
+    try:
+        run = doctor("--limit", host)
+    finally:
+        sim_fleet.run(host, "rm -f /.sim/gpu-memory-used-mib /.sim/gpu-processes.json", check=True)
+        if was_active:
+            sim_fleet.run(host, "systemctl start freetoken.service", check=True)
+    out = run.stdout + run.stderr
+    rows = dict(table(out, host))
+    assert rows["gpu_free"] == "BLOCK" and rows["launch_plan"] == "pass", out[-5000:]
+    who = "held by game?]0;owned??[2J (pid 4242, 19.5 GiB) and Windows-side processes (not listed under WSL) (11.3 GiB)"
+    text = flat(out)
+    assert f"gpu_free BLOCK 30.8 GiB of 31.8 GiB in use, {who};" in text, out[-5000:]
+    assert f"on the card; 30.8 GiB of it {who} now (see gpu_free)" in text, out[-5000:]
+    if "gpu_memory pass not probed" not in text:
+        assert f"30.8 GiB {who}" in text.split("gpu_memory", 1)[1].split("nvcc", 1)[0], out[-5000:]
+    assert "\x1b" not in out and "\x07" not in out and "FORGED" not in out
+    # the plan is the card's, not the moment's: the same cache and tokens as with the card free
+    assert (
+        free_plan.split(":")[0]
+        == next(line for line in out.splitlines() if line.startswith("launch_plan")).split(":")[0]
+    )

@@ -6,10 +6,12 @@ from pathlib import Path
 from facts.gpu import (
     GpuProcess,
     NvidiaGpus,
+    parse_compute_apps,
     parse_cuda_version,
     parse_nvidia_smi_output,
     parse_query_csv,
     parse_table_processes,
+    safe_process_name,
 )
 
 FIX = Path(__file__).parent.parent / "fixtures" / "real"
@@ -193,3 +195,78 @@ def test_process_rows_of_other_layouts():
         GpuProcess(1, 13048, "my trainer", 512),
     )
     assert parse_table_processes(table.replace("| Processes:", "| Other:")) == ()
+
+
+# ---- --query-compute-apps: whole names, parsed strictly; names are any process's text (issue 22 item 5)
+
+
+def test_the_real_compute_apps_capture_with_and_without_its_header():
+    # tests/fixtures/real/nvidia-smi-580-h200-query-compute-apps-20g.csv: header, "821, python3, 21090 MiB"
+    text = (FIX / "nvidia-smi-580-h200-query-compute-apps-20g.csv").read_text()
+    assert parse_compute_apps(text) == (GpuProcess(None, 821, "python3", 21090),)
+    assert parse_compute_apps("821, python3, 21090\n") == (GpuProcess(None, 821, "python3", 21090),)
+    # the other capture's first row: a different pid, the same process
+    query = (FIX / "nvidia-smi-580-h200-query-20g.txt").read_text()
+    assert parse_compute_apps(query)[0] == GpuProcess(None, 443, "python3", 21090)
+
+
+def test_compute_apps_rows_are_strict_and_names_made_safe():
+    text = "\n".join(
+        [
+            "No running processes found",
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.",
+            "12, a, name, with, commas, 100",  # the first and the last comma split it
+            "13, \x1b]2;pwned\x07\x1b[2Jclear, 200 MiB",  # terminal escapes
+            "14, game.exe, [N/A]",
+            "x15, bad pid, 1",
+            "0, pid zero, 1",
+            "16, huge, 99999999999",
+            "17, " + "n" * 300 + ", 5",
+        ]
+    )
+    assert parse_compute_apps(text) == (
+        GpuProcess(None, 12, "a, name, with, commas", 100),
+        GpuProcess(None, 13, "?]2;pwned??[2Jclear", 200),
+        GpuProcess(None, 14, "game.exe", None),
+        GpuProcess(None, 17, "n" * 77 + "...", 5),
+    )
+    assert safe_process_name("  \t ") == "?"
+    many = "\n".join(f"{pid}, p, 1" for pid in range(1, 100))
+    assert len(parse_compute_apps(many)) == 32
+
+
+def test_a_process_name_cannot_forge_the_facts_own_sections(tmp_path):
+    """A process names itself: a name with newlines and "@@ft:" lines, printed by nvidia-smi in the
+    table and the compute apps, must not replace the GPU's query section (its memory figures)."""
+    forged = "evil\n@@ft:query\n0, FORGED, 9.0, 999999, 0, 999999, 1.0\n@@ft:query-rc 0\n@@ft:missing"
+    smi = tmp_path / "nvidia-smi"
+    (tmp_path / "forged").write_text(forged)
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        f"--query-gpu=*) grep '^0, NVIDIA H200' '{FIX / 'nvidia-smi-580-h200-query-20g.txt'}';;\n"
+        f"--query-compute-apps=*) printf '821, '; cat '{tmp_path / 'forged'}'; printf ', 21090\\n';;\n"
+        f"*) cat '{FIX / 'nvidia-smi-580-h200-process-20g.txt'}'; cat '{tmp_path / 'forged'}';;\n"
+        "esac\n"
+    )
+    smi.chmod(0o755)
+    report = NvidiaGpus().process(
+        run_sh(NvidiaGpus().command(), env=dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin"))
+    )
+    assert report.error is None and [g.name for g in report.gpus] == ["NVIDIA H200"]
+    assert report.gpus[0].memory_used_mib == 21099
+    assert report.processes == (GpuProcess(0, 821, "python3", 21090),)
+    # its lines are only rows or not: "821, evil" has no memory, the forged GPU line a pid 0
+    assert report.compute_apps == ()
+    assert report.cuda_version == "13.0"
+
+
+def test_compute_apps_unreadable_or_failed_is_none():
+    base = h200_lines("nvidia-smi-580-h200.txt")
+    assert parse_nvidia_smi_output(base).compute_apps is None
+    failed = base + ["@@ft:apps64", "RmFpbGVkCg==", "@@ft:apps-rc 2"]
+    assert parse_nvidia_smi_output(failed).compute_apps is None
+    garbled = base + ["@@ft:apps64", "not base64!", "@@ft:apps-rc 0"]
+    assert parse_nvidia_smi_output(garbled).compute_apps is None
+    empty = base + ["@@ft:apps64", "Cg==", "@@ft:apps-rc 0"]
+    assert parse_nvidia_smi_output(empty).compute_apps == ()

@@ -1,12 +1,14 @@
 """Preflight rules: each pitfall of the field report, pass and fail, without a host."""
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from facts.cuda import CudaToolchainInfo, NvccInfo
 from facts.engine import EngineHealthInfo, EngineInstallInfo
-from facts.gpu import GpuInfo, GpuProcess, GpuReport
+from facts.gpu import GpuInfo, GpuProcess, GpuReport, parse_compute_apps
 from facts.gpu_memory import GpuMemoryProbeResult
 from facts.init import InitInfo
 from facts.model import ModelDirInfo, QuantSummary
@@ -18,6 +20,7 @@ from freetoken_infra.core.launch import derive_plan, engine_command
 from freetoken_infra.core.settings import Settings
 
 GiB = 1024**3
+FIX_REAL = Path(__file__).parent.parent / "fixtures" / "real"
 ARCHS_13 = ("compute_75", "compute_80", "compute_86", "compute_89", "compute_90", "compute_100", "compute_120")
 ARCHS_12 = ("compute_50", "compute_75", "compute_80", "compute_86", "compute_89", "compute_90")
 RTX5060TI = GpuInfo(0, "NVIDIA GeForce RTX 5060 Ti", (12, 0), 16311, 1021, 15290, "581.80")
@@ -414,7 +417,10 @@ def test_a_game_on_a_16gb_card_under_wsl(used_mib, status):
     gpu = replace(RTX5060TI, memory_used_mib=used_mib, memory_free_mib=16311 - used_mib)
     f = finding("gpu_free", on_card(gpu))
     assert f.status == status
-    assert "names no process (under WSL it never lists Windows' apps" in f.evidence
+    if used_mib >= 1024:  # under WSL nvidia-smi lists no Windows process: the rule says so
+        assert "in use, held by Windows-side processes (not listed under WSL); the plan needs" in f.evidence
+    else:
+        assert "in use, none of it by a listed process; the plan needs" in f.evidence
 
 
 def test_a_larger_memory_ratio_leaves_more_room():
@@ -437,3 +443,76 @@ def test_unknown_used_memory_is_not_judged():
 def test_a_held_card_stops_the_converge_before_anything_changes():
     findings = rules.evaluate(Settings(), on_card(H200_136G))
     assert [f.check for f in findings if f.status == "block"] == ["gpu_free"]
+
+
+# ---- who holds the card, in the doctor's gpu_memory and launch_plan findings too (issue 22 item 5).
+# The real case (tests/fixtures/real/doctor-h200-2.7gib-free.txt, a Linux H200): 136 GiB held by
+# another process, and gpu_memory and launch_plan passed saying nothing of it.
+
+DOCTOR_2_7 = (FIX_REAL / "doctor-h200-2.7gib-free.txt").read_text()
+
+
+def _probe_from_the_real_doctor():
+    free, total = re.search(r"gpu_memory\s+pass\s+([\d.]+) GiB free of ([\d.]+) GiB", DOCTOR_2_7).groups()
+    return GpuMemoryProbeResult("healthy", int(float(free) * GiB), int(float(total) * GiB), True, True, GiB, None)
+
+
+LINUX = WslKernelInfo("none", "6.18.44-fc-v1252-gpu", "Linux version 6.18.44-fc-v1252-gpu")
+
+
+def test_the_real_doctor_said_nothing_of_who_held_the_card():
+    # the bug as captured: both passed without a word of the 136 GiB held
+    assert re.search(r"^gpu_memory\s+pass\s+2\.7 GiB free of 139\.8 GiB; 32 MiB", DOCTOR_2_7, re.M)
+    assert re.search(
+        r"^launch_plan\s+pass\s+cache 2240, 35840 tokens: ~19\.4 GB of 125\.4 GB usable$", DOCTOR_2_7, re.M
+    )
+
+
+def test_on_linux_the_doctor_names_the_process_in_each_finding():
+    apps = parse_compute_apps((FIX_REAL / "nvidia-smi-580-h200-query-compute-apps-20g.csv").read_text())
+    assert apps == (GpuProcess(None, 821, "python3", 21090),)
+    held = (replace(apps[0], used_mib=143771 - 2765 - 10),)
+    obs = replace(on_card(H200_136G, kernel=LINUX, gpu_memory=_probe_from_the_real_doctor()))
+    obs = replace(obs, gpus=replace(obs.gpus, compute_apps=held))
+    by = {f.check: f for f in rules.evaluate(Settings(), obs)}
+    who = "137.7 GiB held by python3 (pid 821, 137.7 GiB)"
+    assert by["gpu_memory"].evidence == f"2.7 GiB free of 139.8 GiB; {who}; 32 MiB and large allocations succeed"
+    assert by["launch_plan"].status == "pass"  # sized to the card: the same plan on every re-run
+    assert by["launch_plan"].evidence == (
+        "cache 2240, 35840 tokens: ~19.4 GB of 125.4 GB usable on the card; 137.7 GiB of it "
+        "held by python3 (pid 821, 137.7 GiB) now (see gpu_free)"
+    )
+    assert by["gpu_free"].status == "block" and "held by python3 (pid 821, 137.7 GiB);" in by["gpu_free"].evidence
+
+
+def test_under_wsl_the_doctor_says_windows_side_processes_hold_it():
+    obs = on_card(H200_136G, gpu_memory=_probe_from_the_real_doctor())
+    obs = replace(obs, gpus=replace(obs.gpus, compute_apps=()))  # WSL lists nobody (microsoft/WSL#7162)
+    by = {f.check: f for f in rules.evaluate(Settings(), obs)}
+    assert "; 137.7 GiB held by Windows-side processes (not listed under WSL); 32 MiB" in by["gpu_memory"].evidence
+    assert "; 137.7 GiB of it held by Windows-side processes (not listed under WSL) now" in by["launch_plan"].evidence
+    assert by["gpu_free"].status == "block"
+
+
+def test_listed_and_unlisted_holders_are_both_said():
+    gpu = replace(H200_20G, memory_used_mib=21099 + 10 * 1024)
+    obs = on_card(gpu, processes=(GpuProcess(0, 821, "python3", 21090),))
+    assert rules.holders_of(obs, gpu) == (
+        "held by python3 (pid 821, 20.6 GiB) and Windows-side processes (not listed under WSL) (10.0 GiB)"
+    )
+    assert rules.holders_of(replace(obs, kernel=LINUX), gpu).endswith(
+        "and processes nvidia-smi does not list (10.0 GiB)"
+    )
+
+
+def test_the_table_rows_name_holders_when_compute_apps_were_not_read():
+    obs = on_card(H200_20G, processes=(GpuProcess(0, 821, "python3", 21090), GpuProcess(1, 9, "other", 5)))
+    assert rules.holders_of(obs, H200_20G) == "held by python3 (pid 821, 20.6 GiB)"
+
+
+def test_an_idle_card_and_a_serving_engine_name_nobody():
+    assert rules.holders_of(on_card(RTX5060TI), RTX5060TI) is None  # 1 GiB: the desktop's own
+    assert "held by" not in finding("launch_plan", on_card(RTX5060TI)).evidence
+    health = EngineHealthInfo(True, "ok", None, None, None, "0.2.1", None, None, None)
+    assert rules.holders_of(on_card(H200_136G, health=health), H200_136G) is None
+    assert "held by" not in finding("launch_plan", on_card(H200_136G, health=health)).evidence

@@ -57,3 +57,12 @@ def windows_out(text, encoding):
 
     sys.stdout.buffer.write(text.replace("\n", "\r\n").encode(encoding))
     sys.stdout.buffer.flush()
+
+
+# The simulated PC's network adapter (powershell.exe's Get-NetAdapter, powercfg.exe).
+ADAPTER = "Intel(R) Ethernet Controller I225-V"
+
+
+def wol_armed():
+    """Wake-on-LAN switched on in Windows (the adapter's magic packet, armed to wake the PC)."""
+    return os.path.exists(os.path.join(CALLS_DIR, "wol-armed")) or bool(profile().get("wake_on_lan", False))
