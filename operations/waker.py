@@ -2,8 +2,8 @@
 The gateway's waker (issue 22 item 4): ``freetoken-waker.service`` runs ``scripts/waker.py`` on
 the gateway host as its own system user. Once a second it reads HAProxy's ``show stat`` through
 a stats socket of its own (``level user``: read-only) and, when requests have queued for
-``wake_on_lan_queue_s``, sends a magic packet to one parked host with ``wake_on_lan_mac`` whose
-agent did not last say drain (``freetoken_infra/core/wol.py``: the policy, pure, uploaded beside
+``wake_on_lan_queue_s``, sends a magic packet to one parked host with ``wake_on_lan_mac`` within
+its ``serve_hours`` (read in the gateway's local time) whose agent did not last say drain (``freetoken_infra/core/wol.py``: the policy, pure, uploaded beside
 the script).
 
 Least privilege: a UDP broadcast needs no capability, so the unit runs as ``freetoken-waker``
@@ -23,9 +23,10 @@ from pyinfra.api import operation
 from pyinfra.facts.files import File
 from pyinfra.operations import server, systemd
 
-from freetoken_infra.core import wol
+from freetoken_infra.core import owner, wol
 from freetoken_infra.core.layout import (
     GATEWAY_BACKEND,
+    OWNER_MODULE,
     UNIT_DIR,
     WAKER_CONFIG,
     WAKER_SCRIPT,
@@ -57,8 +58,8 @@ def targets(every: Mapping[str, Settings]) -> list[dict]:
                 f"hosts {seen[s.wake_on_lan_mac]} and {name}: the same wake_on_lan_mac {s.wake_on_lan_mac}"
             )
         seen[s.wake_on_lan_mac] = name
-        # within_serve_hours: the hook the owner's serve_hours will feed; True until it does
-        out.append({"name": name, "mac": s.wake_on_lan_mac, "within_serve_hours": True})
+        # serve_hours (validated by the settings): the waker reads it against the clock each time
+        out.append({"name": name, "mac": s.wake_on_lan_mac, "serve_hours": s.serve_hours})
     return out
 
 
@@ -150,6 +151,7 @@ def waker(gw: Settings, hosts: list[dict]):
         return
     changed = yield from managed.put(
         ManagedFile(WOL_MODULE, local=wol.__file__),
+        ManagedFile(OWNER_MODULE, local=owner.__file__),  # serve_hours: parsed and read as the agent does
         ManagedFile(WAKER_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
         ManagedFile(WAKER_CONFIG, text=waker_config(gw, hosts)),
         ManagedFile(UNIT_PATH, text=waker_unit(), unit=True),

@@ -19,8 +19,8 @@ A host is woken only when all of these hold:
   empty; both seen in the fleet test), but the drain's ``0%`` as weight 0, kept after the agent
   goes quiet: so the memory is taken from the note, and from rows in service with weight 0 or
   DRAIN;
-- it has a ``wake_on_lan_mac`` and is within its serve hours (a hook: True until the owner's
-  ``serve_hours`` feeds it);
+- it has a ``wake_on_lan_mac`` and is within its ``serve_hours`` (``Target.within_serve_hours``,
+  read by ``scripts/waker.py`` against the gateway's clock each time it decides);
 - it was not woken in the last ``cooldown_s``, and no other woken host is still booting
   (woken less than ``boot_s`` ago and not seen up since): one PC at a time.
 
@@ -153,7 +153,7 @@ class Target:
 
     name: str
     mac: str
-    within_serve_hours: bool = True  # fed by the owner's serve_hours (issue 22 item 3) when it lands
+    within_serve_hours: bool = True  # the host's serve_hours read now (scripts/waker.py in_their_hours)
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,21 @@ import re
 import socket
 import sys
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-if TYPE_CHECKING:  # the same module, as the type checker finds it in the checkout
+if TYPE_CHECKING:  # the same modules, as the type checker finds them in the checkout
+    from freetoken_infra.core import owner
     from freetoken_infra.core import wol as waker
 else:
     try:  # uploaded beside this script on the target
+        import owner
         import wol as waker
     except ImportError:  # run from a checkout of the project
         sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
+        from freetoken_infra.core import owner
         from freetoken_infra.core import wol as waker
 
 PREFIX = "freetoken-waker:"
@@ -71,10 +75,11 @@ def load_config(path: str) -> dict:
     """The waker's config, written by the gateway's deploy; every MAC validated again here."""
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
-    targets = tuple(
-        waker.Target(str(t["name"]), waker.parse_mac(str(t["mac"])), bool(t.get("within_serve_hours", True)))
-        for t in config["targets"]
-    )
+    targets = tuple(waker.Target(str(t["name"]), waker.parse_mac(str(t["mac"]))) for t in config["targets"])
+    # Each host's serve_hours, parsed again here (owner.parse_hours: a bad one stops the waker).
+    hours = {
+        str(t["name"]): owner.parse_hours(str(t["serve_hours"])) for t in config["targets"] if t.get("serve_hours")
+    }
     policy = waker.Policy(
         float(config.get("queue_built_s", waker.QUEUE_BUILT_S)),
         float(config.get("cooldown_s", waker.COOLDOWN_S)),
@@ -86,8 +91,19 @@ def load_config(path: str) -> dict:
         "broadcast": str(config.get("broadcast", "255.255.255.255")),
         "port": int(config.get("port", waker.WOL_PORT)),
         "targets": targets,
+        "hours": hours,
         "policy": policy,
     }
+
+
+def in_their_hours(targets: tuple, hours: dict, now: time.struct_time) -> tuple:
+    """The targets with ``within_serve_hours`` read at ``now`` (the gateway's local time; a host
+    without serve_hours serves at any hour)."""
+    minute = now.tm_hour * 60 + now.tm_min
+    return tuple(
+        replace(t, within_serve_hours=t.name not in hours or owner.in_hours(hours[t.name], now.tm_wday, minute))
+        for t in targets
+    )
 
 
 def _gist(why: str) -> str:
@@ -110,7 +126,8 @@ def serve(config: dict, interval: float = 1.0) -> None:
                 last_why = why
             time.sleep(interval)
             continue
-        memory, chosen, why = waker.step(memory, reading, config["targets"], time.monotonic(), config["policy"])
+        targets = in_their_hours(config["targets"], config.get("hours", {}), time.localtime())
+        memory, chosen, why = waker.step(memory, reading, targets, time.monotonic(), config["policy"])
         if chosen is not None:
             try:
                 send_magic_packet(chosen.mac, config["broadcast"], config["port"])

@@ -242,10 +242,51 @@ def test_targets_are_serving_hosts_with_a_mac_and_one_mac_is_one_host():
         "ws1": Settings(),
         "gw": Settings(runs_engine=False, wake_on_lan_mac="52:54:00:12:34:99"),
     }
-    assert op.targets(every) == [{"name": "ws2", "mac": "52:54:00:12:34:56", "within_serve_hours": True}]
+    assert op.targets(every) == [{"name": "ws2", "mac": "52:54:00:12:34:56", "serve_hours": None}]
     every["ws3"] = Settings(wake_on_lan_mac="52-54-00-12-34-56")
     with pytest.raises(ValueError, match="hosts ws2 and ws3: the same wake_on_lan_mac 52:54:00:12:34:56"):
         op.targets(every)
+
+
+def test_the_waker_reads_each_hosts_serve_hours_against_the_clock(tmp_path):
+    """issue 22 item 4: a host off its owner's schedule is not woken; one without serve_hours is
+    woken at any hour. Read in the gateway's local time, each time the waker decides."""
+    import time
+
+    from freetoken_infra.core.settings import Settings
+    from operations import waker as op
+    from operations.scripts import waker as script
+
+    every = {
+        "ws2": Settings(wake_on_lan_mac="52:54:00:12:34:56", serve_hours="Mon-Fri 18:00-08:00"),
+        "ws4": Settings(wake_on_lan_mac="52:54:00:12:34:58"),
+    }
+    path = tmp_path / "waker.json"
+    path.write_text(op.waker_config(Settings(), op.targets(every)))
+    config = script.load_config(str(path))
+
+    def at(wday: int, hour: int, minute: int = 0) -> dict[str, bool]:
+        now = time.struct_time((2026, 12, 7, hour, minute, 0, wday, 341, 0))
+        return {t.name: t.within_serve_hours for t in script.in_their_hours(config["targets"], config["hours"], now)}
+
+    assert at(0, 12) == {"ws2": False, "ws4": True}  # Monday noon: ws2's owner uses it
+    assert at(0, 19) == {"ws2": True, "ws4": True}
+    assert at(1, 7, 59) == {"ws2": True, "ws4": True}  # Monday's night, into Tuesday
+    assert at(5, 20) == {"ws2": False, "ws4": True}  # Saturday: not in its days
+    # off schedule, the policy passes it over (ws2 down, a queue built)
+    assert [
+        t.within_serve_hours
+        for t in script.in_their_hours(
+            config["targets"], config["hours"], time.struct_time((2026, 12, 7, 12, 0, 0, 0, 341, 0))
+        )
+    ] == [False, True]
+    # a schedule edited into the file is parsed again by the script
+    import json
+
+    data = json.loads(path.read_text())
+    data["targets"][0]["serve_hours"] = "25:00-26:00"
+    path.write_text(json.dumps(data))
+    assert script.main(["--config", str(path)]) == 2
 
 
 def test_a_bad_mac_in_the_settings_names_the_field():
