@@ -84,8 +84,9 @@ def engine_pid(fleet, host) -> int:
 
 
 def parse_grand_total(output: str) -> tuple[str, str, str, str] | None:
-    """pyinfra's results table, last line: (host-operations, changed, errors, unchanged); '-' = 0."""
-    total = re.search(r"Grand total\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)", output[output.rfind("--> Results:") :])
+    """pyinfra's results table, last line: (host-operations, changed, errors, unchanged); '-' = 0
+    (all four for a run in which no host had an operation: every host answered by its fast check)."""
+    total = re.search(r"Grand total\s+(\d+|-)\s+(\S+)\s+(\S+)\s+(\S+)", output[output.rfind("--> Results:") :])
     return total.groups() if total else None
 
 
