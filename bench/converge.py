@@ -296,9 +296,7 @@ class Run:
         from tests.fleet.client import parse_grand_total
 
         total = parse_grand_total(self.output)
-        if total is None:  # pyinfra prints no results table (no Grand total) when no host had an operation
-            return "-" if self.rc == 0 else "?"
-        return total[1]
+        return "?" if total is None else total[1]
 
     def hosts(self) -> list[str]:
         from freetoken_infra.core.settings import natural_key
