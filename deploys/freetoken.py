@@ -177,7 +177,7 @@ if plan.converge is not None:
     unit_op = service.unit(name=f"Service: {ENGINE_UNIT} and its environment", settings=settings, plan=c.launch)
     # The restart and the gate run when something changed, or always when the plan says why;
     # never while the host agent keeps the engine stopped for its owner (it starts it again).
-    run_if = [lambda: False] if c.owner_holds else c.gate.run_if(any_changed(env_op, model_op, key_op, unit_op))
+    run_if = c.gate.run_if(any_changed(env_op, model_op, key_op, unit_op))
     if c.owner_holds:
         click.echo(
             f"    [{host.name}] the engine stays stopped: {c.owner_holds} (the host agent starts it when "

@@ -140,9 +140,13 @@ class GatePlan:
     subject: Gated  # what this run's gate proves (but for the manifest's hash)
     why: str | None  # why it gates although nothing changed; None: only when something changes
     rollback_to: str | None  # the version a failed gate switches back to
+    held: bool = False  # the host agent keeps the engine stopped for its owner: neither runs
 
     def run_if(self, changed: Callable[[], bool]) -> list[Callable[[], bool]]:
-        """The ``_if`` of the restart and the gate: none when they must run, else `changed`."""
+        """The ``_if`` of the restart and the gate: never while the owner holds the engine; none
+        when they must run; else `changed`."""
+        if self.held:
+            return [lambda: False]
         return [changed] if self.why is None else []
 
 
@@ -267,7 +271,12 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
             nvcc_arch=f"compute_{gpu.compute_cap[0]}{gpu.compute_cap[1]}",
             autostart=autostart,
             model=model,
-            gate=GatePlan(subject, why, rollback_target(obs.engine, settings, obs.gate_record)),
+            gate=GatePlan(
+                subject,
+                why,
+                rollback_target(obs.engine, settings, obs.gate_record),
+                held=bool(engine.owner and not engine.running),
+            ),
             restart_if_running=engine.running,
             owner_holds=engine.owner if not engine.running else None,
             firewall_present=firewall,

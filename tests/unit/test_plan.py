@@ -76,6 +76,8 @@ def test_a_refused_lock_stops_the_host_before_anything_else():
 def test_an_engine_the_agent_stopped_for_its_owner_is_left_stopped_by_the_plan():
     held = planned(running=False, owner="yielded (game)").converge
     assert held is not None and held.owner_holds == "yielded (game)" and not held.restart_if_running
+    (never,) = held.gate.run_if(lambda: True)  # neither the restart nor the gate, changed or not
+    assert never() is False
     # A running engine is the agent's to stop; the converge goes on as always.
     assert planned(running=True, owner="yielded (game)").converge.owner_holds is None
     assert planned(running=False).converge.owner_holds is None
