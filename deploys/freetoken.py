@@ -14,8 +14,9 @@
 5. Health gate: /health ok on the version this run installed, a question with one right answer,
    decode tokens/s. Skipped only when the host's last passed gate was for exactly what is
    installed and serving now.
-A second run on a converged host changes nothing, and reads nothing but its converge record when
-nothing the last converge read has changed (step 0's fast check; README, "Re-runs").
+A second run on a converged host changes nothing, and reads nothing but its record when nothing
+the last converge read has changed (step 0's fast check; README, "Re-runs"); so does a re-run on
+a host the preflight refused by a blocker that stands until its next boot (an old WSL).
 """
 
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from freetoken_infra import plan as converge
 from freetoken_infra.core import records
 from freetoken_infra.core.layout import ENGINE_UNIT
 from freetoken_infra.core.pyinfra_internals import connection_lost
+from freetoken_infra.core.text import printable
 from freetoken_infra.preflight import fast_check, fleet_settings, gather, run_preflight, stop_host
 from freetoken_infra.preflight import fingerprint as fingerprint_of
 from operations import (
@@ -100,6 +102,7 @@ taken = host_lock.take(
     unchanged_if=fingerprint,
 )
 unchanged = taken.inputs if isinstance(taken, host_lock.Unchanged) else None
+refused = taken.refused if isinstance(taken, host_lock.Unchanged) else ()
 lock_refused = taken if isinstance(taken, str) else None
 if taken is None and alone:
     batch.prefetch(state, host)  # the lock is held: every fact the last run read, in one command
@@ -109,11 +112,18 @@ if taken is None and alone:
 # else the plan reads, and every decision of this run (freetoken_infra/plan.py).
 pre = None if lock_refused or unchanged is not None else run_preflight(state, host, stop_blocked=False)[0]
 plan = converge.converge_plan(
-    gather(state, host, lock_refused, pre, unchanged),
+    gather(state, host, lock_refused, pre, unchanged, refused),
     converge.Renderers(service.engine_unit, service.engine_environment),
 )
 
-if plan.unchanged is not None:
+if plan.unchanged is not None and plan.unchanged.refused:
+    for finding in plan.unchanged.refused:
+        click.echo(
+            f"    [{host.name}] refused, unchanged since its last full read ({plan.unchanged.inputs} inputs of its "
+            f"facts checked in one read): {finding.check}: {printable(finding.evidence)} -> {printable(finding.remedy)}",
+            err=True,
+        )
+elif plan.unchanged is not None:
     click.echo(
         f"    [{host.name}] unchanged since its last converge ({plan.unchanged.inputs} inputs of its facts "
         "checked in one read): nothing to do",
@@ -131,6 +141,11 @@ if plan.windows is not None:
         wait_for_restart(plan.windows.notice or "")
 
 if plan.stop is not None:
+    if plan.stop.standing and fingerprint is not None and plan.unchanged is None:
+        # Refused until its next boot: the record the next run's fast check answers from.
+        host_lock.HostLockKeeper.of(state).record_at_release(
+            host, fingerprint, refused=tuple((f.check, f.evidence, f.remedy) for f in plan.stop.standing)
+        )
     stop_host(state, host, plan.stop)
 
 if plan.converge is not None:

@@ -2,9 +2,10 @@
 
 A converge reads some 90 facts per host; on a host nothing touched since its last converge they
 answer what they answered then. The host lock's script (``operations/scripts/host_lock.py``,
-``digest``) records, at the end of a converge that succeeded, a cheap signature of every input
-of every fact that converge read, and the next run compares it in the same round trip as the
-lock, before any fact is read. Only while every input is unchanged (and the controller's
+``digest``) records, at the end of a converge that changed nothing (or of a run the preflight
+refused by a blocker that stands until the next boot), a cheap signature of every input of
+every fact that run read, and the next run compares it in the same round trip as the lock,
+before any fact is read. Only while every input is unchanged (and the controller's
 settings and code are the same: ``preflight.fingerprint``) does the run skip the facts.
 
 The inputs, as ``host_lock.py`` reads them (none of them run anything the host's users wrote):

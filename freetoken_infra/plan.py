@@ -27,7 +27,7 @@ from freetoken_infra.core.gate_record import Gated, GateResult
 from freetoken_infra.core.launch import LaunchPlan, engine_command
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, GATEWAY_GROUP, RESTART_MESSAGE, WSL_CONF, WSLCONFIG_NAME
 from freetoken_infra.core.settings import Settings
-from freetoken_infra.rules import SYSTEMD_ON, HostPreflight, plan_for, primary_gpu
+from freetoken_infra.rules import SYSTEMD_ON, Finding, HostPreflight, plan_for, primary_gpu
 
 # The step a connection lost while the lock was taken is reported in.
 FACTS_STEP = "the host lock and the fact reads (before any change)"
@@ -85,11 +85,14 @@ class Renderers:
 # --------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
 class Stop:
-    """The host stops before any change; ``lost_in``: the connection was lost in that step."""
+    """The host stops before any change; ``lost_in``: the connection was lost in that step;
+    ``standing``: the preflight's blockers that keep it refused until its next boot (its record
+    says so, and the next run answers from it while nothing it read has changed)."""
 
     reason: str
     lost_in: str | None = None
     advice: str | None = None
+    standing: tuple[Finding, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,10 +174,12 @@ class Converge:
 @dataclass(frozen=True)
 class Unchanged:
     """The host's converge record stood (operations/host_lock.py): every input of every fact its
-    last converge read reads as it did then, and the controller's fingerprint is the same."""
+    last converge read reads as it did then, and the controller's fingerprint is the same.
+    ``refused``: the record is of a run the preflight refused, by these standing blockers."""
 
     host_name: str
     inputs: int
+    refused: tuple[Finding, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,12 @@ class ConvergePlan:
 def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find: Lookup = lookup) -> ConvergePlan:
     """Every decision of one converge on one host, in the order the deploy acts on them."""
     if isinstance(seen, Unchanged):
+        if seen.refused:
+            reason = (
+                f"preflight blockers: {', '.join(f.check for f in seen.refused)} (unchanged since its last full read)"
+            )
+            advice = "the remedies above; once they are done, the next run reads every fact"
+            return ConvergePlan(seen.host_name, stop=Stop(reason, advice=advice, standing=seen.refused), unchanged=seen)
         return ConvergePlan(seen.host_name, unchanged=seen)
     if isinstance(seen, LockRefused):
         if seen.connection_lost:  # one line, as for a connection lost in a step
@@ -207,7 +218,7 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
         notice = f"{name}: {RESTART_MESSAGE} ({pending}); every later step waits for it"
         return ConvergePlan(name, windows=WindowsSide(side.targets, notice=notice, waits=True))
     if pre.blocked:
-        return ConvergePlan(name, stop=Stop(pre.stop_reason))
+        return ConvergePlan(name, stop=Stop(pre.stop_reason, standing=tuple(pre.standing)))
 
     if seen.engine is None:  # gathered on every host the preflight lets on
         return ConvergePlan(name, stop=Stop("the engine's state was not read"))

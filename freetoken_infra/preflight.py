@@ -311,16 +311,25 @@ def owner_hold(text: str | None) -> str | None:
 
 
 def gather(
-    state, host, lock_refused: str | None, pre: rules.HostPreflight | None, unchanged: int | None = None
+    state,
+    host,
+    lock_refused: str | None,
+    pre: rules.HostPreflight | None,
+    unchanged: int | None = None,
+    refused: tuple[tuple[str, str, str], ...] = (),
 ) -> plan.Seen | plan.LockRefused | plan.Unchanged:
     """What the deploy's plan reads beyond the preflight's record, read before any change (a
     step that asks the same fact later gets pyinfra's cached answer): the lock's outcome, the
     Windows-side files (on a host that converges or only waits for the WSL restart), and on a
     host the preflight lets on whether the engine runs, the model manifest's hash (when the gate
     may be skipped) and the distro's name (a blocked host may have no systemd to ask).
-    ``unchanged``: the host's converge record stood (its number of inputs): nothing is read."""
+    ``unchanged``: the host's record stood (its number of inputs): nothing is read; ``refused``:
+    the standing blockers (check, evidence, remedy) that record names, when it is a refusal's."""
     if unchanged is not None:
-        return plan.Unchanged(host.name, unchanged)
+        standing = tuple(
+            rules.Finding(check, "block", evidence, remedy, standing=True) for check, evidence, remedy in refused
+        )
+        return plan.Unchanged(host.name, unchanged, standing)
     if lock_refused or pre is None:
         return plan.LockRefused(host.name, lock_refused or "not locked", connection_lost=connection_lost(host))
     fleet = fleet_of(state.inventory)

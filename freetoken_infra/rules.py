@@ -10,7 +10,11 @@ A finding's status:
 - block: the deploy must not change this host until a person acts on the remedy.
 `deploy_fixes` marks blockers whose remedy is the deploy's own Windows-side step
 (wsl.conf's systemd switch): the deploy applies it, says "restart required", and
-stops there.
+stops there. `standing` marks blockers decided by answers that change only with a boot of
+the WSL VM (facts/inputs.py, BOOT_ONLY: the kernel, WSL's version, the GPU's architecture):
+while the boot, the settings and the code are the same, the host stays refused, so a re-run
+may answer it from its record (README, "Re-runs: the fast check") instead of reading every
+fact again. Memory, disk or a card held by an app are never standing: they change at any time.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class Finding:
     evidence: str
     remedy: str = ""
     deploy_fixes: bool = False
+    standing: bool = False  # a blocker that stands until the WSL VM's next boot (above)
 
 
 @dataclass(frozen=True)
@@ -100,12 +105,14 @@ def check_wsl2(obs: Observations) -> Finding:
             "block",
             f"WSL1 kernel ({k.release}): no GPU access in WSL1",
             "convert the distro from Windows: `wsl.exe --set-version <distro> 2`",
+            standing=True,  # the conversion stops the distro
         )
     return Finding(
         "wsl2",
         "block",
         f"not a WSL distro (kernel {k.release or 'unknown'})",
         "run this on a WSL2 distro of a Windows workstation (or point the inventory at one)",
+        standing=True,
     )
 
 
@@ -122,6 +129,7 @@ def check_wsl_version(settings: Settings, obs: Observations) -> Finding:
             f"WSL {_v(w.version)} < {settings.wsl_min_version}: older WSL reaps the engine and "
             "locks GPU memory (fake OOMs)",
             update,
+            standing=True,  # an update of WSL restarts its VM: a new boot
         )
     if w.status == "no_version_flag":
         return Finding(
@@ -129,6 +137,7 @@ def check_wsl_version(settings: Settings, obs: Observations) -> Finding:
             "block",
             f"`wsl.exe --version` is not supported: inbox WSL, older than {settings.wsl_min_version}",
             "install WSL from the Store or `wsl.exe --update` (needs >= " + settings.wsl_min_version + ")",
+            standing=True,
         )
     if obs.kernel.kind == "none":
         return Finding("wsl_version", "block", "WSL not detected (no wslinfo, no wsl.exe)", update)
@@ -273,6 +282,7 @@ def check_compute_capability(obs: Observations) -> Finding:
             "block",
             f"compute {gpu.compute_cap[0]}.{gpu.compute_cap[1]} < 8.0: FreeToken needs Ampere or newer",
             "use an Ampere (RTX 30xx) or newer GPU",
+            standing=True,  # another card means a Windows restart
         )
     return Finding("compute_capability", "pass", f"compute {gpu.compute_cap[0]}.{gpu.compute_cap[1]}")
 
@@ -686,6 +696,11 @@ class HostPreflight:
     @property
     def blocked(self) -> list[Finding]:
         return blockers(self.findings)
+
+    @property
+    def standing(self) -> list[Finding]:
+        """The blockers that stand until the WSL VM's next boot (``Finding.standing``)."""
+        return [f for f in self.blocked if f.standing]
 
     @property
     def stop_reason(self) -> str:

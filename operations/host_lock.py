@@ -96,6 +96,21 @@ def describe(holder: Mapping[str, Any] | None) -> str:
     )
 
 
+# A blocker of the preflight as the record keeps it: (check, evidence, remedy), plain text.
+Refusal = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a release writes as the host's record (scripts/host_lock.py ``write_record``): the
+    run's fingerprint, the inputs of every fact it read (facts/inputs.py) and, for a host the
+    preflight refused until its next boot, the blockers that refused it."""
+
+    fingerprint: str
+    inputs: dict[str, list[str]]
+    refused: tuple[Refusal, ...] = ()
+
+
 def lock_command(
     action: str,
     *,
@@ -104,21 +119,22 @@ def lock_command(
     lease_s: float = LEASE_S,
     upload_dir: str | None = None,
     unchanged_if: str | None = None,
-    record: tuple[str, dict] | None = None,
+    record: Record | None = None,
 ) -> str:
     """The target-side command; the script itself comes on stdin (``python3 -``).
 
     ``unchanged_if`` (take): the controller's fingerprint, answered with "unchanged" when the
-    converge record stands; ``record`` (release): ``(fingerprint, inputs)`` written before the
-    lock is released."""
+    converge record stands; ``record`` (release): written before the lock is released."""
     # -I -S: none of the environment's PYTHON* variables, no site-packages (the script is stdlib only)
     argv = ["python3", "-I", "-S", "-", action, "--lock-file", HOST_LOCK_FILE, "--mutex", HOST_LOCK_MUTEX]
     if unchanged_if is not None:
         argv += ["--record", CONVERGE_RECORD_FILE, "--unchanged-if", unchanged_if]
     if record is not None:
-        fingerprint, inputs = record
-        encoded = base64.b64encode(json.dumps(inputs, sort_keys=True).encode()).decode()
-        argv += ["--record", CONVERGE_RECORD_FILE, "--fingerprint", fingerprint, "--inputs", encoded]
+        encoded = base64.b64encode(json.dumps(record.inputs, sort_keys=True).encode()).decode()
+        argv += ["--record", CONVERGE_RECORD_FILE, "--fingerprint", record.fingerprint, "--inputs", encoded]
+        if record.refused:
+            outcome = {"refused": [list(finding) for finding in record.refused]}
+            argv += ["--outcome", base64.b64encode(json.dumps(outcome).encode()).decode()]
     if action in ("take", "renew"):
         argv += ["--lease", f"{lease_s:g}"]
     if holder is not None:
@@ -156,6 +172,7 @@ class HostLockKeeper(BaseStateCallback):
         self.elevation: dict[str, dict[str, Any]] = {}
         self.upload_dirs: dict[str, str] = {}
         self.fingerprints: dict[str, str] = {}  # hosts whose converge is recorded at release
+        self.refusals: dict[str, tuple[Refusal, ...]] = {}  # hosts refused until their next boot
 
     @classmethod
     def of(cls, state) -> HostLockKeeper:
@@ -189,14 +206,18 @@ class HostLockKeeper(BaseStateCallback):
                 )
                 return
 
-    def record_at_release(self, host, fingerprint: str) -> None:
+    def record_at_release(self, host, fingerprint: str, refused: tuple[Refusal, ...] = ()) -> None:
         """Write the converge record when this host's lock is released, if its run executed its
-        operations and none failed (``converge_record``)."""
+        operations and none failed (``converge_record``); ``refused``: the host stops here, refused
+        by these blockers until its next boot, and the record says so (``refusal_record``)."""
         self.fingerprints[host.name] = fingerprint
+        if refused:
+            self.refusals[host.name] = tuple(refused)
 
     def host_disconnect(self, state, host) -> None:  # type: ignore[override]  # pyinfra's is static
         renewer = self.renewers.pop(host.name, None)
         fingerprint = self.fingerprints.pop(host.name, None)
+        refused = self.refusals.pop(host.name, ())
         if renewer is not None:
             renewer.kill()
         token = self.tokens.pop(host.name, None)
@@ -210,7 +231,12 @@ class HostLockKeeper(BaseStateCallback):
                 except Exception:  # best effort: a 0700 folder of the SSH user's in /tmp
                     pass
             return
-        record = converge_record(state, host, fingerprint) if fingerprint else None
+        if not fingerprint:
+            record = None
+        elif refused:
+            record = refusal_record(state, host, fingerprint, refused)
+        else:
+            record = converge_record(state, host, fingerprint)
         try:
             _, output = host.run_shell_command(
                 lock_command("release", token=token, upload_dir=upload_dir, record=record),
@@ -224,7 +250,7 @@ class HostLockKeeper(BaseStateCallback):
             batch.set_expects_record(host, isinstance(recorded, int))
 
 
-def converge_record(state, host, fingerprint: str) -> tuple[str, dict] | None:
+def converge_record(state, host, fingerprint: str) -> Record | None:
     """What the release writes as the host's converge record: the fingerprint and the inputs of
     every fact this run read (facts/inputs.py). None (the record stays removed, as the take left
     it) unless the run executed its operations, the host is still in it and none of them changed
@@ -236,6 +262,19 @@ def converge_record(state, host, fingerprint: str) -> tuple[str, dict] | None:
     run after a converge that changed something reads every fact once more and records."""
     if not operations_ran(state) or not is_active(state, host) or changed_operations(state, host):
         return None
+    return _record(state, host, fingerprint)
+
+
+def refusal_record(state, host, fingerprint: str, refused: tuple[Refusal, ...]) -> Record | None:
+    """The record of a host the preflight refused by blockers that stand until its next boot
+    (rules.Finding.standing): while every input of the facts this run read reads as then, the
+    next run answers with the same refusal from the record, without reading a fact. Written
+    whether or not the run got as far as other hosts' operations: the refusal was decided from
+    the facts it read, before anything on the host changed."""
+    return _record(state, host, fingerprint, refused)
+
+
+def _record(state, host, fingerprint: str, refused: tuple[Refusal, ...] = ()) -> Record | None:
     read = batch.read_this_run(state, host)
     if not read:
         return None
@@ -243,14 +282,42 @@ def converge_record(state, host, fingerprint: str) -> tuple[str, dict] | None:
     if isinstance(inputs, str):
         click.echo(f"    [{host.name}] no converge record: {inputs}; the next run reads every fact", err=True)
         return None
-    return fingerprint, inputs.to_json()
+    return Record(fingerprint, inputs.to_json(), refused)
 
 
 @dataclass(frozen=True)
 class Unchanged:
-    """The host's converge record stands: nothing it lists changed since its last converge."""
+    """The host's converge record stands: nothing it lists changed since its last converge, or
+    since the run that refused it (``refused``: the blockers, as that run's release wrote them)."""
 
     inputs: int
+    refused: tuple[Refusal, ...] = ()
+
+
+REFUSAL_MAX = 8  # blockers in a record's refusal, and characters in each of their texts:
+REFUSAL_TEXT_MAX = 2000  # beyond, or not of this shape, the record is not taken at its word
+
+
+def refusal_of(outcome: Any) -> tuple[Refusal, ...] | None:
+    """The blockers a record's ``outcome`` names (``()``: none, a converge's record); None when
+    the host's answer is not of the shape this controller's release writes (the next run then
+    reads every fact rather than trust it)."""
+    if outcome is None:
+        return ()
+    refused = outcome.get("refused") if isinstance(outcome, dict) and set(outcome) == {"refused"} else None
+    if not isinstance(refused, list) or not 0 < len(refused) <= REFUSAL_MAX:
+        return None
+    out = []
+    for item in refused:
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and all(isinstance(text, str) and len(text) <= REFUSAL_TEXT_MAX for text in item)
+            and re.fullmatch(r"[a-z][a-z0-9_]{0,39}", item[0])
+        ):
+            return None
+        out.append((item[0], item[1], item[2]))
+    return tuple(out)
 
 
 Run = Callable[[str, str, Mapping[str, Any]], "tuple[bool, list[str]] | None"]
@@ -295,8 +362,16 @@ def take(
         ok, lines = result if result is not None else (False, [])
         doc = _last_json(lines) or {}
         if doc.get("unchanged") is True and isinstance(doc.get("inputs"), int):
-            batch.set_expects_record(host, True)
-            return Unchanged(doc["inputs"])
+            refused = refusal_of(doc.get("outcome"))
+            if refused is not None:
+                batch.set_expects_record(host, True)
+                return Unchanged(doc["inputs"], refused)
+            # A record this controller would not write: read every fact (nothing was taken).
+            click.echo(
+                f"    [{host.name}] reading every fact: its record's outcome is not one this deploy writes", err=True
+            )
+            unchanged_if = None
+            continue
         if ok and doc.get("taken"):
             if unchanged_if is not None and isinstance(doc.get("fast_check"), str):
                 click.echo(f"    [{host.name}] reading every fact: {mask_text(doc['fast_check'])}", err=True)

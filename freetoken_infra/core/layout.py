@@ -80,10 +80,12 @@ OWNER_OVERRIDE_FILE = f"{DEPLOY_STATE_DIR}/owner-override.json"
 # preflight, so also on a host the preflight then refuses, which must be left as it was.
 HOST_LOCK_FILE = f"{DEPLOY_RUN_DIR}/run.lock"
 HOST_LOCK_MUTEX = f"{DEPLOY_RUN_DIR}/run.lock.mutex"
-# The last successful converge: the controller's fingerprint and the signature of every input of
-# the facts it read (operations/host_lock.py, facts/inputs.py). Root's, 0600: while it stands, a
-# re-run reads it instead of the facts (the no-op fast check).
-CONVERGE_RECORD_FILE = f"{DEPLOY_STATE_DIR}/converged.json"
+# The last run that changed nothing, or that the preflight refused until the next boot: the
+# controller's fingerprint, the signature of every input of the facts it read and, for a refusal,
+# its blockers (operations/host_lock.py, facts/inputs.py). Root's, 0600: while it stands, a re-run
+# reads it instead of the facts (the fast check). Volatile: the boot is one of its inputs, so no
+# record outlives one anyway, and a host the preflight refused keeps nothing of the run.
+CONVERGE_RECORD_FILE = f"{DEPLOY_RUN_DIR}/record.json"
 # The health gate's record: the last result, what it gated, and the last passed gate.
 GATE_RECORD_FILE = f"{DEPLOY_STATE_DIR}/health-gate.json"
 # Written into an engine venv as the last step of building it: a venv without it is unfinished.

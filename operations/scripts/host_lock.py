@@ -25,13 +25,15 @@ Commands (the lock file is --lock-file; every decision is taken under an flock o
                                         first, when the lock may be taken: if the converge record R
                                         (written by release, below) names fingerprint FP and every
                                         input it lists reads as it did then, exit 5 and print
-                                        {"unchanged": true, "inputs": N}: nothing is taken or
-                                        written. Else the lock is taken as above and R is removed
-                                        (this run's end writes it again if the run succeeds), and
-                                        the output says why in "fast_check"
-    release ... --record R --fingerprint FP --inputs B64JSON
+                                        {"unchanged": true, "inputs": N[, "outcome": O]}: nothing
+                                        is taken or written. Else the lock is taken as above and R
+                                        is removed (this run's end writes it again if the run
+                                        succeeds), and the output says why in "fast_check"
+    release ... --record R --fingerprint FP --inputs B64JSON [--outcome B64JSON]
                                         before the lock is released (when ours): write R, the
                                         signature of the inputs (facts/inputs.py) as they read now
+                                        and O, how the run ended when it was not a converge (a
+                                        host refused until its next boot: the controller's words)
     (any, without root)                 exit 4 and print {"need_root": true, "error": ...}
     check --record R                    print {"changes": {INPUT: NOW}} (or a string: why there is
                                         no record to check): the converge record's inputs that read
@@ -46,16 +48,19 @@ drop) keeps its sshd session until TCP notices; the lease covers that case.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import fcntl
 import json
 import os
 import re
 import stat
-import subprocess
 import sys
 import time
+
+# No argparse, subprocess or socket: a no-op run's whole cost on the host is this script's start
+# (bench/converge.py), and those three imports were a third of it (about 7 ms of CPU, measured
+# with `python3 -X importtime` on a simulated host): the options are parsed below, systemctl is
+# spawned with os.posix_spawnp and /health read through _socket.
 
 HELD = 3
 NEED_ROOT = 4
@@ -177,21 +182,45 @@ def _tree(root: str, out: dict) -> bool:
     return True
 
 
+def _output(argv: list, timeout_s: int = 30) -> str:
+    """What ``argv`` prints on stdout (its stdin and stderr /dev/null), bounded by coreutils'
+    ``timeout``; raises OSError when it cannot be started."""
+    read, write = os.pipe()
+    try:
+        pid = os.posix_spawnp(
+            "timeout",
+            ["timeout", str(timeout_s), *argv],
+            os.environ,
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, write, 1),
+                (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+            ],
+        )
+    finally:
+        os.close(write)
+    chunks = []
+    try:
+        while True:
+            chunk = os.read(read, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
 def _units(units: list) -> dict:
     if not units:
         return {}
     try:
-        done = subprocess.run(
-            ["systemctl", "show", "--property=Id,ActiveState,UnitFileState,LoadState", "--", *units],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
+        shown = _output(["systemctl", "show", "--property=Id,ActiveState,UnitFileState,LoadState", "--", *units])
+    except OSError as exc:
         return {"units": f"error {exc}"}
     out = {}
-    for i, block in enumerate(done.stdout.strip().split("\n\n")):
+    for i, block in enumerate(shown.strip().split("\n\n")):
         props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
         name = units[i] if i < len(units) else props.get("Id", "?")
         out[f"unit {name}"] = " ".join(props.get(k, "?") for k in ("ActiveState", "UnitFileState", "LoadState"))
@@ -202,13 +231,17 @@ def _get(url: str) -> tuple:
     """(HTTP status, body) of a plain GET on loopback. A bare HTTP/1.0 request over a socket, not
     urllib or http.client: both import ssl, about a third of this script's CPU on a no-op run, on
     the owner's PC, for a loopback request that needs none of it."""
-    import socket
+    import _socket
 
     match = re.fullmatch(r"http://(\[[0-9a-fA-F:.]+\]|[0-9.]+):(\d+)(/[A-Za-z0-9/_.-]*)", url)
     if not match:
         raise ValueError(f"not a loopback URL: {url}")
     host, port, path = match.group(1).strip("[]"), int(match.group(2)), match.group(3)
-    with socket.create_connection((host, port), timeout=HEALTH_TIMEOUT_S) as conn:
+    family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
+    conn = _socket.socket(family, _socket.SOCK_STREAM)
+    try:
+        conn.settimeout(HEALTH_TIMEOUT_S)
+        conn.connect((host, port))
         conn.sendall(f"GET {path} HTTP/1.0\r\nHost: {match.group(1)}:{port}\r\n\r\n".encode("ascii"))
         data, deadline = b"", time.monotonic() + HEALTH_TIMEOUT_S
         while len(data) <= HEALTH_MAX_BYTES:  # at most so much, and so long in all (a drip too)
@@ -220,6 +253,8 @@ def _get(url: str) -> tuple:
             if not chunk:
                 break
             data += chunk
+    finally:
+        conn.close()
     head, _, body = data.partition(b"\r\n\r\n")
     status = head.split(b"\r\n", 1)[0].split()
     if len(status) < 2 or not status[0].startswith(b"HTTP/") or not status[1].isdigit():
@@ -291,8 +326,9 @@ def changes(record: dict | None) -> dict | str:
 
 
 def unchanged(record_path: str, fingerprint: str) -> tuple:
-    """(True, inputs) when the converge record names ``fingerprint`` and its inputs read as then;
-    else (False, why)."""
+    """(True, (inputs, outcome)) when the converge record names ``fingerprint`` and its inputs
+    read as then (``outcome``: what the run that wrote it ended with, as its release was given
+    it: None for a converge); else (False, why)."""
     record = _read(record_path)
     if record is not None and record.get("fingerprint") != fingerprint:
         return False, "settings or code changed"
@@ -302,17 +338,22 @@ def unchanged(record_path: str, fingerprint: str) -> tuple:
     if changed:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         return False, "changed: " + ", ".join(list(changed)[:3]) + more
-    return True, len((record or {}).get("digest") or ())
+    return True, (len((record or {}).get("digest") or ()), (record or {}).get("outcome"))
 
 
-def write_record(record_path: str, fingerprint: str, inputs: dict) -> int | None:
-    """Write the converge record (root's, 0600); the number of inputs, None when none stands."""
+def write_record(record_path: str, fingerprint: str, inputs: dict, outcome: dict | None = None) -> int | None:
+    """Write the converge record (root's, 0600); the number of inputs, None when none stands.
+    ``outcome``: how the run ended when it was not a converge (a refusal that stands until the
+    next boot), handed back by the next ``take`` that finds the record standing."""
     now = digest(inputs)
     if now is None:
         _remove(record_path)
         return None
     os.makedirs(os.path.dirname(record_path) or ".", mode=0o755, exist_ok=True)
-    _write(record_path, {"fingerprint": fingerprint, "inputs": inputs, "digest": now, "written": time.time()})
+    doc = {"fingerprint": fingerprint, "inputs": inputs, "digest": now, "written": time.time()}
+    if outcome is not None:
+        doc["outcome"] = outcome
+    _write(record_path, doc)
     return len(now)
 
 
@@ -358,20 +399,73 @@ def free_reason(current: dict | None, now: float) -> str | None:
     return None
 
 
+COMMANDS = ("take", "renew", "release", "show", "check")
+# Every option takes a value: --holder (take: base64 of the holder's JSON), --token (renew,
+# release), --upload-dir (release: removed), --lease (seconds), --record (layout.CONVERGE_RECORD_FILE),
+# --unchanged-if (take: the controller's fingerprint), --fingerprint and --inputs (release: the
+# record's fingerprint, base64 of the inputs' JSON), --outcome (release: base64 of the JSON of how
+# the run ended, when not a converge), --lock-file and --mutex (required).
+OPTIONS = (
+    "holder",
+    "token",
+    "upload-dir",
+    "lease",
+    "record",
+    "unchanged-if",
+    "fingerprint",
+    "inputs",
+    "outcome",
+    "lock-file",
+    "mutex",
+)
+
+
+class Args:
+    """The parsed command line: ``command`` and each option (None when absent)."""
+
+    def __init__(self, command: str, values: dict) -> None:
+        self.command = command
+        self.holder, self.token, self.upload_dir = values.get("holder"), values.get("token"), values.get("upload-dir")
+        self.record, self.unchanged_if = values.get("record"), values.get("unchanged-if")
+        self.fingerprint, self.inputs, self.outcome = (
+            values.get("fingerprint"),
+            values.get("inputs"),
+            values.get("outcome"),
+        )
+        self.lock_file, self.mutex = str(values["lock-file"]), str(values["mutex"])
+        self.lease = float(values.get("lease") or 300.0)
+
+
+def parse_args(argv: list) -> Args:
+    """``COMMAND --option VALUE ...`` (ValueError naming what is wrong)."""
+    if not argv or argv[0] not in COMMANDS:
+        raise ValueError(f"the first argument must be one of {', '.join(COMMANDS)}")
+    values: dict = {}
+    rest = list(argv[1:])
+    while rest:
+        option = rest.pop(0)
+        name = option[2:] if option.startswith("--") else ""
+        if name not in OPTIONS:
+            raise ValueError(f"unknown option {option!r}")
+        if not rest:
+            raise ValueError(f"{option} needs a value")
+        values[name] = rest.pop(0)
+    for name in ("lock-file", "mutex"):
+        if not values.get(name):
+            raise ValueError(f"--{name} is required")
+    try:
+        float(values.get("lease") or 0)
+    except ValueError:
+        raise ValueError(f"--lease must be a number of seconds, not {values['lease']!r}") from None
+    return Args(argv[0], values)
+
+
 def main(argv: list | None = None) -> int:
-    parser = argparse.ArgumentParser(description="The deploy's host lock.")
-    parser.add_argument("command", choices=("take", "renew", "release", "show", "check"))
-    parser.add_argument("--holder", help="base64 of the holder's JSON (take)")
-    parser.add_argument("--token", help="the holder's token (renew, release)")
-    parser.add_argument("--upload-dir", help="the run's upload folder, removed (release)")
-    parser.add_argument("--lease", type=float, default=300.0, help="seconds the lease lasts")
-    parser.add_argument("--record", help="layout.CONVERGE_RECORD_FILE (take --unchanged-if, release)")
-    parser.add_argument("--unchanged-if", help="take: the controller's fingerprint; answer unchanged if so")
-    parser.add_argument("--fingerprint", help="release: the fingerprint the record is written for")
-    parser.add_argument("--inputs", help="release: base64 of the inputs' JSON (facts/inputs.py)")
-    parser.add_argument("--lock-file", required=True, help="layout.HOST_LOCK_FILE")
-    parser.add_argument("--mutex", required=True, help="layout.HOST_LOCK_MUTEX")
-    args = parser.parse_args(argv)
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"host_lock.py: {exc} (usage: see this script's docstring)", file=sys.stderr)
+        return 2
 
     folder = os.path.dirname(args.lock_file) or "."
     try:
@@ -416,7 +510,11 @@ def main(argv: list | None = None) -> int:
             if args.unchanged_if and args.record and not ours:
                 same, detail = unchanged(args.record, args.unchanged_if)
                 if same:
-                    print(json.dumps({"unchanged": True, "taken": False, "inputs": detail}))
+                    count, outcome = detail
+                    answer = {"unchanged": True, "taken": False, "inputs": count}
+                    if outcome is not None:
+                        answer["outcome"] = outcome
+                    print(json.dumps(answer))
                     return UNCHANGED
                 fast_check = detail
             doc = {**holder, "session": session_of(holder), "taken_at": now, "expires": now + args.lease}
@@ -448,8 +546,9 @@ def main(argv: list | None = None) -> int:
         recorded = None
         if ours and args.record and args.fingerprint and args.inputs:
             inputs = json.loads(base64.b64decode(args.inputs).decode("utf-8"))
-            if isinstance(inputs, dict):
-                recorded = write_record(args.record, args.fingerprint, inputs)
+            outcome = json.loads(base64.b64decode(args.outcome).decode("utf-8")) if args.outcome else None
+            if isinstance(inputs, dict) and (outcome is None or isinstance(outcome, dict)):
+                recorded = write_record(args.record, args.fingerprint, inputs, outcome)
         if ours:
             os.unlink(args.lock_file)
         print(json.dumps({"released": ours, "recorded": recorded}))

@@ -99,6 +99,31 @@ def test_second_converge_changes_nothing(sim_fleet, converged):
         assert float(table[host]["decode tok/s"].rstrip("*")) > 0, table  # its last gate's
 
 
+def test_a_refused_host_is_answered_from_its_record_until_an_input_changes(sim_fleet, converged):
+    """ws3's old WSL stands until WSL is updated (a restart of its VM: a new boot), so a re-run
+    answers its refusal from the record the run that refused it left, in the lock's one round
+    trip, without reading a fact or probing its GPU again; any input of its facts changed, and
+    the run reads every fact and decides again. The record is volatile: nothing on ws3 persists."""
+    before = sim_fleet.snapshot("ws3")
+    deploy("--limit", "ws3")  # whatever the runs before left: a full read records the refusal
+    again = deploy("--limit", "ws3")
+    out = again.stdout + again.stderr
+    assert again.returncode != 0
+    assert "[ws3] refused, unchanged since its last full read (" in out, out[-5000:]
+    assert "wsl_version: WSL 2.6.1 < 2.7.13" in out and "== ws3: preflight ==" not in out, out[-5000:]
+    assert "[ws3] stopped: preflight blockers: wsl_version (unchanged since its last full read)" in out
+    assert "gpu_memory" not in out.split("[ws3] refused", 1)[1]  # the live probe's blocker is not cached
+    # An input of its facts: chmod to its own mode moves only its ctime (what a user cannot undo).
+    sim_fleet.run("ws3", 'chmod "$(stat -c %a /var/lib/dpkg/status)" /var/lib/dpkg/status', check=True)
+    changed = deploy("--limit", "ws3")
+    out = changed.stdout + changed.stderr
+    assert "[ws3] reading every fact: changed: path /var/lib/dpkg/status" in out, out[-5000:]
+    assert re.search(r"^gpu_memory\s+BLOCK", out[out.index("== ws3: preflight ==") :], re.M)
+    full = deploy("--limit", "ws3", "--data", "fast_check=false")  # asked for: every fact
+    assert "== ws3: preflight ==" in full.stdout + full.stderr
+    assert harness.snapshot_diff(before, sim_fleet.snapshot("ws3")) == []
+
+
 def test_wslconfig_keeps_the_users_comment_and_key(sim_fleet, converged):
     for host in SERVING:
         user = sim_fleet.hosts[host].profile["windows_user"]

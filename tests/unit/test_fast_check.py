@@ -15,6 +15,8 @@ import importlib
 import json
 import os
 import pkgutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -47,8 +49,11 @@ def take(tmp_path: Path, token: str = "A", fingerprint: str = FP) -> tuple[int, 
     )
 
 
-def release(tmp_path: Path, inputs: dict, token: str = "A", fingerprint: str = FP) -> tuple[int, dict]:
+def release(
+    tmp_path: Path, inputs: dict, token: str = "A", fingerprint: str = FP, outcome: dict | None = None
+) -> tuple[int, dict]:
     encoded = base64.b64encode(json.dumps(inputs).encode()).decode()
+    more = ["--outcome", base64.b64encode(json.dumps(outcome).encode()).decode()] if outcome else []
     return lock(
         tmp_path,
         "release",
@@ -60,6 +65,7 @@ def release(tmp_path: Path, inputs: dict, token: str = "A", fingerprint: str = F
         fingerprint,
         "--inputs",
         encoded,
+        *more,
     )
 
 
@@ -151,6 +157,45 @@ def test_a_release_that_is_not_ours_writes_no_record(tmp_path):
     assert take(tmp_path)[0] == 0
     assert release(tmp_path, {"paths": ["/etc/hostname"]}, token="B")[1] == {"released": False, "recorded": None}
     assert not (tmp_path / "converged.json").exists()
+
+
+def test_the_units_state_is_read_from_one_systemctl_show(tmp_path, monkeypatch):
+    """The units' ActiveState, UnitFileState and LoadState, as ``systemctl show`` prints them
+    (a stand-in systemctl here, printing what systemd's does: one block per unit, in order)."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(
+        "#!/bin/sh\n"
+        '[ "$1 $2" = "show --property=Id,ActiveState,UnitFileState,LoadState" ] || exit 64\n'
+        'printf "Id=freetoken.service\\nLoadState=loaded\\nActiveState=%s\\nUnitFileState=enabled\\n\\n" "$(cat '
+        + str(state)
+        + ')"\n'
+        'printf "Id=ssh.service\\nLoadState=loaded\\nActiveState=active\\nUnitFileState=enabled\\n"\n'
+    )
+    (bin_dir / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    state.write_text("active")
+    assert take(tmp_path)[0] == 0
+    assert release(tmp_path, {"units": ["freetoken.service", "ssh.service"]})[1]["recorded"] == 3
+    record = json.loads((tmp_path / "converged.json").read_text())
+    assert record["digest"]["unit freetoken.service"] == "active enabled loaded"
+    assert record["digest"]["unit ssh.service"] == "active enabled loaded"
+    assert take(tmp_path)[0] == host_lock.UNCHANGED_EXIT
+    state.write_text("failed")
+    rc, doc = take(tmp_path)
+    assert rc == 0 and doc["fast_check"] == "changed: unit freetoken.service"
+
+
+def test_the_script_says_what_is_wrong_with_its_command_line(tmp_path):
+    for args, said in (
+        (["grab"], "the first argument must be one of"),
+        (["show", "--color", "x"], "unknown option '--color'"),
+        (["show", "--lock-file"], "--lock-file needs a value"),
+        (["show", "--lock-file", str(tmp_path / "l")], "--mutex is required"),
+        (["take", "--lease", "soon", "--lock-file", "l", "--mutex", "m"], "--lease must be a number"),
+    ):
+        proc = subprocess.run([sys.executable, str(host_lock.SCRIPT_SOURCE), *args], capture_output=True, text=True)
+        assert proc.returncode == 2 and said in proc.stderr and not proc.stdout, (args, proc.stderr)
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -279,6 +324,67 @@ def test_the_plan_of_an_unchanged_host_does_nothing():
     p = plan.converge_plan(plan.Unchanged("ws1", 140), render=None)  # type: ignore[arg-type]
     assert p == plan.ConvergePlan("ws1", unchanged=plan.Unchanged("ws1", 140))
     assert p.stop is None and p.windows is None and p.converge is None
+
+
+# --------------------------------------------------------------------------- a refused host's record
+REFUSED = {"refused": [["wsl_version", "WSL 2.6.1 < 2.7.13", "wsl.exe --update"]]}
+
+
+def test_a_refusals_record_hands_its_blockers_back_while_it_stands(tmp_path):
+    marker = tmp_path / "wsl.conf"
+    marker.write_text("[boot]\nsystemd=true\n")
+    assert take(tmp_path)[0] == 0
+    assert release(tmp_path, {"paths": [str(marker)]}, outcome=REFUSED)[1]["recorded"] == 2
+    rc, doc = take(tmp_path)
+    assert rc == host_lock.UNCHANGED_EXIT and doc == {
+        "unchanged": True,
+        "taken": False,
+        "inputs": 2,
+        "outcome": REFUSED,
+    }
+    assert host_lock.refusal_of(doc["outcome"]) == (("wsl_version", "WSL 2.6.1 < 2.7.13", "wsl.exe --update"),)
+    marker.write_text("[boot]\nsystemd=false\n")  # any input changed: a full read, the refusal decided again
+    rc, doc = take(tmp_path)
+    assert rc == 0 and doc["taken"] and "outcome" not in doc and not (tmp_path / "converged.json").exists()
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [
+        {"refused": []},
+        {"refused": [["wsl_version", "x"]]},
+        {"refused": [["wsl_version", "x", 3]]},
+        {"refused": [["Wsl version; rm -rf /", "x", "y"]]},
+        {"refused": [["wsl_version", "x" * 2001, "y"]]},
+        {"refused": [["wsl_version", "x", "y"]] * 9},
+        {"refused": [["wsl_version", "x", "y"]], "converged": True},
+        ["wsl_version"],
+        "refused",
+    ],
+)
+def test_a_record_outcome_not_of_the_shape_this_controller_writes_is_not_taken_at_its_word(outcome):
+    assert host_lock.refusal_of(outcome) is None
+    assert host_lock.refusal_of(None) == ()  # a converge's record
+
+
+def test_a_forged_refusal_makes_the_run_read_every_fact(tmp_path, capsys):
+    """The take answers "unchanged" with an outcome this controller never writes: the lock is
+    asked for again without the fast check, and the run reads every fact."""
+    from tests.unit.test_host_lock import LocalHost, _State
+
+    state, host, commands = _State(), LocalHost("ws1", tmp_path), []
+
+    def run(command, script, elevation):
+        commands.append(command)
+        if "--unchanged-if" in command:
+            return False, [json.dumps({"unchanged": True, "taken": False, "inputs": 3, "outcome": {"refused": "x"}})]
+        ok, output = host.run_shell_command(command, _stdin=script)
+        return ok, list(output.output_lines)
+
+    assert host_lock.take(state, host, timeout_s=1, run=run, unchanged_if=FP) is None  # taken: a full run
+    assert len(commands) == 2 and "--unchanged-if" not in commands[1]
+    assert "its record's outcome is not one this deploy writes" in capsys.readouterr().err
+    state.callback_handlers[0].host_disconnect(state, host)
 
 
 # --------------------------------------------------------------------------- the fingerprint

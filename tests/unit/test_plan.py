@@ -10,8 +10,10 @@ from dataclasses import FrozenInstanceError, replace
 import pytest
 
 from facts.engine import EngineHealthInfo, EngineInstallInfo
+from facts.gpu_memory import GpuMemoryProbeResult
 from facts.init import InitInfo
 from facts.windows import IniFileInfo
+from facts.wsl import WslKernelInfo, WslVersionInfo
 from freetoken_infra import plan, rules
 from freetoken_infra.core.addresses import AddressError, fleet_address
 from freetoken_infra.core.gate_record import Gated, GateResult
@@ -407,3 +409,34 @@ def test_an_ipv6_gateway_and_bind_are_kept_as_addresses():
     c = planned(settings=Settings(listen_host="::"), name="ws3", fleet=fleet).converge
     assert c is not None and c.gateways == (ipaddress.ip_address("fd00::5"),)
     assert c.node_exporter_bind == "fd00::3"
+
+
+# --------------------------------------------------------------------------- a refusal that stands
+OLD_WSL = WslVersionInfo("ok", (2, 6, 1), "wslinfo", "2.6.1")
+LOCKED = GpuMemoryProbeResult("allocation_locked", 11 * 1024**3, 16 * 1024**3, True, False, 8 * 1024**3, "OOM")
+
+
+def test_only_blockers_that_change_with_a_boot_stand_until_it():
+    """ws3's refusal: an old WSL stands until WSL is updated (which restarts its VM: a new
+    boot); the locked GPU memory, free memory or disk never stand (they change at any time)."""
+    p = planned(obs=healthy(wsl=OLD_WSL, gpu_memory=LOCKED))
+    assert p.stop is not None and p.stop.reason == "preflight blockers: wsl_version, gpu_memory"
+    assert [f.check for f in p.stop.standing] == ["wsl_version"]
+    assert planned(obs=healthy(gpu_memory=LOCKED)).stop.standing == ()  # the probe alone: re-read every run
+    full = replace(healthy().resources, disk_free_bytes=1)
+    assert planned(obs=healthy(resources=full)).stop.standing == ()
+    no_gpu = healthy(gpus=replace(healthy().gpus, gpus=()))  # a driver can come back without a boot
+    assert planned(obs=no_gpu).stop.standing == ()
+    wsl1 = healthy(kernel=WslKernelInfo("wsl1", "4.4.0-19041-Microsoft", "Linux version ..."))
+    assert [f.check for f in planned(obs=wsl1).stop.standing][:1] == ["wsl2"]
+
+
+def test_a_refused_hosts_record_stops_it_again_with_its_blockers_and_reads_nothing():
+    standing = (rules.Finding("wsl_version", "block", "WSL 2.6.1 < 2.7.13", "wsl.exe --update", standing=True),)
+    p = plan.converge_plan(plan.Unchanged("ws3", 97, standing), RENDER)
+    assert p.stop == plan.Stop(
+        "preflight blockers: wsl_version (unchanged since its last full read)",
+        advice="the remedies above; once they are done, the next run reads every fact",
+        standing=standing,
+    )
+    assert p.unchanged is not None and p.converge is None and p.windows is None
