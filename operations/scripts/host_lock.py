@@ -48,19 +48,20 @@ drop) keeps its sshd session until TCP notices; the lease covers that case.
 
 from __future__ import annotations
 
-import base64
 import fcntl
-import json
+import marshal
 import os
-import re
 import stat
 import sys
 import time
 
-# No argparse, subprocess or socket: a no-op run's whole cost on the host is this script's start
-# (bench/converge.py), and those three imports were a third of it (about 7 ms of CPU, measured
-# with `python3 -X importtime` on a simulated host): the options are parsed below, systemctl is
-# spawned with os.posix_spawnp and /health read through _socket.
+# A no-op run's whole cost on the host is this script's start and its fast check
+# (bench/converge.py), so the fast check imports nothing beyond the above: argparse, subprocess,
+# socket, json, re and glob were half of the script's CPU there (python3 -X importtime on a
+# simulated host). The options are parsed below, systemctl is spawned with os.posix_spawnp,
+# /health is read through _socket, the record is marshal's (root's own file), the globs of
+# facts/inputs.py are matched by _glob; json, base64 and re are imported where a run that takes
+# the lock needs them.
 
 HELD = 3
 NEED_ROOT = 4
@@ -77,7 +78,7 @@ HEALTH_KEYS = ("status", "version", "model")
 # sudo gets a fresh folder of its own, 0700 and owned by the SSH user (SUDO_UID), made when it
 # takes the lock and removed when it releases it.
 UPLOAD_PREFIX = "/tmp/freetoken-upload-"
-UPLOAD_DIR_RE = re.compile(re.escape(UPLOAD_PREFIX) + r"[A-Za-z0-9_]{8,32}")
+UPLOAD_DIR_PATTERN = r"[A-Za-z0-9_]{8,32}"  # after the prefix
 
 
 def make_upload_dir() -> str | None:
@@ -100,7 +101,10 @@ def make_upload_dir() -> str | None:
 
 
 def remove_upload_dir(path: str | None) -> None:
-    if path and UPLOAD_DIR_RE.fullmatch(path) and os.path.isdir(path) and not os.path.islink(path):
+    import re
+
+    shape = re.escape(UPLOAD_PREFIX) + UPLOAD_DIR_PATTERN
+    if path and re.fullmatch(shape, path) and os.path.isdir(path) and not os.path.islink(path):
         import shutil
 
         shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: follows no link inside
@@ -227,22 +231,39 @@ def _units(units: list) -> dict:
     return out
 
 
+HEX_IP = frozenset("0123456789abcdefABCDEF:.")
+PATH_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789/_.-")
+
+
+def _loopback(url: str) -> tuple:
+    """(netloc, port, path) of ``http://ADDRESS:PORT/PATH``, ADDRESS an IPv4 or [IPv6] literal
+    (what facts/inputs.py writes); ValueError for anything else."""
+    rest = url[len("http://") :] if url.startswith("http://") else ""
+    netloc, slash, path = rest.partition("/")
+    address, _, port = netloc.rpartition(":")
+    if address.startswith("[") and address.endswith("]"):
+        ok = len(address) > 2 and set(address[1:-1]) <= HEX_IP
+    else:
+        ok = bool(address) and set(address) <= frozenset("0123456789.")
+    if not (ok and slash and port.isdigit() and set(path) <= PATH_CHARS):
+        raise ValueError(f"not a loopback URL: {url}")
+    return address, int(port), "/" + path
+
+
 def _get(url: str) -> tuple:
     """(HTTP status, body) of a plain GET on loopback. A bare HTTP/1.0 request over a socket, not
     urllib or http.client: both import ssl, about a third of this script's CPU on a no-op run, on
     the owner's PC, for a loopback request that needs none of it."""
     import _socket
 
-    match = re.fullmatch(r"http://(\[[0-9a-fA-F:.]+\]|[0-9.]+):(\d+)(/[A-Za-z0-9/_.-]*)", url)
-    if not match:
-        raise ValueError(f"not a loopback URL: {url}")
-    host, port, path = match.group(1).strip("[]"), int(match.group(2)), match.group(3)
+    netloc, port, path = _loopback(url)
+    host = netloc.strip("[]")
     family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
     conn = _socket.socket(family, _socket.SOCK_STREAM)
     try:
         conn.settimeout(HEALTH_TIMEOUT_S)
         conn.connect((host, port))
-        conn.sendall(f"GET {path} HTTP/1.0\r\nHost: {match.group(1)}:{port}\r\n\r\n".encode("ascii"))
+        conn.sendall(f"GET {path} HTTP/1.0\r\nHost: {netloc}:{port}\r\n\r\n".encode("ascii"))
         data, deadline = b"", time.monotonic() + HEALTH_TIMEOUT_S
         while len(data) <= HEALTH_MAX_BYTES:  # at most so much, and so long in all (a drip too)
             left = deadline - time.monotonic()
@@ -262,19 +283,45 @@ def _get(url: str) -> tuple:
     return int(status[1]), body[:HEALTH_MAX_BYTES]
 
 
-def _health(url: str) -> str:
-    """The engine's /health as far as the deploy reads it (its text is the engine's: only these
-    fields of it are kept, and only compared)."""
+UPTIME_KEY = b'"uptime_s":'
+NUMBER_CHARS = frozenset(b" \t0123456789.eE+-")
+
+
+def _steady(status: int, body: bytes) -> str:
+    """The answer without the value of ``uptime_s``, which moves every second. Two answers equal
+    in this are equal in every field the deploy reads (status, version, model): what was cut is
+    a number's characters only, never a quote or a comma. The key cannot occur inside a JSON
+    string (its quotes would be escaped there)."""
+    at = body.find(UPTIME_KEY)
+    if at >= 0:
+        end = at + len(UPTIME_KEY)
+        while end < len(body) and body[end] in NUMBER_CHARS:
+            end += 1
+        body = body[: at + len(UPTIME_KEY)] + body[end:]
+    return f"{status} " + body.decode("latin-1")
+
+
+def _health(url: str, then: str | None = None, steady_then: str | None = None) -> tuple:
+    """(signature, steady) of the engine's /health as far as the deploy reads it: the HTTP status
+    and the status, version and model of its JSON (the engine's text: only these fields are
+    kept, and only compared). When the answer is steady-equal (``_steady``) to the one recorded
+    with ``then``, its signature is ``then`` without parsing it (json's import is a seventh of a
+    no-op's start)."""
     try:
         status, body = _get(url)
     except Exception as exc:  # refused, timed out, reset, not HTTP: the engine does not answer
-        return f"unreachable {type(exc).__name__}"
+        return f"unreachable {type(exc).__name__}", None
+    steady = _steady(status, body)
+    if then is not None and steady == steady_then:
+        return then, steady
+    import json
+
     try:
         doc = json.loads(body) if status == 200 else None
     except ValueError:
         doc = None
     fields = [doc.get(k) if isinstance(doc, dict) else None for k in HEALTH_KEYS]
-    return json.dumps([status, *[f if isinstance(f, (str, int, float, bool)) else None for f in fields]])
+    return json.dumps([status, *[f if isinstance(f, (str, int, float, bool)) else None for f in fields]]), steady
 
 
 def _boot() -> str:
@@ -287,28 +334,65 @@ def _boot() -> str:
     return f"{boot_id} {info[2] if info else '?'}"
 
 
-def digest(inputs: dict) -> dict | None:
-    """The signature of every input (facts/inputs.py), one string per input; None when it cannot
-    stand for them (a tree past its cap)."""
-    import glob
+def _glob(pattern: str) -> list:
+    """``glob.glob(pattern)`` for an absolute pattern whose only wildcards are single ``*`` in
+    its components (those of facts/inputs.py), without glob's import of re; any other pattern
+    goes to glob. As glob's: ``*`` matches no leading dot unless the component starts with one,
+    the folders on the way may be links to folders, the last component may be a dangling link."""
+    parts = pattern.split("/")
+    if not pattern.startswith("/") or "?" in pattern or "[" in pattern or any(p.count("*") > 1 for p in parts):
+        import glob
 
+        return glob.glob(pattern)
+    found = ["/"]
+    for i, part in enumerate(parts[1:], start=2):
+        last = i == len(parts)
+        reached = []
+        for base in found:
+            if "*" not in part:
+                path = os.path.join(base, part)
+                if os.path.lexists(path) if last else os.path.isdir(path):
+                    reached.append(path)
+                continue
+            head, tail = part.split("*")
+            try:
+                names = os.listdir(base)
+            except OSError:
+                continue
+            for name in names:
+                if name.startswith(".") and not head.startswith("."):
+                    continue
+                if len(name) >= len(head) + len(tail) and name.startswith(head) and name.endswith(tail):
+                    path = os.path.join(base, name)
+                    if last or os.path.isdir(path):
+                        reached.append(path)
+        found = reached
+    return found
+
+
+def digest(inputs: dict, then: dict | None = None, steady_then: dict | None = None) -> tuple:
+    """(the signature of every input (facts/inputs.py), one string per input, or None when it
+    cannot stand for them: a tree past its cap; the engine's steady /health answers, by URL).
+    ``then``, ``steady_then``: the record's, which spare the parsing of an unchanged answer."""
     out = {"boot": _boot()}
     for path in inputs.get("paths", []):
         out[f"path {path}"] = _sig(path)
     for path in inputs.get("dirs", []):
         out[f"dir {path}"] = _sig(path, folder=True)
     for pattern in inputs.get("globs", []):
-        matches = sorted(glob.glob(pattern))
+        matches = sorted(_glob(pattern))
         out[f"glob {pattern}"] = " ".join(matches)
         for path in matches:
             out[f"path {path}"] = _sig(path)
     for root in inputs.get("trees", []):
         if not _tree(root, out):
-            return None
+            return None, {}
     out.update(_units(list(inputs.get("units", []))))
+    steady = {}
     for url in inputs.get("health", []):
-        out[f"health {url}"] = _health(url)
-    return out
+        key = f"health {url}"
+        out[key], steady[url] = _health(url, (then or {}).get(key), (steady_then or {}).get(url))
+    return out, steady
 
 
 def changes(record: dict | None) -> dict | str:
@@ -316,10 +400,10 @@ def changes(record: dict | None) -> dict | str:
     or why the record cannot be checked."""
     if record is None:
         return "no record of a converge"
-    inputs, then = record.get("inputs"), record.get("digest")
+    inputs, then, steady = record.get("inputs"), record.get("digest"), record.get("steady")
     if not isinstance(inputs, dict) or not isinstance(then, dict):
         return "no record of a converge"
-    now = digest(inputs)
+    now, _ = digest(inputs, then, steady if isinstance(steady, dict) else None)
     if now is None:
         return "too many files to check"
     return {k: now.get(k, "gone") for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)}
@@ -329,7 +413,7 @@ def unchanged(record_path: str, fingerprint: str) -> tuple:
     """(True, (inputs, outcome)) when the converge record names ``fingerprint`` and its inputs
     read as then (``outcome``: what the run that wrote it ended with, as its release was given
     it: None for a converge); else (False, why)."""
-    record = _read(record_path)
+    record = _read_record(record_path)
     if record is not None and record.get("fingerprint") != fingerprint:
         return False, "settings or code changed"
     changed = changes(record)
@@ -341,19 +425,27 @@ def unchanged(record_path: str, fingerprint: str) -> tuple:
     return True, (len((record or {}).get("digest") or ()), (record or {}).get("outcome"))
 
 
-def write_record(record_path: str, fingerprint: str, inputs: dict, outcome: dict | None = None) -> int | None:
-    """Write the converge record (root's, 0600); the number of inputs, None when none stands.
-    ``outcome``: how the run ended when it was not a converge (a refusal that stands until the
-    next boot), handed back by the next ``take`` that finds the record standing."""
-    now = digest(inputs)
+def unchanged_answer(count: int, outcome: str | None) -> str:
+    """``{"unchanged": true, "taken": false, "inputs": N[, "outcome": O]}``, O the JSON text the
+    record keeps (one line, as the release wrote it), without json's import."""
+    more = f', "outcome": {outcome}' if isinstance(outcome, str) else ""
+    return f'{{"unchanged": true, "taken": false, "inputs": {int(count)}{more}}}'
+
+
+def write_record(record_path: str, fingerprint: str, inputs: dict, outcome: str | None = None) -> int | None:
+    """Write the record (root's, 0600, marshal's format: read back by root's python3 alone, and
+    without json's import); the number of inputs, None when none stands. ``outcome``: how the
+    run ended when it was not a converge (a refusal that stands until the next boot: JSON text,
+    as the controller gave it), handed back by the next ``take`` that finds the record standing."""
+    now, steady = digest(inputs)
     if now is None:
         _remove(record_path)
         return None
     os.makedirs(os.path.dirname(record_path) or ".", mode=0o755, exist_ok=True)
-    doc = {"fingerprint": fingerprint, "inputs": inputs, "digest": now, "written": time.time()}
+    doc = {"fingerprint": fingerprint, "inputs": inputs, "digest": now, "steady": steady, "written": time.time()}
     if outcome is not None:
         doc["outcome"] = outcome
-    _write(record_path, doc)
+    _write_bytes(record_path, marshal.dumps(doc))
     return len(now)
 
 
@@ -366,6 +458,10 @@ def _remove(path: str | None) -> None:
 
 
 def _read(path: str) -> dict | None:
+    if not os.path.lexists(path):  # the lock when no run holds it: no json needed
+        return None
+    import json
+
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -374,13 +470,27 @@ def _read(path: str) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
+def _read_record(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            doc = marshal.loads(f.read())
+    except (OSError, ValueError, EOFError, TypeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def _write(path: str, doc: dict) -> None:
+    import json
+
+    _write_bytes(path, (json.dumps(doc) + "\n").encode("utf-8"))
+
+
+def _write_bytes(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # a leftover .tmp of an older release was 0644
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(doc, f)
-        f.write("\n")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -473,14 +583,25 @@ def main(argv: list | None = None) -> int:
         mutex = os.open(args.mutex, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         os.fchmod(mutex, 0o600)
     except PermissionError as exc:  # not root: the controller asks again through sudo
+        import json
+
         print(json.dumps({"error": f"{exc.strerror}: {exc.filename}", "need_root": True}))
         return NEED_ROOT
     try:
         fcntl.flock(mutex, fcntl.LOCK_EX)
         now = time.time()
         current = _read(args.lock_file)
+        early = None  # the fast check's reading, when no run holds the lock: before any import
+        if args.command == "take" and current is None and args.unchanged_if and args.record:
+            same, early = unchanged(args.record, args.unchanged_if)
+            if same:
+                print(unchanged_answer(*early))
+                return UNCHANGED
+        import base64
+        import json
+
         if args.command == "check":
-            print(json.dumps({"changes": changes(_read(args.record) if args.record else None)}))
+            print(json.dumps({"changes": changes(_read_record(args.record) if args.record else None)}))
             return 0
         if args.command == "show":
             print(
@@ -506,15 +627,11 @@ def main(argv: list | None = None) -> int:
             if why is None:
                 print(json.dumps({"taken": False, "holder": current, "now": now}))
                 return HELD
-            fast_check = None
-            if args.unchanged_if and args.record and not ours:
+            fast_check = early
+            if args.unchanged_if and args.record and not ours and early is None:
                 same, detail = unchanged(args.record, args.unchanged_if)
                 if same:
-                    count, outcome = detail
-                    answer = {"unchanged": True, "taken": False, "inputs": count}
-                    if outcome is not None:
-                        answer["outcome"] = outcome
-                    print(json.dumps(answer))
+                    print(unchanged_answer(*detail))
                     return UNCHANGED
                 fast_check = detail
             doc = {**holder, "session": session_of(holder), "taken_at": now, "expires": now + args.lease}
@@ -548,7 +665,8 @@ def main(argv: list | None = None) -> int:
             inputs = json.loads(base64.b64decode(args.inputs).decode("utf-8"))
             outcome = json.loads(base64.b64decode(args.outcome).decode("utf-8")) if args.outcome else None
             if isinstance(inputs, dict) and (outcome is None or isinstance(outcome, dict)):
-                recorded = write_record(args.record, args.fingerprint, inputs, outcome)
+                text = None if outcome is None else json.dumps(outcome)  # one line
+                recorded = write_record(args.record, args.fingerprint, inputs, text)
         if ours:
             os.unlink(args.lock_file)
         print(json.dumps({"released": ours, "recorded": recorded}))

@@ -13,6 +13,7 @@ import base64
 import http.server
 import importlib
 import json
+import marshal
 import os
 import pkgutil
 import subprocess
@@ -43,7 +44,7 @@ def take(tmp_path: Path, token: str = "A", fingerprint: str = FP) -> tuple[int, 
         "--lease",
         "60",
         "--record",
-        str(tmp_path / "converged.json"),
+        str(tmp_path / "record.json"),
         "--unchanged-if",
         fingerprint,
     )
@@ -60,7 +61,7 @@ def release(
         "--token",
         token,
         "--record",
-        str(tmp_path / "converged.json"),
+        str(tmp_path / "record.json"),
         "--fingerprint",
         fingerprint,
         "--inputs",
@@ -95,7 +96,7 @@ def test_nothing_changed_answers_unchanged_and_takes_nothing(tmp_path, host):
     assert rc == host_lock.UNCHANGED_EXIT and doc == {"unchanged": True, "taken": False, "inputs": doc["inputs"]}
     assert not (tmp_path / "run.lock").exists()  # nothing taken
     assert take(tmp_path)[0] == host_lock.UNCHANGED_EXIT  # and again: reading changed nothing
-    record = tmp_path / "converged.json"
+    record = tmp_path / "record.json"
     assert oct(record.stat().st_mode & 0o777) == "0o600"
 
 
@@ -109,7 +110,7 @@ def test_a_changed_file_with_its_mtime_put_back_is_found(tmp_path, host):
     rc, doc = take(tmp_path)
     assert rc == 0 and doc["taken"] and f"path {unit}" in doc["fast_check"]
     # The record is gone the moment a run takes the lock: a run cut now leaves a full read next.
-    assert not (tmp_path / "converged.json").exists()
+    assert not (tmp_path / "record.json").exists()
     lock(tmp_path, "release", "--token", "A")
     assert take(tmp_path, token="B")[1]["fast_check"] == "no record of a converge"
 
@@ -156,7 +157,7 @@ def test_a_held_lock_is_waited_for_not_answered_unchanged(tmp_path, host):
 def test_a_release_that_is_not_ours_writes_no_record(tmp_path):
     assert take(tmp_path)[0] == 0
     assert release(tmp_path, {"paths": ["/etc/hostname"]}, token="B")[1] == {"released": False, "recorded": None}
-    assert not (tmp_path / "converged.json").exists()
+    assert not (tmp_path / "record.json").exists()
 
 
 def test_the_units_state_is_read_from_one_systemctl_show(tmp_path, monkeypatch):
@@ -177,7 +178,7 @@ def test_the_units_state_is_read_from_one_systemctl_show(tmp_path, monkeypatch):
     state.write_text("active")
     assert take(tmp_path)[0] == 0
     assert release(tmp_path, {"units": ["freetoken.service", "ssh.service"]})[1]["recorded"] == 3
-    record = json.loads((tmp_path / "converged.json").read_text())
+    record = marshal.loads((tmp_path / "record.json").read_bytes())
     assert record["digest"]["unit freetoken.service"] == "active enabled loaded"
     assert record["digest"]["unit ssh.service"] == "active enabled loaded"
     assert take(tmp_path)[0] == host_lock.UNCHANGED_EXIT
@@ -196,6 +197,121 @@ def test_the_script_says_what_is_wrong_with_its_command_line(tmp_path):
     ):
         proc = subprocess.run([sys.executable, str(host_lock.SCRIPT_SOURCE), *args], capture_output=True, text=True)
         assert proc.returncode == 2 and said in proc.stderr and not proc.stdout, (args, proc.stderr)
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("host_lock_script", host_lock.SCRIPT_SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scripts_glob_matches_what_glob_matches(tmp_path):
+    """The lock script matches facts/inputs.py's globs without importing glob (and re with it):
+    it must find exactly what glob finds, hidden names, links and files on the way included."""
+    import glob
+
+    base = tmp_path / "opt"
+    for venv in ("0.2.1-a", "0.2.2-b", ".hidden-c"):
+        site = base / venv / "lib" / "python3.11" / "site-packages"
+        (site / "freetoken-0.2.1.dist-info").mkdir(parents=True)
+        (site / "freetoken-0.2.1.dist-info" / "METADATA").write_text("x")
+        (base / venv / "pyvenv.cfg").write_text("x")
+    (base / "0.2.2-b" / "lib" / "python3.12").mkdir()
+    (base / "active").symlink_to(base / "0.2.2-b")
+    (base / "dangling").symlink_to(base / "nowhere")
+    (base / "file-not-dir").write_text("x")
+    (base / "0.2.1-a" / "lib" / "python3.x").write_text("a file where a folder is looked for")
+    script = _script()
+    for pattern in (
+        "*",
+        "*/pyvenv.cfg",
+        "*/lib/python3*/site-packages",
+        "*/lib/python3*/site-packages/freetoken-*.dist-info/METADATA",
+        ".*/pyvenv.cfg",
+        "0.2*",
+        "*-b/lib",
+        "nothing-*/x",
+        "dangling",
+        "*/lib/python3.1[12]",  # glob's own
+        "a*b*c",
+    ):
+        full = f"{base}/{pattern}"
+        assert sorted(script._glob(full)) == sorted(glob.glob(full)), pattern
+
+
+@pytest.mark.parametrize(
+    "url, parsed",
+    [
+        ("http://127.0.0.1:8000/health", ("127.0.0.1", 8000, "/health")),
+        ("http://[::1]:8000/health", ("[::1]", 8000, "/health")),
+        ("http://10.0.0.5:18000/v1/x_y-z.json", ("10.0.0.5", 18000, "/v1/x_y-z.json")),
+        ("http://localhost:8000/health", None),
+        ("https://127.0.0.1:8000/health", None),
+        ("http://127.0.0.1/health", None),
+        ("http://127.0.0.1:80a/health", None),
+        ("http://127.0.0.1:8000", None),
+        ("http://127.0.0.1:8000/health?x=1", None),
+        ("http://127.0.0.1:8000/he alth", None),
+        ("http://[]:8000/health", None),
+        ("http://user@127.0.0.1:8000/health", None),
+    ],
+)
+def test_the_health_url_is_a_loopback_literal_or_nothing(url, parsed):
+    script = _script()
+    if parsed is None:
+        with pytest.raises(ValueError):
+            script._loopback(url)
+    else:
+        assert script._loopback(url) == parsed
+
+
+def test_an_unchanged_hosts_answer_imports_nothing_it_does_not_need(tmp_path):
+    """The fast check's answer is the whole of a no-op run's cost on the host: it must not pull
+    in json, re, glob, argparse, subprocess or socket (a cost figure is bench/converge.py's;
+    this guards what made it)."""
+    (tmp_path / "venvs" / "0.2.1").mkdir(parents=True)
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/health"
+        inputs = {"paths": [str(tmp_path / "venvs")], "globs": [f"{tmp_path}/venvs/*"], "health": [url]}
+        assert take(tmp_path)[0] == 0 and release(tmp_path, inputs)[1]["recorded"] == 5
+        proc = _take_importtime(tmp_path)
+    finally:
+        server.shutdown()
+    assert proc.returncode == host_lock.UNCHANGED_EXIT, proc.stdout + proc.stderr
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert imported and not imported & {"json", "re", "glob", "argparse", "subprocess", "socket", "base64"}, imported
+    assert json.loads(proc.stdout) == {"unchanged": True, "taken": False, "inputs": 5}
+
+
+def _take_importtime(tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-X",
+            "importtime",
+            str(host_lock.SCRIPT_SOURCE),
+            "take",
+            "--holder",
+            b64(holder("B")),
+            "--record",
+            str(tmp_path / "record.json"),
+            "--unchanged-if",
+            FP,
+            "--lock-file",
+            str(tmp_path / "run.lock"),
+            "--mutex",
+            str(tmp_path / "run.lock.mutex"),
+        ],
+        capture_output=True,
+        text=True,
+    )
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -221,6 +337,8 @@ def test_the_engines_health_counts_by_status_version_and_model_only(tmp_path):
         assert release(tmp_path, {"health": [url]})[1]["recorded"] == 2  # boot and health
         _Health.body = {**_Health.body, "uptime_s": 99}  # moves on its own: not counted
         assert take(tmp_path)[0] == host_lock.UNCHANGED_EXIT
+        _Health.body = {"model": "m", "status": "ok", "version": "0.2.1", "uptime_s": 7, "queue": 3}
+        assert take(tmp_path)[0] == host_lock.UNCHANGED_EXIT  # other text, the same fields: parsed
         _Health.body = {**_Health.body, "status": "loading"}
         assert f"health {url}" in take(tmp_path)[1]["fast_check"]
     finally:
@@ -254,7 +372,7 @@ def test_an_engine_that_drips_its_health_answer_holds_the_check_at_most_its_time
         rc, doc = release(tmp_path, {"health": [url]})
         assert rc == 0 and doc["recorded"] == 2
         assert time.monotonic() - started < 5
-        record = json.loads((tmp_path / "converged.json").read_text())
+        record = marshal.loads((tmp_path / "record.json").read_bytes())
         assert record["digest"][f"health {url}"] == "unreachable TimeoutError"
     finally:
         stop.set()
@@ -345,7 +463,7 @@ def test_a_refusals_record_hands_its_blockers_back_while_it_stands(tmp_path):
     assert host_lock.refusal_of(doc["outcome"]) == (("wsl_version", "WSL 2.6.1 < 2.7.13", "wsl.exe --update"),)
     marker.write_text("[boot]\nsystemd=false\n")  # any input changed: a full read, the refusal decided again
     rc, doc = take(tmp_path)
-    assert rc == 0 and doc["taken"] and "outcome" not in doc and not (tmp_path / "converged.json").exists()
+    assert rc == 0 and doc["taken"] and "outcome" not in doc and not (tmp_path / "record.json").exists()
 
 
 @pytest.mark.parametrize(
