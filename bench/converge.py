@@ -31,10 +31,13 @@ being executed (pyinfra.api.operations._run_host_op). Wall times are the child's
 exit (interpreter start and imports included: what a user waits for). Where the time goes is
 measured, per run: the wall-clock phases of the child (start-up before its first SSH call, the
 span of the connects, of the fact reads, of the operations' commands, and the rest up to its
-exit), the CPU the controller used (the child's rusage) and the CPU the hosts used (the sum of
-utime+stime+cutime+cstime over every process in each host's network namespace, before and after
-the run: commands that ended count through the process that reaped them), against the cores of
-the machine. The bytes each host's link carried in a run (its eth0 in its network namespace, both
+exit), the CPU the controller used (the child's rusage) and the CPU the hosts used, against the
+cores of the machine. Each host's CPU is read from a cpuacct cgroup the bench puts the host's
+processes in (nanoseconds, ended processes included), before and after the run; where the machine
+has no cgroup v1 cpuacct, from utime+stime+cutime+cstime summed over the processes in the host's
+network namespace (10 ms clock ticks: commands that ended count through their reaper). Either
+way the host's resident services that poll on their own clock, deploy or not (the owner agent),
+are counted apart and printed as a rate: they are not the run's cost. The bytes each host's link carried in a run (its eth0 in its network namespace, both
 ways: SSH with its handshake) are counted the same way, and each host's medians are printed with
 how many of its runs the fast check answered (README, "Re-runs: the fast check"); the 50- and
 100-host projections use the measured per-host controller CPU, host CPU and bytes.
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shlex
 import statistics
@@ -226,17 +230,79 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
 # --------------------------------------------------------------------------- the parent
 
 
-def host_cpu_seconds() -> dict[str, float]:
-    """CPU seconds each running simulated host has used: utime+stime+cutime+cstime summed over the
-    processes in its network namespace (a command that ended counts through its reaper)."""
+# Each simulated host's CPU is counted in a cpuacct cgroup (v1) of its own, in nanoseconds and with
+# the processes that ended in a run included; the host's resident services that poll on their own
+# clock whether or not a deploy runs (the owner agent, once a second) in one below it, counted apart.
+CGROUPS = Path("/sys/fs/cgroup/cpuacct/freetoken-bench")
+RESIDENT = ("/usr/local/lib/freetoken/owner_agent.py",)  # in a process's command line
+
+
+def _netns_pids(netns: str) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+
+
+def _is_resident(pid: str) -> bool:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return any(r in command for r in RESIDENT)
+
+
+def place_hosts() -> bool:
+    """Put every process of each running simulated host into its cgroup (its resident services
+    into the one below it); what they start from then on is counted there too. False when this
+    machine has no cgroup v1 cpuacct hierarchy to do it in (then ``host_cpu_seconds`` sums clock
+    ticks over the hosts' processes instead)."""
+    from tests.fleet import harness
+
+    if not CGROUPS.parent.is_dir():
+        return False
+    try:
+        for name, h in (harness.load_state() or {"hosts": {}})["hosts"].items():
+            (CGROUPS / name / "resident").mkdir(parents=True, exist_ok=True)
+            for pid in _netns_pids(h["netns"]):
+                target = CGROUPS / name / ("resident" if _is_resident(pid) else "")
+                try:
+                    (target / "cgroup.procs").write_text(pid)
+                except OSError:  # ended meanwhile
+                    pass
+    except OSError:
+        return False
+    return True
+
+
+def remove_cgroups() -> None:
+    for folder in sorted(CGROUPS.glob("*/resident")) + sorted(CGROUPS.glob("*")) + [CGROUPS]:
+        try:
+            folder.rmdir()
+        except OSError:  # still holds a process (a fleet kept up): left for the next run
+            pass
+
+
+def _usage(folder: Path) -> float:
+    return int((folder / "cpuacct.usage").read_text()) / 1e9
+
+
+def host_cpu_seconds(resident: bool = False) -> dict[str, float]:
+    """CPU seconds each running simulated host has used, its resident services' excepted (with
+    ``resident``: theirs alone): from its cgroup (``place_hosts``), else the sum of utime+stime+
+    cutime+cstime over the processes in its network namespace (10 ms clock ticks; a command that
+    ended counts through its reaper) with the resident services' processes left out."""
     from tests.fleet import harness
 
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for name, h in (harness.load_state() or {"hosts": {}})["hosts"].items():
-        r = subprocess.run(["ip", "netns", "pids", h["netns"]], capture_output=True, text=True)
+        folder = CGROUPS / name
+        if (folder / "resident" / "cpuacct.usage").exists():
+            own = _usage(folder / "resident")
+            out[name] = own if resident else _usage(folder) - own
+            continue
         total = 0
-        for pid in r.stdout.split():
+        for pid in _netns_pids(h["netns"]):
+            if _is_resident(pid) != resident:
+                continue
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
@@ -286,11 +352,13 @@ class Run:
         cpu_hosts: dict[str, float],
         batches: dict[str, list[str]] | None = None,
         bytes_hosts: dict[str, int] | None = None,
+        resident: dict[str, float] | None = None,
     ):
         self.limit, self.wall, self.rc, self.output, self.calls = limit, wall, rc, output, calls
         self.end, self.cpu_controller, self.cpu_hosts = end, cpu_controller, cpu_hosts
         self.batches = batches or {}
         self.bytes_hosts = bytes_hosts or {}
+        self.resident = resident or {}  # each host's resident services, CPU-s per second of the run
 
     def changed(self) -> str:
         from tests.fleet.client import parse_grand_total
@@ -302,6 +370,14 @@ class Run:
         from freetoken_infra.core.settings import natural_key
 
         return sorted({c["host"] for c in self.calls}, key=natural_key)
+
+
+def answered_from_record(run: Run) -> int:
+    """How many hosts of ``run`` the fast check answered (a converge's record or a refusal's)."""
+    return sum(
+        bool(re.search(r"\] (refused, )?unchanged since its last (converge|full read) \(", line))
+        for line in run.output.splitlines()
+    )
 
 
 def run_pyinfra(
@@ -316,6 +392,8 @@ def run_pyinfra(
         args += ["--limit", name]
     args += ["inventories/sim.py", "deploys/freetoken.py"]
     bytes_before = host_link_bytes()
+    place_hosts()  # a resident service restarted since (a converge) goes back into its own cgroup
+    resident_before = host_cpu_seconds(resident=True)
     cpu_before, usage_before = host_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -329,8 +407,10 @@ def run_pyinfra(
     )
     wall = time.monotonic() - t0
     usage, cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN), host_cpu_seconds()
+    resident_after = host_cpu_seconds(resident=True)
     controller = (usage.ru_utime + usage.ru_stime) - (usage_before.ru_utime + usage_before.ru_stime)
     hosts = {n: cpu_after[n] - cpu_before.get(n, 0.0) for n in cpu_after}
+    resident = {n: (resident_after[n] - resident_before.get(n, 0.0)) / wall for n in resident_after}
     bytes_after = host_link_bytes()
     link = {n: bytes_after[n] - bytes_before[n] for n in bytes_after if n in bytes_before}
     try:
@@ -350,6 +430,7 @@ def run_pyinfra(
         hosts,
         doc.get("batches"),
         link,
+        resident,
     )
 
 
@@ -531,13 +612,23 @@ def print_noop(noop: dict[int, list[Run]], n: int) -> None:
         for h in names:
             values = [r.cpu_hosts[h] for r in runs if h in r.cpu_hosts and h in r.hosts()]
             sent = [r.bytes_hosts[h] for r in runs if h in r.bytes_hosts and h in r.hosts()]
-            fast = sum(f"[{h}] unchanged since its last converge" in r.output for r in runs)
+            fast = sum(
+                f"[{h}] unchanged since its last converge" in r.output
+                or f"[{h}] refused, unchanged since its last full read" in r.output
+                for r in runs
+            )
             if values:
                 each.append(
                     f"{h} {statistics.median(values):.3f} CPU-s {statistics.median(sent) / 1024 if sent else 0:.1f} KiB"
                     f"{' (refused at preflight by design)' if h in REFUSED else ''} fast check {fast}/{len(runs)}"
                 )
         print("      each host, medians: " + "; ".join(each))
+        rates = [v for r in runs for h, v in r.resident.items() if h in r.hosts() and v > 0]
+        if rates:
+            print(
+                f"      not counted above: each host's resident services (the owner agent polling), "
+                f"median {statistics.median(rates):.3f} CPU-s per second of the run, deploy or not"
+            )
     ones, alls = noop.get(1), noop.get(n)
     if ones and alls and n > 1:
         cores = os.cpu_count() or 1
@@ -625,6 +716,8 @@ def print_slowest_facts(runs: list[Run], top: int) -> None:
         for key, value in one.items():
             per[key].append(value)
     ranked = sorted(per.items(), key=lambda kv: -statistics.median(kv[1]))[:top]
+    if not ranked:
+        print('  none: every host answered from its record (README, "Re-runs: the fast check")')
     for (host, label, detail), values in ranked:
         print(
             f"  {statistics.median(values):6.3f} s (max {max(values):.3f})  {host}  {label}"
@@ -746,11 +839,20 @@ def main() -> int:
         if not a.reuse or state is None:
             a.reuse = False
         try:
+            counted = "cgroup v1 cpuacct, ns" if place_hosts() else "clock ticks of the hosts' processes, 10 ms"
+            print(f"(each host's CPU from: {counted}; its resident services counted apart)")
             if not a.reuse:
                 first_converge(n)
             else:
                 warm = run_pyinfra()  # a reused fleet may hold a stale host: converge it first
                 print(f"\n(reused fleet: a converge first, changed ops: {warm.changed()})")
+            # The run after a converge that changed something reads every fact once more and
+            # records (README, "Re-runs: the fast check"); the timed no-op runs are the steady ones.
+            warm = run_pyinfra()
+            print(
+                f"(the whole fleet's first re-run after its converge: {warm.wall:.2f} s, changed ops: "
+                f"{warm.changed()}, fast check {answered_from_record(warm)} of {n} hosts)"
+            )
             noop: dict[int, list[Run]] = {k: [] for k in sizes}
             for _ in range(a.runs):  # interleaved, so load on the shared machine hits all alike
                 for k in sizes:
@@ -769,6 +871,7 @@ def main() -> int:
         finally:
             if not a.keep_up:
                 harness.down(quiet=True)
+                remove_cgroups()
     return 0
 
 
