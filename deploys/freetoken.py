@@ -116,6 +116,12 @@ plan = converge.converge_plan(
     converge.Renderers(service.engine_unit, service.engine_environment),
 )
 
+if plan.unchanged is not None:  # for the gate table of a run in which other hosts gate
+    records.RunRecords.of(state).answered[host.name] = (
+        "refused at preflight (unchanged since its last full read)"
+        if plan.unchanged.refused
+        else "unchanged since its last converge (its record answered; nothing read)"
+    )
 if plan.unchanged is not None and plan.unchanged.refused:
     for finding in plan.unchanged.refused:
         click.echo(

@@ -122,6 +122,8 @@ def gate_rows(run: RunRecords, hosts: list[str], active: set[str]) -> dict[str, 
             rows[name] = GateRow(stopped=f"connection lost during {run.lost[name]}; re-run to finish")
         elif name in run.failed_ops:
             rows[name] = GateRow(stopped="failed at: " + "; ".join(run.failed_ops[name]))
+        elif name in run.answered:  # the fast check: nothing was read, its gate not looked at
+            rows[name] = GateRow(stopped=run.answered[name])
         else:
             rows[name] = GateRow(stopped="refused at preflight (findings above)")
     return rows

@@ -310,6 +310,7 @@ class RunRecords(BaseStateCallback):
         self.last_gates: dict[str, GateResult | None] = {}  # host name -> its previous gate record
         self.failed_ops: dict[str, list[str]] = {}
         self.lost: dict[str, str] = {}  # host name -> the step during which its connection dropped
+        self.answered: dict[str, str] = {}  # host name -> how its record answered (the fast check)
         self.done: set[str] = set()
         self.at_end: list[Callable[[RunRecords, Any], None]] = []
 

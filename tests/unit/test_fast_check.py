@@ -505,6 +505,22 @@ def test_a_forged_refusal_makes_the_run_read_every_fact(tmp_path, capsys):
     state.callback_handlers[0].host_disconnect(state, host)
 
 
+def test_the_gate_table_says_which_hosts_their_record_answered():
+    """In a run where other hosts gate, a host the fast check answered read nothing: its row says
+    so, not "refused at preflight" (which a host answered from a refusal's record says, with why)."""
+    from freetoken_infra.core.records import RunRecords
+    from freetoken_infra.report import gate_rows
+
+    run = RunRecords()
+    run.answered = {
+        "ws1": "unchanged since its last converge (its record answered; nothing read)",
+        "ws3": "refused at preflight (unchanged since its last full read)",
+    }
+    rows = gate_rows(run, ["ws1", "ws3", "ws4"], active={"ws1"})
+    assert rows["ws1"].stopped == run.answered["ws1"] and rows["ws3"].stopped == run.answered["ws3"]
+    assert rows["ws4"].stopped == "refused at preflight (findings above)"
+
+
 # --------------------------------------------------------------------------- the fingerprint
 def _fleet(data: dict[str, dict], groups: dict | None = None):
     from pyinfra.api import Config, Inventory, State
