@@ -67,7 +67,7 @@ def controller_env(tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize("case", ["doctor", "main-command"])
-def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path):
+def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path, first_local_run):
     if case == "doctor":
         argv, cwd = [PYINFRA, "@local", "deploys/doctor.py"], ROOT
     else:
@@ -93,6 +93,22 @@ def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path):
         assert any(line.split()[:2] == [check, "BLOCK"] for line in out.splitlines()), out
     assert "0 of 1 host(s) ready" in out
     assert before == after, "the preflight changed something on this machine"
+    if case == "main-command":
+        # Again: "not a WSL distro" stands until the next boot, so the refusal's record answers.
+        again = subprocess.run(
+            argv,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            env=controller_env(tmp_path),
+            timeout=600,
+        )
+        out2 = again.stdout + again.stderr
+        assert again.returncode != 0 and "Traceback" not in out2, out2
+        assert "[@local] refused, unchanged since its last full read (" in out2, out2
+        assert "wsl2: not a WSL distro" in out2 and "== @local: preflight ==" not in out2, out2
+        assert before == snapshot(), "the re-run changed something on this machine"
     written = {
         p.relative_to(tmp_path / "xdg-cache").parts[:2] for p in (tmp_path / "xdg-cache").rglob("*") if p.is_file()
     }

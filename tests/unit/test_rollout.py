@@ -788,28 +788,38 @@ def test_rollout_here_parks_an_unreachable_host_refuses_this_one_and_catches_up(
     assert bad.returncode == 2 and "--only needs --from" in bad.stderr
 
 
-def test_a_refused_last_host_ends_with_a_plain_line_not_a_pyinfra_error(tmp_path):
+def test_a_refused_last_host_ends_with_a_plain_line_not_a_pyinfra_error(tmp_path, first_local_run):
     """The deploy on this machine (not WSL): its only host stops at preflight, and the run ends
-    with one plain line of why and exit status 1, not ``pyinfra error in .../preflight.py``."""
+    with one plain line of why and exit status 1, not ``pyinfra error in .../preflight.py``; so
+    does the re-run its refusal's record answers."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    run = subprocess.run(
-        [str(Path(sys.executable).with_name("pyinfra")), "-y", "@local", "deploys/freetoken.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        timeout=600,
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 1, out
-    assert "pyinfra error" not in out and "Traceback" not in out and "preflight.py" not in out, out
-    # the last line but pyinfra's own "Disconnecting" (stdout and stderr interleave either way)
-    last = [line for line in out.splitlines() if line.strip() and "Disconnecting" not in line][-1]
+
+    def last_line() -> str:
+        run = subprocess.run(
+            [str(Path(sys.executable).with_name("pyinfra")), "-y", "@local", "deploys/freetoken.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            timeout=600,
+        )
+        out = run.stdout + run.stderr
+        assert run.returncode == 1, out
+        assert "pyinfra error" not in out and "Traceback" not in out and "preflight.py" not in out, out
+        # the last line but pyinfra's own "Disconnecting" (stdout and stderr interleave either way)
+        return [line for line in out.splitlines() if line.strip() and "Disconnecting" not in line][-1]
+
+    last = last_line()
     assert last.startswith(
         "--> no host left to go on: the last one, @local, stopped at preflight (preflight blockers: wsl2"
     ), last
     assert last.endswith("nothing was changed on any host; the findings above say what to do")
+    assert last_line() == (
+        "--> no host left to go on: the last one, @local, stopped at preflight (preflight blockers: wsl2 "
+        "(unchanged since its last full read)); nothing was changed on any host; the remedies above; once "
+        "they are done, the next run reads every fact"
+    )
 
 
 # ---------------------------------------------------------------------------- preview (--dry --diff)
