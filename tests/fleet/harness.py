@@ -701,6 +701,69 @@ def gpu_conf_text(profile: HostProfile) -> str:
 
 WSLCONFIG = "# my own settings - keep this comment\n[wsl2]\nmemory=16GB\nguiApplications=false\n"
 
+# The Windows programs of the stand-ins, each run through the interop stand-ins.
+WINDOWS_PROGRAMS = ("wsl.exe", "cmd.exe", "schtasks.exe", "powercfg.exe", "tasklist.exe", "reg.exe", "powershell.exe")
+PE_STANDIN = b"#!/.sim/binfmt/handler\0 STAND-IN of a Windows program: run through WSL interop (tests/fleet/standins)\n"
+OWNER_UID = 1000  # WSL's default user, whose uid DrvFs shows on every file of the drives
+
+WSL_BINFMT_UNIT = """\
+# STAND-IN for WSL's init registering its interop handler before systemd starts (a new table
+# each boot, as the kernel's is new with each VM): tests/fleet/standins/bin/binfmt.
+[Unit]
+Description=STAND-IN: WSL's binfmt registration (WSLInterop)
+DefaultDependencies=no
+Before=sysinit.target systemd-binfmt.service
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/.sim/bin/binfmt boot
+"""
+
+WSL_INTEROP_UNIT = """\
+# STAND-IN for WSL init's interop server (/run/WSL/<pid>_interop, 0777, linked as 1_interop):
+# tests/fleet/standins/bin/wsl-interop-server.
+[Unit]
+Description=STAND-IN: WSL interop server
+DefaultDependencies=no
+Before=sysinit.target
+
+[Service]
+Type=notify
+ExecStart=/.sim/bin/wsl-interop-server
+"""
+
+
+def drvfs_defaults(root: Path, user: str) -> None:
+    """The C: drive as DrvFs shows it with WSL's default automount options (no `metadata`): every
+    file and folder the default user's (uid 1000) and mode 0777, so every Linux account can read,
+    write and replace what is there (microsoft/WSL docs, "File permissions for WSL"; DrvFs
+    mount options uid=1000,gid=1000,umask=000 by default). Windows' own folder stays root's and
+    0755 here: Windows' ACLs deny the owner's unelevated token, with which every access is made,
+    any write there. The default user exists in the distro, as WSL's setup makes it."""
+    for line, name in (
+        (f"{user}:x:{OWNER_UID}:{OWNER_UID}::/home/{user}:/bin/bash\n", "passwd"),
+        (f"{user}:x:{OWNER_UID}:\n", "group"),
+        (f"{user}:!:20000::::::\n", "shadow"),
+    ):
+        path = root / "etc" / name
+        if f"\n{user}:" not in "\n" + path.read_text():
+            with open(path, "a") as f:
+                f.write(line)
+    home = root / "home" / user
+    home.mkdir(parents=True, exist_ok=True)
+    os.chown(home, OWNER_UID, OWNER_UID)
+    drive = root / "mnt/c"
+    for d, dirs, names in os.walk(drive):
+        here = Path(d)
+        if here == drive / "Windows" or here == drive / ".sim":
+            dirs[:] = []
+            continue
+        for p in [here, *(here / n for n in names)]:
+            os.chown(p, OWNER_UID, OWNER_UID, follow_symlinks=False)
+            p.chmod(0o777)
+        dirs[:] = [x for x in dirs if not (here / x).is_symlink()]
+
 
 def _write(path: Path, text: str | bytes, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -729,33 +792,43 @@ def prepare_root(root: Path, profile: HostProfile, pubkey: str, libcuda: Path) -
     _write(sim / "meminfo", meminfo_text(profile))
     _write(sim / "profile.json", json.dumps(profile.to_dict(), indent=1, ensure_ascii=False))
     _write(sim / "gpu.conf", gpu_conf_text(profile))
-    for tool in (
-        "_simwin.py",
-        "wsl.exe",
-        "cmd.exe",
-        "schtasks.exe",
-        "powershell.exe",
-        "powercfg.exe",
-        "tasklist.exe",
-        "reg.exe",
-        "wslinfo",
-        "wslpath",
-    ):
+    # Linux-side WSL tools and the interop machinery (STAND-INs, tests/fleet/standins/bin): the
+    # binfmt table and systemd-binfmt, the interop client (WSL's /init in its binfmt role), its
+    # server, binfmt-support's run-detectors.
+    for tool in ("_simwin.py", "wslinfo", "wslpath", "init", "wsl-interop-server", "binfmt", "run-detectors"):
         _write(sim / "bin" / tool, (STANDINS / "bin" / tool).read_bytes(), 0o755)
+    # The Windows programs themselves, run only by the interop server stand-in (root's folder:
+    # no Linux account reaches Windows but through interop).
+    (sim / "windows").mkdir(mode=0o700, parents=True, exist_ok=True)
+    for tool in ("_simwin.py", *WINDOWS_PROGRAMS):
+        _write(sim / "windows" / tool, (STANDINS / "bin" / tool).read_bytes(), 0o755)
+    (sim / "switches").mkdir(parents=True, exist_ok=True)
+    (sim / "binfmt_misc").mkdir(parents=True, exist_ok=True)  # bound over /proc/sys/fs/binfmt_misc
+    # A file of no executable format: what runs a Windows program while no registration claims
+    # `MZ` (tests/fleet/standins/bin/binfmt), so execve fails with ENOEXEC as on WSL.
+    _write(sim / "binfmt/noexec", b"MZ\x90\x00\x03" + bytes(59), 0o755)
+    _link(root / "usr/lib/systemd/systemd-binfmt", "/.sim/bin/binfmt")
+    _write(root / "etc/systemd/system/wsl-binfmt-standin.service", WSL_BINFMT_UNIT)
+    _write(root / "etc/systemd/system/wsl-interop-standin.service", WSL_INTEROP_UNIT)
+    for unit in ("wsl-binfmt-standin.service", "wsl-interop-standin.service"):
+        _link(root / "etc/systemd/system/sysinit.target.wants" / unit, f"/etc/systemd/system/{unit}")
 
     # Windows side (STAND-INs): C: drive, the user's profile, interop executables. The .exe
     # files are only in System32, not on PATH: a real distro reached over SSH (sshd under
     # systemd) gets no Windows folders on PATH, so the deploy must find them there itself.
+    # Each is a program of Windows' format to Linux: its first line hands it to the binfmt
+    # handler (a NUL ends that line, so a shell, like the kernel, never reads it as a script).
     system32 = root / "mnt/c/Windows/System32"
-    for exe in ("wsl.exe", "cmd.exe", "schtasks.exe", "powercfg.exe", "tasklist.exe", "reg.exe"):
-        _link(system32 / exe, f"/.sim/bin/{exe}")
-    _link(system32 / "WindowsPowerShell/v1.0/powershell.exe", "/.sim/bin/powershell.exe")
+    for exe in WINDOWS_PROGRAMS:
+        where = system32 / ("WindowsPowerShell/v1.0" if exe == "powershell.exe" else "") / exe
+        _write(where, PE_STANDIN, 0o755)
     _link(root / "usr/bin/wslinfo", "/.sim/bin/wslinfo")
     _link(root / "usr/bin/wslpath", "/.sim/bin/wslpath")
     user_dir = root / "mnt/c/Users" / profile.windows_user
     _write(user_dir / ".wslconfig", WSLCONFIG)
     (user_dir / "Desktop").mkdir(parents=True, exist_ok=True)  # where the owner's shortcuts go
     (root / "mnt/c/.sim").mkdir(parents=True, exist_ok=True)
+    drvfs_defaults(root, profile.windows_user)
 
     # GPU (STAND-INs): WSL's driver library directory, nvidia-smi, libcuda, /dev/dxg.
     wsl_lib = root / "usr/lib/wsl/lib"
@@ -842,6 +915,8 @@ def _nspawn_argv(name: str, root: Path, ns: str, wsl: bool = True) -> list[str]:
             "--capability=CAP_NET_ADMIN",
             "--bind-ro=/.sim/version:/proc/version",  # source must be inside the tree
             "--bind-ro=/.sim/meminfo:/proc/meminfo",
+            # The binfmt_misc table, as WSL's (tests/fleet/standins/bin/binfmt).
+            "--bind=/.sim/binfmt_misc:/proc/sys/fs/binfmt_misc",
         ]
     return argv
 
@@ -1389,6 +1464,31 @@ class Fleet:
         return subprocess.run(
             console_argv(self._host(host)["pid"]) + argv, capture_output=True, text=True, timeout=timeout, input=input
         )
+
+    # How WSL interop breaks on a real workstation (tests/fleet/standins/bin: init, binfmt,
+    # wsl-interop-server), each a command run as root on the host; "ok" puts it right again.
+    INTEROP_MODES = {
+        # systemd-binfmt on a WSL whose `status` is not kept read-only: WSLInterop flushed
+        # (microsoft/WSL#8843, systemd/systemd#28126): every .exe fails with Exec format error.
+        "unregistered": "touch /.sim/binfmt/unprotected && systemctl restart systemd-binfmt",
+        # A package's `MZ` handler (mono, wine) registered after WSL's (microsoft/WSL#9180).
+        "taken": "/.sim/bin/binfmt register ':cli:M::MZ::/usr/lib/binfmt-support/run-detectors:'",
+        # The interop server gone, its socket left behind (microsoft/WSL#6799): connect failed 111.
+        "dead": "systemctl stop wsl-interop-standin.service",
+        # The Windows side takes the request and never answers (microsoft/WSL#8677, #7001).
+        "hang": "echo hang > /.sim/switches/interop",
+        "ok": (
+            "rm -f /.sim/switches/interop /.sim/binfmt/unprotected; "
+            "/.sim/bin/binfmt unregister cli 2>/dev/null; "
+            "grep -qx enabled /proc/sys/fs/binfmt_misc/WSLInterop 2>/dev/null || "
+            "/.sim/bin/binfmt register ':WSLInterop:M::MZ::/init:FP'; "
+            "systemctl start wsl-interop-standin.service"
+        ),
+    }
+
+    def interop(self, host, mode: str) -> None:
+        """Break the host's WSL interop one way (INTEROP_MODES), or put it right ("ok")."""
+        self.run(host, self.INTEROP_MODES[mode], check=True)
 
     def reboot(self, host, timeout: float = BOOT_TIMEOUT_S) -> None:
         """Stop the container (as a power-off would) and boot the same tree again."""
