@@ -178,24 +178,34 @@ if plan.converge is not None:
     # host from this one line, is the point the others wait for.
     m = c.model
     if m.fetches_first:
-        model.model_fetcher(name="Model: downloader unit", settings=settings, sources=m.sources)
+        model.model_fetcher(
+            name="Model: downloader unit", settings=settings, sources=m.sources, drive_root=c.drive_root
+        )
         model_op = model.model_present(name=m.name, settings=settings)
     model.model_cache(
         name="Model: LAN cache (on the model_cache_host only)",
         settings=settings,
         present=m.serves_cache,
         bind=m.cache_bind,
+        drive_root=c.drive_root,
     )
     if m.serves_cache and model_op.will_change:
         # nginx serves the files its list named at its start: a newly verified model is served
         # from the reload on (the list is rebuilt from the manifest).
         model.model_cache_reload(name="Model: LAN cache serves the newly verified files")
     if not m.fetches_first:
-        model.model_fetcher(name="Model: downloader unit (LAN cache first)", settings=settings, sources=m.sources)
+        model.model_fetcher(
+            name="Model: downloader unit (LAN cache first)",
+            settings=settings,
+            sources=m.sources,
+            drive_root=c.drive_root,
+        )
         model_op = model.model_present(name=f"{m.name} (LAN cache first)", settings=settings)
 
     key_op = service.api_key(name="Service: API key (0600)", settings=settings)
-    unit_op = service.unit(name=f"Service: {ENGINE_UNIT} and its environment", settings=settings, plan=c.launch)
+    unit_op = service.unit(
+        name=f"Service: {ENGINE_UNIT} and its environment", settings=settings, plan=c.launch, drive_root=c.drive_root
+    )
     # The restart and the gate run when something changed, or always when the plan says why;
     # never while the host agent keeps the engine stopped for its owner (it starts it again).
     run_if = c.gate.run_if(any_changed(env_op, model_op, key_op, unit_op))
@@ -229,7 +239,7 @@ if plan.converge is not None:
             restarted=True,
             _if=run_if,
         )
-    guard.guard(name="Guard: timer", settings=settings)
+    guard.guard(name="Guard: timer", settings=settings, drive_root=c.drive_root)
     # The gateway's agent-check and the yield to the owner (README, "The owner comes first").
     owner.agent(name="Host agent: agent-check for the gateway, yield to the owner", settings=settings)
     # The guard's samples for the fleet's scrape (README, "One endpoint for the fleet": Metrics).

@@ -78,7 +78,7 @@ class Seen:
 # operations): the gate's subject hashes what they render.
 @dataclass(frozen=True)
 class Renderers:
-    engine_unit: Callable[[Settings, LaunchPlan], str]
+    engine_unit: Callable[[Settings, LaunchPlan, str], str]
     engine_environment: Callable[[Settings], str]
 
 
@@ -167,6 +167,7 @@ class Converge:
     firewall_present: bool
     gateways: tuple[Address, ...]
     node_exporter_bind: str
+    drive_root: str = DEFAULT_DRIVE_ROOT  # wsl.conf's automount root: the drives no confined unit sees
     owner_holds: str | None = None  # the host agent yielded the GPU to its owner: the engine is left
     # stopped, not started, restarted or gated (the agent starts it when the owner is done); why
 
@@ -247,14 +248,12 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
         )
 
     engine = seen.engine
-    autostart = None
-    if settings.windows_autostart:
-        root = wsl_ini.drive_root(obs.wslconf.ini) if obs.wslconf.ini is not None else DEFAULT_DRIVE_ROOT
-        autostart = Autostart(AUTOSTART_TASK, engine.distro, root)
+    root = wsl_ini.drive_root(obs.wslconf.ini) if obs.wslconf.ini is not None else DEFAULT_DRIVE_ROOT
+    autostart = Autostart(AUTOSTART_TASK, engine.distro, root) if settings.windows_autostart else None
 
     subject = gate_subject(
         settings,
-        render.engine_unit(settings, launch),
+        render.engine_unit(settings, launch, root),
         render.engine_environment(settings),
         engine_command(settings, launch),
     )
@@ -293,6 +292,7 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
             firewall_present=firewall,
             gateways=tuple(gateways),
             node_exporter_bind=exporter_bind,
+            drive_root=root,
         ),
     )
 

@@ -14,6 +14,7 @@ from pyinfra.operations import files, systemd
 
 from freetoken_infra.core import hostio
 from freetoken_infra.core.layout import (
+    DEFAULT_DRIVE_ROOT,
     DEPLOY_STATE_DIR,
     ENGINE_UNIT,
     GUARD_SCRIPT,
@@ -24,7 +25,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import Settings
-from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command, unit_word
+from freetoken_infra.core.units import Section, UnitFile, managed_by, no_windows, render, unit_command, unit_word
 from operations import managed
 from operations.managed import ManagedFile
 
@@ -42,7 +43,7 @@ def guard_textfile(settings: Settings) -> str:
     return HostLayout.of(settings).guard_textfile
 
 
-def guard_service_unit(settings: Settings) -> str:
+def guard_service_unit(settings: Settings, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
     args = [
         "/usr/bin/python3",
         GUARD_SCRIPT,
@@ -78,6 +79,7 @@ def guard_service_unit(settings: Settings) -> str:
             # '-': no failure when the folder is not there yet. Root's own folder only, never the
             # engine's state_dir (the guard is root: a link planted there would aim its writes).
             ("ReadWritePaths", f"-{unit_word(DEPLOY_STATE_DIR, variables=False)}"),
+            *no_windows(drive_root),
         ),
     )
     return render(UnitFile(header=managed_by("operations/guard.py"), sections=(about, service)))
@@ -99,7 +101,7 @@ def guard_timer_unit(settings: Settings) -> str:
 
 
 @operation()
-def guard(settings: Settings):
+def guard(settings: Settings, drive_root: str = DEFAULT_DRIVE_ROOT):
     """
     Install the memory guard: the script, ``freetoken-guard.service`` (oneshot, as root) and
     ``freetoken-guard.timer`` (every ``settings.guard_interval_s`` seconds), timer enabled and
@@ -134,7 +136,7 @@ def guard(settings: Settings):
         # the module first: the timer may run the new script between two uploads
         ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
         ManagedFile(GUARD_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
-        ManagedFile(f"{UNIT_DIR}/{GUARD_SERVICE}", text=guard_service_unit(settings), unit=True),
+        ManagedFile(f"{UNIT_DIR}/{GUARD_SERVICE}", text=guard_service_unit(settings, drive_root), unit=True),
         ManagedFile(timer, text=guard_timer_unit(settings), unit=True),
     )
     # A running timer keeps its old interval until restarted; the service is read at its next run.

@@ -35,6 +35,7 @@ from freetoken_infra.core.layout import (
     CACHE_RUN_DIR,
     CACHE_SCRIPT,
     CACHE_UNIT,
+    DEFAULT_DRIVE_ROOT,
     FETCH_SCRIPT,
     FETCH_UNIT,
     HOSTIO_MODULE,
@@ -46,7 +47,7 @@ from freetoken_infra.core.layout import (
 from freetoken_infra.core.pyinfra_internals import current_op_elevation
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.text import printable
-from freetoken_infra.core.units import Entry, Section, UnitFile, managed_by, render, unit_command, unit_word
+from freetoken_infra.core.units import Entry, Section, UnitFile, managed_by, no_windows, render, unit_command, unit_word
 from operations import managed, ownership
 from operations.managed import ManagedFile
 
@@ -205,7 +206,7 @@ def cache_nginx_conf(settings: Settings, bind: str) -> str:
     return "\n".join(lines)
 
 
-def cache_unit(settings: Settings, bind: str) -> str:
+def cache_unit(settings: Settings, bind: str, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
     """Text of ``freetoken-model-cache.service``: Debian's nginx with ``cache_nginx_conf``, the
     verified model, read-only, to the LAN, on ``bind`` only (the address is in the
     configuration). A gated repository (``hub_token_file``) makes it ask every client for the
@@ -258,13 +259,14 @@ def cache_unit(settings: Settings, bind: str) -> str:
             ("PrivateTmp", "yes"),
             ("ProtectSystem", "strict"),
             ("ProtectHome", "read-only"),
+            *no_windows(drive_root),
         ),
     )
     install = Section("Install", (("WantedBy", "multi-user.target"),))
     return render(UnitFile(header=managed_by("operations/model.py"), sections=(about, service, install)))
 
 
-def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
+def fetch_unit(settings: Settings, sources: Sequence[str] = (), drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
     """Text of ``freetoken-model-fetch.service``."""
     exec_words = [unit_command(fetch_argv(settings, sources))]
     # Its own user: the only one that writes the model; the engine's user only reads it.
@@ -306,6 +308,7 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
             "ReadWritePaths",
             f"{unit_word(settings.model_dir, variables=False)} {unit_word(fetch_status_dir(settings), variables=False)}",
         ),
+        *no_windows(drive_root),
     ]
     about = Section(
         "Unit",
@@ -323,7 +326,7 @@ def fetch_unit(settings: Settings, sources: Sequence[str] = ()) -> str:
 
 
 @operation()
-def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
+def model_fetcher(settings: Settings, sources: Sequence[str] = (), drive_root: str = DEFAULT_DRIVE_ROOT):
     """
     Install the model downloader: ``fetch_model.py`` and ``quant.py`` under
     ``/usr/local/lib/freetoken/``, its own user (``fetch_user``), the model and status folders
@@ -373,7 +376,7 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
         yield from ownership.owned_dir(path, user, user, "755", reclaim, adopt_from=settings.service_user)
 
     env_file = fetch_env_path(settings)
-    written = [ManagedFile(f"{UNIT_DIR}/{FETCH_UNIT}", text=fetch_unit(settings, sources), unit=True)]
+    written = [ManagedFile(f"{UNIT_DIR}/{FETCH_UNIT}", text=fetch_unit(settings, sources, drive_root), unit=True)]
     if endpoint_has_credentials(settings):  # read by systemd as root, before the unit's User=
         if not current_host.get_fact(File, path=env_file):
             yield f"install -m 600 -o root -g root /dev/null {shlex.quote(env_file)}"
@@ -385,7 +388,9 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = ()):
 
 
 @operation()
-def model_cache(settings: Settings, present: bool = True, bind: str | None = None):
+def model_cache(
+    settings: Settings, present: bool = True, bind: str | None = None, drive_root: str = DEFAULT_DRIVE_ROOT
+):
     """
     Serve this host's verified model to the rest of the fleet: Debian's nginx (``nginx``, from
     the host's apt sources) as ``freetoken-model-cache.service`` on ``settings.model_cache_port``
@@ -436,7 +441,7 @@ def model_cache(settings: Settings, present: bool = True, bind: str | None = Non
     changed = yield from managed.put(
         ManagedFile(CACHE_SCRIPT, local=_LOCAL_CACHE_SCRIPT),
         ManagedFile(CACHE_NGINX_CONF, text=cache_nginx_conf(settings, bind)),
-        ManagedFile(unit_path, text=cache_unit(settings, bind), unit=True),
+        ManagedFile(unit_path, text=cache_unit(settings, bind, drive_root), unit=True),
     )
     yield from managed.running(CACHE_UNIT, changed=bool(changed))
 

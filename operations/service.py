@@ -16,6 +16,7 @@ from pyinfra.operations import files
 from freetoken_infra.core import gpu_room, redact
 from freetoken_infra.core.launch import LaunchPlan, engine_command, estimated_vram_gb
 from freetoken_infra.core.layout import (
+    DEFAULT_DRIVE_ROOT,
     ENGINE_UNIT,
     GPU_FREE_SCRIPT,
     GPU_ROOM_MODULE,
@@ -24,7 +25,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.settings import ControllerSourceError, Settings, controller_key
-from freetoken_infra.core.units import Comment, Entry, Section, UnitFile, render, unit_command, unit_word
+from freetoken_infra.core.units import Comment, Entry, Section, UnitFile, no_windows, render, unit_command, unit_word
 from operations import managed
 from operations.managed import ManagedFile
 from operations.model import check_argv
@@ -73,8 +74,9 @@ def gpu_free_argv(plan: LaunchPlan) -> list[str] | None:
     return ["/usr/bin/python3", GPU_FREE_SCRIPT, "--need-gb", f"{need:.2f}", *ratio]
 
 
-def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
-    """The unit file, from settings and the launch plan."""
+def engine_unit(settings: Settings, plan: LaunchPlan, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
+    """The unit file, from settings and the launch plan; ``drive_root`` (wsl.conf's automount
+    root) names the Windows drives the engine never sees (``core.units.no_windows``)."""
     # The model is read under /home too; the engine's own folder must stay visible to be written.
     model_home = any(p.startswith("/home/") for p in (settings.model_dir, settings.cache_dir))
     # No '-': a missing key file must stop the start (fail closed), never start an engine that
@@ -149,6 +151,7 @@ def engine_unit(settings: Settings, plan: LaunchPlan) -> str:
                     ("ProtectControlGroups", "yes"),
                     ("RestrictSUIDSGID", "yes"),
                     ("LockPersonality", "yes"),
+                    *no_windows(drive_root),
                 ),
             ),
             Section("Install", (("WantedBy", "multi-user.target"),)),
@@ -196,18 +199,19 @@ def api_key(settings: Settings):
 
 
 @operation()
-def unit(settings: Settings, plan: LaunchPlan):
+def unit(settings: Settings, plan: LaunchPlan, drive_root: str = DEFAULT_DRIVE_ROOT):
     """
     The engine's environment file (0600) and unit file, each written atomically, with a
     daemon-reload when the unit changed (the deploy restarts the engine when either did).
 
     + settings: the host's Settings
     + plan: the launch plan (freetoken_infra.core.launch.derive_plan)
+    + drive_root: wsl.conf's automount root (the drives the engine never sees)
     """
     yield from managed.put(
         # the start-time GPU check and its formula, before the unit that runs them
         ManagedFile(GPU_ROOM_MODULE, local=gpu_room.__file__),
         ManagedFile(GPU_FREE_SCRIPT, local=_LOCAL_GPU_FREE),
         ManagedFile(env_path(settings), text=engine_environment(settings), mode="600", atomic=True, secret=True),
-        ManagedFile(UNIT_PATH, text=engine_unit(settings, plan), atomic=True, unit=True),
+        ManagedFile(UNIT_PATH, text=engine_unit(settings, plan, drive_root), atomic=True, unit=True),
     )

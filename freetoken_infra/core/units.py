@@ -19,6 +19,7 @@ every unit as it was pinned before this module existed.
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,3 +110,39 @@ def unit_command(argv: Sequence[str]) -> str:
     """An ``Exec*=`` line's value: the executable path (no ``$`` expansion there), then its
     arguments, each escaped for systemd."""
     return " ".join([unit_word(argv[0], variables=False), *(unit_word(a) for a in argv[1:])])
+
+
+_PLAIN_ROOT = re.compile(r"/[A-Za-z0-9._/-]*")
+
+
+def no_windows(drive_root: str) -> tuple[Entry, ...]:
+    """The settings that close a unit off from Windows (README, "What WSL shares with every Linux
+    user"), for every unit that has no business there: the engine, the download, the LAN cache,
+    the guard.
+
+    On WSL every Linux account can start Windows programs as the PC's owner, and ``wsl.exe -u
+    root`` as root in the distro: WSL's interop socket (``/run/WSL/1_interop``, mode 0777) and
+    the binfmt handler (``/init``) are every process's. The interop client opens an ``AF_VSOCK``
+    socket for the program's input and output, so a unit allowed only the families below cannot
+    run one; the socket's folder and ``/init`` are hidden as well. The Windows drives (DrvFs:
+    every file mode 0777, every access made as the owner) are an empty read-only folder:
+    ``/mnt`` (WSL's shared ``/mnt/wsl`` too), and the automount root ``drive_root`` when wsl.conf
+    moved the drives elsewhere (at ``/`` each drive letter's folder is made inaccessible)."""
+    root = "/" + drive_root.strip("/")
+    if not _PLAIN_ROOT.fullmatch(root):
+        raise ValueError(f"not a plain automount root: {drive_root!r}")
+    hidden = ["/mnt"]
+    inaccessible = ["-/run/WSL", "-/init"]
+    if root == "/":
+        inaccessible += [f"-/{letter}" for letter in string.ascii_lowercase]
+    elif root != "/mnt" and not root.startswith("/mnt/"):
+        hidden.append(root)
+    return (
+        Comment(
+            "No way to Windows: WSL's interop socket (0777, every account's) and /init hidden, AF_VSOCK (the\n"
+            "interop client's channel) refused, the Windows drives (DrvFs: 0777, the owner's) an empty folder."
+        ),
+        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6 AF_NETLINK"),
+        ("InaccessiblePaths", " ".join(inaccessible)),
+        ("TemporaryFileSystem", " ".join(f"{path}:ro" for path in hidden)),
+    )

@@ -24,7 +24,9 @@ from tests.unit.test_rules import healthy
 WSLCONFIG = "/mnt/c/Users/dev/.wslconfig"
 WSLCONFIG_OK = b"[wsl2]\nmemory=24GB\nprocessors=8\nswap=4GB\nlocalhostForwarding=true\nvmIdleTimeout=0\n"
 CONVERGED_FILES = {WSLCONFIG: WSLCONFIG_OK, "/etc/wsl.conf": b"[boot]\nsystemd=true\n"}
-RENDER = plan.Renderers(lambda s, launch: f"unit {s.engine_version} {launch}", lambda s: f"env {s.listen_port}")
+RENDER = plan.Renderers(
+    lambda s, launch, root="/mnt/": f"unit {s.engine_version} {launch} {root}", lambda s: f"env {s.listen_port}"
+)
 FLEET = {
     "ws1": plan.FleetHost("ws1", "192.0.2.11"),
     "ws2": plan.FleetHost("ws2", None),

@@ -17,7 +17,16 @@ import pytest
 
 from freetoken_infra.core.launch import derive_plan
 from freetoken_infra.core.settings import Settings
-from freetoken_infra.core.units import Comment, Section, UnitFile, managed_by, render, unit_command, unit_word
+from freetoken_infra.core.units import (
+    Comment,
+    Section,
+    UnitFile,
+    managed_by,
+    no_windows,
+    render,
+    unit_command,
+    unit_word,
+)
 from operations import firewall, guard, model, node_exporter, service
 
 PINS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "units")
@@ -54,6 +63,8 @@ UNITS: dict[str, Callable[[], str]] = {
     "engine-default": lambda: service.engine_unit(DEFAULT, derive_plan(DEFAULT, 16311, (12, 0))),
     "engine-full": lambda: service.engine_unit(FULL, derive_plan(FULL, 24000, (12, 0))),
     "engine-odd": lambda: service.engine_unit(ODD, derive_plan(ODD, 16311, (12, 0))),
+    # wsl.conf's `[automount] root = /`: each drive at /c, /d ... is hidden from the engine.
+    "engine-drives-at-root": lambda: service.engine_unit(DEFAULT, derive_plan(DEFAULT, 16311, (12, 0)), "/"),
     "firewall": firewall.unit,
     "guard-service-default": lambda: guard.guard_service_unit(DEFAULT),
     "guard-service-full": lambda: guard.guard_service_unit(FULL),
@@ -62,6 +73,7 @@ UNITS: dict[str, Callable[[], str]] = {
     "fetch-default": lambda: model.fetch_unit(DEFAULT),
     "fetch-full": lambda: model.fetch_unit(FULL, ["http://10.213.0.9:8090", "http://[fd00::9]:8090"]),
     "fetch-odd": lambda: model.fetch_unit(ODD),
+    "fetch-drives-elsewhere": lambda: model.fetch_unit(DEFAULT, (), "/windows/"),
     "cache-default": lambda: model.cache_unit(DEFAULT, "192.0.2.11"),
     "cache-full": lambda: model.cache_unit(FULL, "fd00::11"),
     "cache-odd": lambda: model.cache_unit(ODD, "192.0.2.11"),
@@ -116,6 +128,38 @@ def test_render_keeps_order_repeats_keys_and_resets_in_a_dropin():
 def test_render_refuses_a_line_break_or_a_key_that_is_not_a_name(section):
     with pytest.raises(ValueError):
         render(UnitFile(header="h", sections=(section,)))
+
+
+@pytest.mark.parametrize("root", ["/mnt/", "/", "/windows", "/mnt/drives/"])
+def test_every_confined_unit_is_closed_off_from_windows(root):
+    """The engine, the download, the LAN cache and the guard: no AF_VSOCK (the interop client's
+    channel), WSL's socket folder and /init hidden, /mnt and the automount root an empty folder."""
+    p = derive_plan(DEFAULT, 16311, (12, 0))
+    for text in (
+        service.engine_unit(DEFAULT, p, root),
+        model.fetch_unit(DEFAULT, (), root),
+        model.cache_unit(DEFAULT, "192.0.2.11", root),
+        guard.guard_service_unit(DEFAULT, root),
+    ):
+        lines = text.splitlines()
+        (families,) = [line for line in lines if line.startswith("RestrictAddressFamilies=")]
+        assert "AF_VSOCK" not in families and "AF_UNIX" in families and "AF_INET" in families
+        (hidden,) = [line for line in lines if line.startswith("InaccessiblePaths=")]
+        assert {"-/run/WSL", "-/init"} <= set(hidden.split("=", 1)[1].split())
+        (tmpfs,) = [line for line in lines if line.startswith("TemporaryFileSystem=")]
+        mounts = tmpfs.split("=", 1)[1].split()
+        assert "/mnt:ro" in mounts
+        if root == "/":
+            assert "-/c" in hidden.split("=", 1)[1].split()
+        elif root == "/windows":
+            assert "/windows:ro" in mounts
+
+
+def test_an_automount_root_that_is_not_a_plain_path_is_refused():
+    with pytest.raises(ValueError):
+        no_windows("/mnt/a b")
+    with pytest.raises(ValueError):
+        no_windows("/x\nExecStartPre=/bin/evil")
 
 
 def test_unit_words_are_escaped_for_systemd():
