@@ -1,0 +1,169 @@
+"""What WSL shares with every Linux user, attacked on a simulated workstation (README, "What WSL
+shares with every Linux user").
+
+On WSL any Linux account can start a Windows program as the PC's owner through the interop
+socket (0777), and `wsl.exe -u root` as root in the distro; the C: drive (DrvFs) is 0777 and
+every access is the owner's. The stand-ins model both (tests/fleet/standins/bin: init, binfmt,
+wsl-interop-server; harness.drvfs_defaults). First the model is shown to hold for a plain
+account; then each less-trusted unit's own sandbox, read from its unit file, runs the attacks and
+every one must fail. `python -m tests.fleet.test_wsl_boundary baseline` runs the same attacks in
+the same sandboxes without the lines `core.units.no_windows` adds (the units before them) and
+prints what got through.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import pytest
+
+from freetoken_infra.core.settings import Settings
+from operations import model
+from tests.fleet.client import deploy
+
+pytestmark = pytest.mark.fleet
+HOST = "ws1"
+OWNER = "dev"  # ws1's owner (tests/fleet/profiles.py)
+PWNED = f"/mnt/c/Users/{OWNER}/pwned"
+
+# Each attack prints one line `NAME: what it got`.
+ATTACKS = (
+    "W=/mnt/c/Windows/System32\n"
+    'echo "cmd: $($W/cmd.exe /c whoami 2>&1 | tr -d "\\r" | tr "\\n" " ")"\n'
+    'echo "root: $($W/wsl.exe -u root -e id -u 2>&1 | tr "\\n" " ")"\n'
+    # A Windows program of its own: no path to the drives needed, only the binfmt handler.
+    'd=$(mktemp -d); printf "#!/.sim/binfmt/handler\\0 x\\n" > "$d/cmd.exe"; chmod +x "$d/cmd.exe"\n'
+    'echo "own: $("$d/cmd.exe" /c whoami 2>&1 | tr -d "\\r" | tr "\\n" " ")"\n'
+    f'echo "read: $(head -c 200 /mnt/c/Users/{OWNER}/.wslconfig 2>&1 | tr "\\n" " ")"\n'
+    f'echo "write: $( (echo x > {PWNED}) 2>&1 && echo wrote)"\n'
+    r"""echo "socket: $(python3 -c 'import socket; s = socket.socket(socket.AF_UNIX); s.connect("/run/WSL/1_interop"); print("connected")' 2>&1 | tail -n 1)"
+"""
+)
+GOT_THROUGH = {
+    "cmd": lambda v: f"{HOST}\\{OWNER}" in v,
+    "root": lambda v: v.strip() == "0",
+    "own": lambda v: f"{HOST}\\{OWNER}" in v,
+    "read": lambda v: "[wsl2]" in v,
+    "write": lambda v: "wrote" in v,
+    "socket": lambda v: "connected" in v,
+}
+# What systemd-run takes of a unit's [Service] section: who it runs as and its sandbox.
+SANDBOX = {
+    "User",
+    "Group",
+    "UMask",
+    "NoNewPrivileges",
+    "ProtectSystem",
+    "ProtectHome",
+    "ReadWritePaths",
+    "ReadOnlyPaths",
+    "ProtectProc",
+    "ProcSubset",
+    "PrivateTmp",
+    "DevicePolicy",
+    "DeviceAllow",
+    "ProtectKernelTunables",
+    "ProtectKernelModules",
+    "ProtectControlGroups",
+    "RestrictSUIDSGID",
+    "LockPersonality",
+    "RestrictAddressFamilies",
+    "InaccessiblePaths",
+    "TemporaryFileSystem",
+    "NoExecPaths",
+    "CapabilityBoundingSet",
+}
+NO_WINDOWS = {"RestrictAddressFamilies", "InaccessiblePaths", "TemporaryFileSystem"}
+
+
+def sandbox(unit_text: str, user: str | None = None, baseline: bool = False) -> list[str]:
+    """``-p KEY=VALUE`` for each sandbox setting of the unit's [Service] section."""
+    section, props = "", []
+    for line in unit_text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            if key in SANDBOX and not (baseline and key in NO_WINDOWS):
+                if not (user and key in ("User", "Group")):
+                    props.append(f"{key}={value}")
+    if user:  # its primary group goes with it
+        props.append(f"User={user}")
+    return props
+
+
+def unit_texts(fleet) -> dict[str, tuple[str, str | None]]:
+    """The engine's and the download's units as the host has them; the LAN cache's as the deploy
+    writes it on its host (its workers run as the engine's user: nginx's master is root)."""
+    texts = {}
+    for name, unit in (("engine", "freetoken.service"), ("download", "freetoken-model-fetch.service")):
+        run = fleet.run(HOST, f"systemctl cat {unit}", check=True)
+        texts[name] = (run.stdout, None)
+    texts["lan cache workers"] = (model.cache_unit(Settings(), "127.0.0.1"), Settings().service_user)
+    return texts
+
+
+def attack(fleet, unit_text: str, user: str | None, baseline: bool = False) -> dict[str, str]:
+    props = " ".join(f"-p {shlex.quote(p)}" for p in sandbox(unit_text, user, baseline))
+    cmd = (
+        f"rm -f {PWNED}; systemd-run --quiet --wait --pipe --collect --service-type=exec {props} "
+        f"-- /bin/sh -c {shlex.quote(ATTACKS)} </dev/null"
+    )
+    run = fleet.run(HOST, cmd, timeout=120)
+    got = {}
+    for line in run.stdout.splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and name in GOT_THROUGH:
+            got[name] = value
+    assert set(got) == set(GOT_THROUGH), (run.returncode, run.stdout, run.stderr)
+    got["pwned on the drive"] = "yes" if fleet.run(HOST, f"test -e {PWNED}").returncode == 0 else "no"
+    fleet.run(HOST, f"rm -f {PWNED}")
+    return got
+
+
+@pytest.fixture(scope="module")
+def converged(sim_fleet):
+    fleet = sim_fleet
+    fleet.interop(HOST, "ok")
+    if fleet.run(HOST, "systemctl cat freetoken.service >/dev/null 2>&1").returncode != 0:
+        run = deploy("--limit", HOST)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return fleet
+
+
+def test_on_wsl_every_account_reaches_windows_root_and_the_owners_files(converged):
+    """The model holds: a plain account (nobody) runs Windows programs as the owner, gets root
+    through wsl.exe, and writes the owner's profile."""
+    got = attack(converged, "[Service]\n", "nobody")
+    through = {name for name, check in GOT_THROUGH.items() if check(got[name])}
+    assert through == set(GOT_THROUGH), got
+    assert got["pwned on the drive"] == "yes"
+
+
+@pytest.mark.parametrize("unit", ["engine", "download", "lan cache workers"])
+def test_a_less_trusted_unit_reaches_neither_windows_nor_root_nor_the_drives(converged, unit):
+    text, user = unit_texts(converged)[unit]
+    got = attack(converged, text, user)
+    through = {name for name, check in GOT_THROUGH.items() if check(got[name])}
+    assert through == set(), got
+    assert got["pwned on the drive"] == "no", got
+    # Refused for the reasons the unit gives, not by chance: the interop client's vsock is denied.
+    assert "socket failed 97" in got["own"], got
+
+
+def baseline() -> int:
+    """The same attacks in each unit's sandbox without no_windows's lines: what got through."""
+    from tests.fleet import harness
+
+    fleet = harness.Fleet()
+    for unit, (text, user) in unit_texts(fleet).items():
+        got = attack(fleet, text, user, baseline=True)
+        through = sorted(name for name, check in GOT_THROUGH.items() if check(got[name]))
+        print(f"{unit}: got through: {', '.join(through) or 'nothing'}; {got}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(baseline() if sys.argv[1:] == ["baseline"] else 2)
