@@ -165,6 +165,8 @@ if plan.converge is not None:
             drive_root=c.autostart.drive_root,
         )
 
+    # Windows programs keep running under systemd (the agent's owner signals, the doctor's checks).
+    windows.interop_registration(name="WSL interop: its binfmt entry kept under systemd")
     cuda.packages_present(name="Prerequisites", packages=["ca-certificates", "curl", "python3-venv"])
     cuda.repository(name="CUDA: NVIDIA repository, keyring, driver pin", settings=settings)
     cuda.toolkit(name=f"CUDA: toolkit packages, nvcc lists {c.nvcc_arch}", settings=settings, gpu_arch=c.nvcc_arch)

@@ -34,6 +34,7 @@ from typing import Any
 
 from facts.ownership import components
 from facts.windows import OWNER_SHORTCUTS
+from freetoken_infra.core.layout import BINFMT_DIR, INTEROP_BINFMT_NAMES
 
 DPKG_STATUS = "/var/lib/dpkg/status"
 ACCOUNT_FILES = ("/etc/passwd", "/etc/group", "/etc/shadow")
@@ -178,6 +179,10 @@ _FIXED: dict[str, Inputs] = {
     # the no-op run does not repeat (the doctor does).
     "facts.wake_on_lan:WakeOnLanReadiness": BOOT_ONLY,
     "facts.windows:WslConfFile": _paths("/etc/wsl.conf"),
+    # The binfmt_misc table's entries: one gone, re-registered or added (another `MZ` handler).
+    "facts.wsl:InteropRegistration": Inputs(
+        paths={f"{BINFMT_DIR}/{name}" for name in INTEROP_BINFMT_NAMES}, globs={f"{BINFMT_DIR}/*"}
+    ),
     "facts.apt_sources:AptSourceFiles": Inputs(paths={APT_SOURCES_DIR}, trees={APT_SOURCES_DIR}),
     "pyinfra.facts.deb:DebPackages": _paths(DPKG_STATUS),
     "pyinfra.facts.server:Users": Inputs(paths=set(ACCOUNT_FILES)),

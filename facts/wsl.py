@@ -13,9 +13,9 @@ from typing import Literal
 
 from pyinfra.api import FactBase
 
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT
+from freetoken_infra.core.layout import BINFMT_DIR, DEFAULT_DRIVE_ROOT, INTEROP_BINFMT_NAMES
 
-from ._output import b64decode_lines, parse_int, section_map
+from ._output import b64decode_lines, parse_int, section_map, sections
 from .windows import system32, windows_exe
 
 # --------------------------------------------------------------------------- kernel
@@ -216,3 +216,69 @@ class WslVersion(FactBase[WslVersionInfo]):
 
     def process(self, output: list[str]) -> WslVersionInfo:
         return parse_wsl_version_output(output)
+
+
+# --------------------------------------------------------------------------- interop's binfmt entry
+
+
+@dataclass(frozen=True)
+class InteropBinfmt:
+    """WSL's interop handler in the kernel's binfmt_misc table (``BINFMT_DIR``)."""
+
+    table: bool  # the table is there (a WSL2 VM with binfmt_misc mounted)
+    registered: bool  # an enabled WSLInterop (or WSLInterop-late): `MZ` at offset 0 -> /init
+    others: tuple[str, ...] = ()  # other enabled entries claiming `MZ` (mono, wine): they may take it
+
+
+def parse_binfmt_entry(text: str) -> dict[str, str]:
+    """One entry of the table (``enabled``, ``interpreter /init``, ``flags: PF``, ``offset 0``,
+    ``magic 4d5a``; systemd/systemd#28126) as a dict; ``enabled`` is ``yes`` or ``no``."""
+    lines = text.splitlines()
+    entry = {"enabled": "yes" if lines[:1] == ["enabled"] else "no"}
+    for line in lines[1:]:
+        key, _, value = line.replace("flags:", "flags", 1).partition(" ")
+        entry[key] = value.strip()
+    return entry
+
+
+def parse_binfmt_output(output: list[str]) -> InteropBinfmt:
+    found = sections(output)
+    if not any(name == "table" for name, _, _ in found):
+        return InteropBinfmt(False, False)
+    registered, others = False, []
+    for key, name, lines in found:
+        if key != "entry":
+            continue
+        entry = parse_binfmt_entry("\n".join(lines))
+        if entry["enabled"] != "yes" or entry.get("magic") != "4d5a" or entry.get("offset", "0") != "0":
+            continue
+        if entry.get("interpreter") == "/init" and name in INTEROP_BINFMT_NAMES:
+            registered = True
+        elif entry.get("interpreter") != "/init":
+            others.append(name)
+    return InteropBinfmt(True, registered, tuple(sorted(others)))
+
+
+class InteropRegistration(FactBase[InteropBinfmt]):
+    """
+    Returns ``InteropBinfmt``: whether WSL's interop handler (the ``WSLInterop`` entry, or
+    ``WSLInterop-late``) is registered in ``/proc/sys/fs/binfmt_misc``, and which other entries
+    claim Windows programs (``MZ``). Read only; the entries are the kernel's, a few lines each.
+    """
+
+    def command(self) -> str:
+        d = BINFMT_DIR
+        return (
+            f"if [ -d {d} ] && [ -e {d}/status ]; then echo '@@ft:table'; "
+            f"for f in {d}/*; do n=${{f##*/}}; case $n in status|register) continue;; esac; "
+            '[ -f "$f" ] || continue; '
+            "case $n in *[!A-Za-z0-9._-]*) continue;; esac; "
+            'echo "@@ft:entry $n"; head -c 512 "$f"; echo; done; fi; true'
+        )
+
+    @staticmethod
+    def default() -> InteropBinfmt:
+        return InteropBinfmt(False, False)
+
+    def process(self, output: list[str]) -> InteropBinfmt:
+        return parse_binfmt_output(output)

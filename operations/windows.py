@@ -21,9 +21,18 @@ from pyinfra.operations import server
 from facts.files import FileBytes
 from facts.windows import dialect_of, system32, windows_exe
 from facts.windows_tasks import ScheduledTaskExists
+from facts.wsl import InteropRegistration
 from freetoken_infra.core import wsl_ini
-from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, drive_path
-from operations import preview
+from freetoken_infra.core.layout import (
+    DEFAULT_DRIVE_ROOT,
+    INTEROP_BINFMT_CONF,
+    INTEROP_BINFMT_LINE,
+    SYSTEMD_BINFMT,
+    drive_path,
+)
+from freetoken_infra.core.units import managed_by
+from operations import managed, preview
+from operations.managed import ManagedFile
 
 
 def merge_ini(
@@ -126,3 +135,33 @@ def autostart_command(host_name: str, task_name: str, distro: str, drive_root: s
         "on PATH nor in C:\\Windows\\System32 (is WSL interop enabled?)' >&2; exit 1; fi; "
         f"\"$S\" /Create /F /SC ONLOGON /TN '{task_name}' /TR 'wsl.exe -d {distro} --exec /bin/true'"
     )
+
+
+def binfmt_conf() -> str:
+    """``/etc/binfmt.d/WSLInterop.conf``: WSL's own registration of its interop handler."""
+    return (
+        f"# {managed_by('operations/windows.py')}\n"
+        "# WSL's interop handler, registered again whenever systemd-binfmt empties the table\n"
+        "# (microsoft/WSL#8843, systemd/systemd#28126): Windows programs run through /init.\n"
+        f"{INTEROP_BINFMT_LINE}\n"
+    )
+
+
+@operation()
+def interop_registration():
+    """
+    Keep WSL interop working under systemd: ``systemd-binfmt`` empties the kernel's binfmt_misc
+    table when it starts (on a WSL that does not keep the table's ``status`` read-only) and
+    WSL's ``WSLInterop`` entry goes with it, after which every ``.exe`` fails with "Exec format
+    error" (the host agent's Windows signals, the doctor's Windows checks). A ``binfmt.d``
+    entry puts it back each time systemd-binfmt runs; when the entry is missing now it is
+    registered at once. Another entry claiming Windows programs (mono's or wine's ``MZ``) is
+    not removed: the doctor names it.
+    """
+    seen = host.get_fact(InteropRegistration)
+    if not seen.table:
+        host.noop("no binfmt_misc table (not a WSL2 VM): no interop entry to keep")
+        return
+    yield from managed.put(ManagedFile(INTEROP_BINFMT_CONF, text=binfmt_conf()))
+    if not seen.registered:
+        yield f"{SYSTEMD_BINFMT} {INTEROP_BINFMT_CONF}"

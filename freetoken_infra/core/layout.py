@@ -104,6 +104,15 @@ CUDA_PROFILE_FILE = "/etc/profile.d/freetoken-cuda.sh"
 # The Windows side, seen from the distro. wsl.conf's `[automount] root` moves the drives
 # (`root = /` puts C: at /c); the default is /mnt/ (WslDistributionConfig.cpp in microsoft/WSL).
 WSL_CONF = "/etc/wsl.conf"
+# WSL's interop handler in the kernel's binfmt_misc table, and the binfmt.d entry that puts it
+# back whenever systemd-binfmt (or a package) empties the table: WSL's own registration line
+# (microsoft/WSL src/linux/init/binfmt.h), under the name WSL uses (WSLInterop; releases that
+# registered it late named it WSLInterop-late, which counts as well).
+BINFMT_DIR = "/proc/sys/fs/binfmt_misc"
+INTEROP_BINFMT_NAMES = ("WSLInterop", "WSLInterop-late")
+INTEROP_BINFMT_CONF = "/etc/binfmt.d/WSLInterop.conf"
+INTEROP_BINFMT_LINE = ":WSLInterop:M::MZ::/init:FP"
+SYSTEMD_BINFMT = "/usr/lib/systemd/systemd-binfmt"
 WSLCONFIG_NAME = ".wslconfig"  # in %UserProfile%
 DEFAULT_DRIVE_ROOT = "/mnt/"
 

@@ -1471,6 +1471,9 @@ class Fleet:
         # systemd-binfmt on a WSL whose `status` is not kept read-only: WSLInterop flushed
         # (microsoft/WSL#8843, systemd/systemd#28126): every .exe fails with Exec format error.
         "unregistered": "touch /.sim/binfmt/unprotected && systemctl restart systemd-binfmt",
+        # WSL's entry removed by hand or by a tool (`echo -1 > .../WSLInterop`): Exec format error
+        # until something registers it again.
+        "removed": "/.sim/bin/binfmt unregister WSLInterop",
         # A package's `MZ` handler (mono, wine) registered after WSL's (microsoft/WSL#9180).
         "taken": "/.sim/bin/binfmt register ':cli:M::MZ::/usr/lib/binfmt-support/run-detectors:'",
         # The interop server gone, its socket left behind (microsoft/WSL#6799): connect failed 111.

@@ -153,6 +153,29 @@ def test_a_less_trusted_unit_reaches_neither_windows_nor_root_nor_the_drives(con
     assert "socket failed 97" in got["own"], got
 
 
+def whoami(fleet) -> str:
+    run = fleet.run(HOST, "/mnt/c/Windows/System32/cmd.exe /c whoami 2>&1 | tr -d '\\r'; echo rc=$?")
+    return run.stdout
+
+
+def test_the_deploy_keeps_interop_registered_under_systemd(converged):
+    """systemd-binfmt empties the table (a WSL that does not keep `status` read-only): the
+    deploy's binfmt.d entry puts WSLInterop back. Removed by other means, the next run of the
+    deploy registers it again."""
+    fleet = converged
+    assert ":WSLInterop:M::MZ::/init:FP" in fleet.run(HOST, "cat /etc/binfmt.d/WSLInterop.conf", check=True).stdout
+    try:
+        fleet.interop(HOST, "unregistered")
+        assert f"{HOST}\\{OWNER}" in whoami(fleet)
+        fleet.interop(HOST, "removed")
+        assert "Exec format error" in whoami(fleet)
+        run = deploy("--limit", HOST)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+        assert f"{HOST}\\{OWNER}" in whoami(fleet)
+    finally:
+        fleet.interop(HOST, "ok")
+
+
 def baseline() -> int:
     """The same attacks in each unit's sandbox without no_windows's lines: what got through."""
     from tests.fleet import harness

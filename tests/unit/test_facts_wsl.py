@@ -285,3 +285,41 @@ def test_warnings_before_the_version_are_skipped():
     )
     info = parse_wsl_exe_version(text.encode("utf-16-le"), 0)
     assert (info.status, info.version) == ("ok", (2, 7, 13, 0))
+
+
+# WSL's interop entry as /proc/sys/fs/binfmt_misc/WSLInterop shows it on a real WSL 2 distro
+# (systemd/systemd#28126, Debian 12 on WSL, 2023).
+REAL_WSLINTEROP_ENTRY = ["enabled", "interpreter /init", "flags: PF", "offset 0", "magic 4d5a"]
+
+
+def test_the_interop_binfmt_entry_is_read_as_wsl_shows_it():
+    from facts.wsl import InteropRegistration
+
+    fact = InteropRegistration()
+    assert fact.process(["@@ft:table", "@@ft:entry WSLInterop", *REAL_WSLINTEROP_ENTRY]).registered
+    late = fact.process(["@@ft:table", "@@ft:entry WSLInterop-late", *REAL_WSLINTEROP_ENTRY])
+    assert late.registered and late.others == ()
+    # systemd-binfmt flushed it: only python's entry is left (the report's own listing).
+    flushed = fact.process(["@@ft:table", "@@ft:entry python3.11", "enabled", "interpreter /usr/bin/python3.11"])
+    assert flushed.table and not flushed.registered
+    disabled = fact.process(["@@ft:table", "@@ft:entry WSLInterop", "disabled", *REAL_WSLINTEROP_ENTRY[1:]])
+    assert not disabled.registered
+    # Another handler of `MZ` (mono's binfmt-support entry) is named; an entry of another
+    # interpreter under WSL's name is not WSL's.
+    taken = fact.process(
+        [
+            "@@ft:table",
+            "@@ft:entry WSLInterop",
+            *REAL_WSLINTEROP_ENTRY,
+            "@@ft:entry cli",
+            "enabled",
+            "interpreter /usr/lib/binfmt-support/run-detectors",
+            "flags: ",
+            "offset 0",
+            "magic 4d5a",
+        ]
+    )
+    assert taken.registered and taken.others == ("cli",)
+    forged = fact.process(["@@ft:table", "@@ft:entry WSLInterop", "enabled", "interpreter /tmp/x", "magic 4d5a"])
+    assert not forged.registered
+    assert not fact.process([]).table
