@@ -304,12 +304,16 @@ class WindowsWatch:
         if reason != owner.INTEROP_OK or ran.returncode is None:
             self.problem(relative, f"{relative}: {reason or owner.INTEROP_ERROR}")
             return None
+        self.problem(relative, None)
         return ran.returncode, ran.stdout
 
     def problem(self, what: str, text: str | None) -> None:
-        if self._problems.get(what) != text:
+        """Logged once per change of what is wrong with ``what`` (a program, or its answer)."""
+        if self._problems.get(what, None) != text:
+            known = what in self._problems
             self._problems[what] = text
-            log(f"Windows: {text}" if text else f"Windows: {what} read again")
+            if text or known:
+                log(f"Windows: {text}" if text else f"Windows: {what} read again")
 
     def read_once(self, now: float) -> None:
         apps: tuple[str, ...] = ()
@@ -318,7 +322,7 @@ class WindowsWatch:
             out = self.run("tasklist.exe", list(owner.TASKLIST_ARGS))
             names = owner.parse_tasklist(out[1]) if out and out[0] == 0 else None
             if out is not None:
-                self.problem("tasklist.exe", None if names is not None else "tasklist.exe's answer was not understood")
+                self.problem("tasklist", None if names is not None else "tasklist.exe's answer was not understood")
             if out is None:
                 broken[owner.SIG_APPS] = self.last_reason
             apps = owner.running_apps(names or set(), self.apps)
@@ -329,7 +333,7 @@ class WindowsWatch:
             state = owner.parse_notification_state(out[1]) if out and out[0] == 0 else None
             if out is not None:
                 self.problem(
-                    "powershell.exe", None if state is not None else "the notification state was not understood"
+                    "notification state", None if state is not None else "the notification state was not understood"
                 )
             if out is None:
                 broken[owner.SIG_FULLSCREEN] = self.last_reason
@@ -346,7 +350,8 @@ class WindowsWatch:
                 flags.append(owner.reboot_flag(key, out[0], out[1]) if out else None)
                 if out is None:
                     reasons.append(self.last_reason)
-            self.problem("reg.exe", None if None not in flags else "reg.exe did not run or was not understood")
+            understood = flags.count(None) == len(reasons)  # a program that did not run: logged by run()
+            self.problem("reboot flags", None if understood else "reg.exe's answer was not understood")
             with self.lock:
                 self.reboot_pending = any(f is True for f in flags)
                 self.broken.pop(owner.SIG_REBOOT, None)
