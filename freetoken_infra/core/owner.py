@@ -28,6 +28,7 @@ Standard library only: uploaded beside the agent (``layout.OWNER_MODULE``).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import re
@@ -635,8 +636,6 @@ def timed_out_reason(seconds: float) -> str:
 
 
 def _errno_name(exc: OSError) -> str:
-    import errno
-
     name = errno.errorcode.get(exc.errno or 0, "")
     return name if re.fullmatch(r"E[A-Z0-9]{1,15}", name) else "OSError"
 
