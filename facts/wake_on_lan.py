@@ -18,7 +18,7 @@ from pyinfra.api import FactBase
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, drive_path
 
 from ._output import b64decode_lines, parse_int, quote, section_map
-from .windows import system32, windows_exe
+from .windows import interop, interop_timed_out, system32, windows_exe
 
 # One line an adapter: Name|MacAddress|InterfaceDescription|WakeOnMagicPacket.
 ADAPTERS_COMMAND = (
@@ -85,13 +85,15 @@ def parse_output(lines: list[str]) -> WakeOnLanInfo:
     if "no-interop" in secs:
         return WakeOnLanInfo(None, None, "powershell.exe not found (no Windows interop)")
     adapters = armed = None
+    timed_out = interop_timed_out("powershell.exe", parse_int(secs.get("adapters-rc", ("", []))[0]))
+    timed_out = timed_out or interop_timed_out("powercfg.exe", parse_int(secs.get("armed-rc", ("", []))[0]))
     if parse_int(secs.get("adapters-rc", ("", []))[0]) == 0:
         text = _decoded(secs.get("adapters64", ("", []))[1])
         adapters = parse_adapters(text) if text is not None else None
     if parse_int(secs.get("armed-rc", ("", []))[0]) == 0:
         text = _decoded(secs.get("armed64", ("", []))[1])
         armed = parse_wake_armed(text) if text is not None else None
-    return WakeOnLanInfo(adapters, armed)
+    return WakeOnLanInfo(adapters, armed, timed_out)
 
 
 class WakeOnLanReadiness(FactBase[WakeOnLanInfo]):
@@ -111,9 +113,9 @@ class WakeOnLanReadiness(FactBase[WakeOnLanInfo]):
             f'if [ -z "$P" ] && [ -f {quote(powershell)} ]; then P={quote(powershell)}; fi; '
             f"{windows_exe('C', 'powercfg.exe', s32)}; "
             "if [ -z \"$P\" ]; then echo '@@ft:no-interop'; else "
-            f'A=$("$P" -NoProfile -NonInteractive -Command {quote(ADAPTERS_COMMAND)} 2>/dev/null </dev/null); R=$?; '
+            f"A=$({interop('P')} -NoProfile -NonInteractive -Command {quote(ADAPTERS_COMMAND)} 2>/dev/null </dev/null); R=$?; "
             "echo '@@ft:adapters64'; printf '%s\\n' \"$A\" | base64; echo \"@@ft:adapters-rc $R\"; "
-            'if [ -n "$C" ]; then W=$("$C" /devicequery wake_armed 2>/dev/null </dev/null); R=$?; '
+            f'if [ -n "$C" ]; then W=$({interop("C")} /devicequery wake_armed 2>/dev/null </dev/null); R=$?; '
             "echo '@@ft:armed64'; printf '%s\\n' \"$W\" | base64; echo \"@@ft:armed-rc $R\"; fi; fi; true"
         )
 

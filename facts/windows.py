@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from freetoken_infra.core import wsl_ini
+from freetoken_infra.core import owner, wsl_ini
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, drive_path
 from freetoken_infra.core.wsl_ini import WslIniFile
 
@@ -20,6 +20,26 @@ WINDOWS_SYSTEM32 = f"{drive_path(DEFAULT_DRIVE_ROOT)}/Windows/System32"
 def system32(drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
     """``C:\\Windows\\System32`` under the automount root (wsl.conf ``[automount] root``)."""
     return f"{drive_path(drive_root)}/Windows/System32"
+
+
+# One bound, in seconds, for every Windows program a fact or an operation runs through interop
+# (issue 34): a call that hangs (Windows locked, microsoft/WSL#7001; the Windows side never
+# connecting back, #8677) is ended there by coreutils `timeout` (TERM, then KILL 2 s later, to
+# the program's whole process group), and the parser says it timed out (exit 124 or 137).
+INTEROP_TIMEOUT_S = 30
+
+
+def interop(var: str) -> str:
+    """Shell words that run the Windows program in ``$var`` under ``timeout -k 2 N``; its
+    arguments follow."""
+    return f'timeout -k 2 {INTEROP_TIMEOUT_S} "${var}"'
+
+
+def interop_timed_out(exe: str, rc: int | None) -> str | None:
+    """``EXE timed out after N s (WSL interop)`` when ``rc`` is ``timeout``'s, else None."""
+    if rc not in owner.TIMEOUT_EXITS:
+        return None
+    return f"{exe} {owner.timed_out_reason(INTEROP_TIMEOUT_S)} (WSL interop)"
 
 
 def windows_exe(var: str, exe: str, system32: str = WINDOWS_SYSTEM32) -> str:
@@ -73,6 +93,9 @@ def parse_user_profile_output(lines: list[str]) -> WindowsProfileInfo:
         return WindowsProfileInfo(None, None, f"{where} is not mounted (wsl.conf [automount])")
     if "cmd" not in secs:
         return WindowsProfileInfo(None, None, "no output")
+    timed_out = interop_timed_out("cmd.exe", parse_int(secs.get("cmd-rc", ("", []))[0]))
+    if timed_out:
+        return WindowsProfileInfo(None, None, timed_out)
     raw = b64decode_lines(secs["cmd"][1])
     if raw is None:
         return WindowsProfileInfo(None, None, "undecodable cmd.exe output")
@@ -110,8 +133,8 @@ class WindowsUserProfile(FactBase[WindowsProfileInfo]):
             "if [ -z \"$C\" ]; then echo '@@ft:no-cmd'; "
             f"elif ! [ -d {drive_c} ]; then echo '@@ft:no-drive-c' {drive_c}; "
             "else "
-            f'P=$(cd {drive_c} && "$C" /c echo %UserProfile% 2>/dev/null </dev/null); '
-            "echo '@@ft:cmd'; printf '%s\\n' \"$P\" | base64; "
+            f"P=$(cd {drive_c} && {interop('C')} /c echo %UserProfile% 2>/dev/null </dev/null); R=$?; "
+            "echo '@@ft:cmd'; printf '%s\\n' \"$P\" | base64; echo \"@@ft:cmd-rc $R\"; "
             "if command -v wslpath >/dev/null 2>&1; then "
             "Q=$(wslpath -u \"$(printf '%s' \"$P\" | tr -d '\\r\\n')\" 2>&1); R=$?; "
             "echo '@@ft:wslpath'; printf '%s\\n' \"$Q\" | base64; echo \"@@ft:wslpath-rc $R\"; "

@@ -7,20 +7,21 @@ from pyinfra.api import FactBase
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, drive_path
 
 from ._output import MARKER, quote
-from .windows import system32, windows_exe
+from .windows import interop, system32, windows_exe
 
 
 class ScheduledTaskExists(FactBase[bool]):
     """
     Returns True when `schtasks.exe /Query /TN <name>` finds the task (False when there is no
-    schtasks.exe to ask).
+    schtasks.exe to ask, or it did not answer within ``INTEROP_TIMEOUT_S``: the task is then
+    created, and that call, bounded the same way, says it timed out).
     """
 
     def command(self, task_name: str, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
         """+ drive_root: wsl.conf's ``[automount] root`` (where C: and System32 are)."""
         return (
             f"cd {quote(drive_path(drive_root))} 2>/dev/null; {windows_exe('S', 'schtasks.exe', system32(drive_root))}; "
-            f'if [ -n "$S" ] && "$S" /Query /TN {quote(task_name)} >/dev/null 2>&1; '
+            f'if [ -n "$S" ] && {interop("S")} /Query /TN {quote(task_name)} >/dev/null 2>&1 </dev/null; '
             f"then echo '{MARKER}yes'; else echo '{MARKER}no'; fi"
         )
 

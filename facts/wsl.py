@@ -16,7 +16,7 @@ from pyinfra.api import FactBase
 from freetoken_infra.core.layout import BINFMT_DIR, DEFAULT_DRIVE_ROOT, INTEROP_BINFMT_NAMES
 
 from ._output import b64decode_lines, parse_int, section_map, sections
-from .windows import system32, windows_exe
+from .windows import interop, interop_timed_out, system32, windows_exe
 
 # --------------------------------------------------------------------------- kernel
 
@@ -138,6 +138,9 @@ def parse_wsl_exe_version(data: bytes, rc: int | None) -> WslVersionInfo:
     """Classify the raw bytes and exit status of ``wsl.exe --version``."""
     text = decode_wsl_exe_output(data).replace("\r\n", "\n").replace("\x00", "").strip()
     detail = text[:400]
+    timed_out = interop_timed_out("wsl.exe", rc)
+    if timed_out:
+        return WslVersionInfo("unavailable", None, "wsl.exe", timed_out)
     if rc in (126, 127):
         # The shell could not execute it (interop disabled: "Exec format error").
         return WslVersionInfo("unavailable", None, "wsl.exe", detail or f"wsl.exe exit {rc}")
@@ -206,7 +209,7 @@ class WslVersion(FactBase[WslVersionInfo]):
             'if [ -n "$W" ]; then '
             "echo '@@ft:wsl.exe'; "
             # The exit status rides behind the raw bytes (see split_exit_status).
-            '{ "$W" --version 2>&1 </dev/null; printf \'\\n@@rc:%s\' "$?"; } | base64; '
+            f"{{ {interop('W')} --version 2>&1 </dev/null; printf '\\n@@rc:%s' \"$?\"; }} | base64; "
             "fi; true"
         )
 

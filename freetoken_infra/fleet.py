@@ -116,6 +116,7 @@ class ServerStatus:
     active: int  # requests in flight on this host (both backends)
     health: str  # the last check: e.g. "L7OK/200 in 2ms", "L4CON Connection refused"
     haproxy_status: str  # HAProxy's own word: UP, DOWN, DRAIN, MAINT, "UP 1/2", ...
+    signals: str = ""  # the agent's owner signals when one is off (owner.signals_line), else ""
 
 
 def classify(status: str, check_status: str) -> str:
@@ -153,7 +154,7 @@ def parse_stat(text: str) -> list[ServerStatus]:
         state = classify(row["status"], check)
         # The host's agent says why it left (an operator's maintenance comes first); a host
         # serving again says nothing after `#`.
-        word = owner.word_from_last_agt(row.get("last_agt") or "")
+        word, signals = owner.note_from_last_agt(row.get("last_agt") or "")
         if word is not None and state != MAINTENANCE:
             state = word
         out.append(
@@ -164,6 +165,7 @@ def parse_stat(text: str) -> list[ServerStatus]:
                 int(row.get("scur") or 0) + int(row.get("qcur") or 0),
                 health.strip() or "-",
                 row["status"],
+                signals or "",
             )
         )
     return out
@@ -193,6 +195,8 @@ def format_status(servers: Sequence[ServerStatus], gate_tps: dict[str, float | N
             "-" * len(fmt(header)),
             *(fmt(r) for r in rows),
             f"{len(servers)} host(s): {summary}",
+            # an agent that cannot read its owner's Windows says so (owner.degraded): one line each
+            *(f"{s.host}: owner signals: {s.signals}" for s in servers if owner.degraded(s.signals)),
         ]
     )
 

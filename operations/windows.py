@@ -19,7 +19,7 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.operations import server
 
 from facts.files import FileBytes
-from facts.windows import dialect_of, system32, windows_exe
+from facts.windows import dialect_of, interop, interop_timed_out, system32, windows_exe
 from facts.windows_tasks import ScheduledTaskExists
 from facts.wsl import InteropRegistration
 from freetoken_infra.core import wsl_ini
@@ -133,7 +133,10 @@ def autostart_command(host_name: str, task_name: str, distro: str, drive_root: s
         f"cd {shlex.quote(drive_c)} && {windows_exe('S', 'schtasks.exe', system32(drive_root))}; "
         f'if [ -z "$S" ]; then echo \'host {host_name}: windows_autostart: schtasks.exe is neither '
         "on PATH nor in C:\\Windows\\System32 (is WSL interop enabled?)' >&2; exit 1; fi; "
-        f"\"$S\" /Create /F /SC ONLOGON /TN '{task_name}' /TR 'wsl.exe -d {distro} --exec /bin/true'"
+        f"{interop('S')} /Create /F /SC ONLOGON /TN '{task_name}' /TR 'wsl.exe -d {distro} --exec /bin/true' "
+        "</dev/null; R=$?; "
+        f"case $R in 124|137) echo 'host {host_name}: windows_autostart: {interop_timed_out('schtasks.exe', 124)}; "
+        "the task may not be there: run the deploy again' >&2;; esac; exit $R"
     )
 
 

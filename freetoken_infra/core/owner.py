@@ -28,6 +28,7 @@ Standard library only: uploaded beside the agent (``layout.OWNER_MODULE``).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import re
@@ -108,6 +109,7 @@ class AgentState:
     idle_used_mib: int | None = None  # the card's used memory last seen with the engine stopped
     engine_mib: int | None = None  # what the engine took when it came up (used less idle_used)
     word: str = ""  # the claim's status word (Claim.word) while not serving
+    signals: str = ""  # the owner signals read now (signals_line); "": not known yet
 
 
 def others_mib(obs: Observation, learned_engine_mib: int | None = None) -> int | None:
@@ -286,15 +288,31 @@ def _serving(state: AgentState, now: float, reason: str) -> AgentState:
     )
 
 
+def agent_note(state: AgentState) -> str | None:
+    """The text after ``#`` in the agent-check answer, or None: the claim's status word while the
+    host is the owner's, and the owner signals when one that is configured is off (``WORD;
+    SIGNALS``, or ``SIGNALS`` alone while serving). Only words of the fixed vocabulary (checked
+    again here), at most ``NOTE_MAX`` characters: the signals are left out rather than cut."""
+    word = fleet_word(state.word) if state.mode != SERVING else None
+    signals = state.signals if degraded(state.signals) else None
+    if word is not None and signals is not None:
+        both = f"{word}; {signals}"
+        return both if len(both) <= NOTE_MAX else word
+    return word or signals
+
+
 def agent_word(state: AgentState, now: float) -> bytes:
-    """What the agent-check port answers: ``drain 0% up #WORD`` while the host is the owner's
-    (``drain 0%`` when the word is not one of ours), else ``ready 100%`` or ``up``."""
+    """What the agent-check port answers: ``drain 0% up #NOTE`` while the host is the owner's
+    (``drain 0%`` when there is no note of ours), else ``ready 100%`` or ``up``, with ``up
+    #NOTE`` after them while an owner signal is off (``agent_note``; HAProxy keeps a note only
+    from an answer with a state word, and ``up`` changes nothing else)."""
+    note = agent_note(state)
     if state.mode != SERVING:
-        word = fleet_word(state.word)
-        return WORD_DRAIN if word is None else f"drain 0% up #{word}\n".encode()
-    if now < state.ready_until:
-        return WORD_READY
-    return WORD_UP
+        return WORD_DRAIN if note is None else f"drain 0% up #{note}\n".encode()
+    answer = WORD_READY if now < state.ready_until else WORD_UP
+    if note is None:
+        return answer
+    return (b"ready 100% up" if answer == WORD_READY else b"up") + f" #{note}\n".encode()
 
 
 # --------------------------------------------------------------------------- the state file
@@ -335,6 +353,7 @@ def load_state(text: str) -> AgentState:
         idle_used_mib=_mib(doc.get("idle_used_mib")),
         engine_mib=_mib(doc.get("engine_mib")),
         word=fleet_word(doc.get("word")) or "",
+        signals=doc["signals"] if signals_ok(doc.get("signals")) else "",
     )
 
 
@@ -372,6 +391,8 @@ def describe(state: AgentState, snooze_until: float | None, now: float) -> str:
         f"since:   {when}",
         f"others' GPU memory: {gib(state.others_mib) if state.others_mib is not None else 'unknown'}",
     ]
+    if signals_ok(state.signals):
+        lines.append(f"owner signals: {state.signals}")
     if state.mode != SERVING and fleet_word(state.word):
         lines.append(f"fleet status shows: {state.word}")
     if snooze_until is not None and snooze_until > now:
@@ -400,10 +421,27 @@ def fleet_word(text: object) -> str | None:
 _LAST_AGT = re.compile(r"via agent : up \((.{1,100})\)")
 
 
+def note_from_last_agt(last_agt: str) -> tuple[str | None, str | None]:
+    """The status word and the owner signals in ``last_agt`` (``via agent : up (yielded (app
+    x.exe))``, ``via agent : up (VRAM only (interop: Exec format error))``, ``via agent : up
+    (yielded (game); VRAM only (...))``): each None unless it is of our vocabulary."""
+    match = _LAST_AGT.fullmatch(last_agt.strip())
+    if match is None:
+        return None, None
+    note = match.group(1)
+    if (word := fleet_word(note)) is not None:
+        return word, None
+    if signals_ok(note):
+        return None, note
+    first, sep, rest = note.partition("; ")
+    if sep and fleet_word(first) is not None and signals_ok(rest):
+        return first, rest
+    return None, None
+
+
 def word_from_last_agt(last_agt: str) -> str | None:
     """The status word in ``last_agt`` (``via agent : up (yielded (app x.exe))``), or None."""
-    match = _LAST_AGT.fullmatch(last_agt.strip())
-    return fleet_word(match.group(1)) if match else None
+    return note_from_last_agt(last_agt)[0]
 
 
 # --------------------------------------------------------------------------- serve_hours
@@ -569,3 +607,132 @@ def reboot_flag(key: str, returncode: int, data: bytes) -> bool | None:
     lines = [line.strip() for line in data.decode("utf-8", errors="replace").splitlines() if line.strip()]
     full = "HKEY_LOCAL_MACHINE" + key[len("HKLM") :]
     return True if lines and lines[0].lower() == full.lower() else None
+
+
+# --------------------------------------------------------------------------- interop failures
+# Under WSL with systemd the agent's Windows programs fail in a few known ways (issue 34). Each
+# call is classified into one short reason from a fixed vocabulary: what the state file,
+# `freetoken-owner status`, the agent-check note and `fleet status` show. Never Windows' text.
+INTEROP_OK = ""
+EXEC_FORMAT = "Exec format error"  # systemd-binfmt flushed WSLInterop (microsoft/WSL#8843, #10389)
+RUN_DETECTORS = "run-detectors: no interpreter"  # binfmt-support's `cli` (mono/wine) took MZ files
+VSOCK_REFUSED = "vsock refused"  # a sandboxed caller: UtilBindVsockAnyPort ... socket failed 97
+NO_CONNECT_BACK = "Windows never connected back"  # UtilAcceptVsock ... accept4 failed 110 (10 s)
+INTEROP_ERROR = "interop error"  # another `<3>WSL (...) ERROR:` line of WSL's init
+NO_ANSWER = "no answer (exit 1, nothing printed)"  # no interop socket found at all
+PROGRAM_MISSING = "program missing"  # not at its place under System32
+NO_WINDOWS = "no Windows drive"  # System32 is not there (not mounted, not WSL)
+_SOCKET = re.compile(rb"Util(?:ConnectUnix|ConnectToInteropServer):\d{1,6}: connect failed (\d{1,5})")
+_VSOCK = re.compile(rb"UtilBindVsockAnyPort:\d{1,6}: socket failed \d{1,5}")
+_ACCEPT = re.compile(rb"UtilAcceptVsock:\d{1,6}: accept4 failed \d{1,5}")
+_WSL_ERROR = re.compile(rb"<3>(?:WSL|init:) \(\d{1,8}[^)]{0,16}\) ERROR: ")
+# Coreutils `timeout` exits 124 when it ran out of time, 137 (128 + SIGKILL) when `-k` killed it.
+TIMEOUT_EXITS = (124, 137)
+_SCAN = 1 << 16  # the part of the output the classifier reads
+
+
+def timed_out_reason(seconds: float) -> str:
+    return f"timed out after {max(1, round(seconds))} s"
+
+
+def _errno_name(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    return name if re.fullmatch(r"E[A-Z0-9]{1,15}", name) else "OSError"
+
+
+def interop_reason(
+    exc: BaseException | None,
+    returncode: int | None,
+    stdout: bytes = b"",
+    stderr: bytes = b"",
+    timed_out: bool = False,
+    timeout_s: float = 0.0,
+) -> str:
+    """Why an interop call failed, as one reason of the fixed vocabulary, or ``INTEROP_OK`` (the
+    program ran and answered: whether its answer reads is its parser's business; an exit status
+    of its own, e.g. ``reg.exe query`` of a missing key, is an answer).
+
+    ``exc``: the OSError of the exec, if any (``Errno 8``: binfmt's WSLInterop entry is gone);
+    ``timed_out``: the caller's deadline passed (it killed the program's group)."""
+    if timed_out:
+        return timed_out_reason(timeout_s)
+    if isinstance(exc, OSError):
+        return EXEC_FORMAT if exc.errno == 8 else f"cannot start ({_errno_name(exc)})"
+    if exc is not None:
+        return INTEROP_ERROR
+    both = stderr[:_SCAN] + b"\n" + stdout[:_SCAN]
+    if returncode == 126 and b"Exec format error" in both:  # the shell's: cannot execute binary file
+        return EXEC_FORMAT
+    if b"run-detectors: unable to find an interpreter" in both:
+        return RUN_DETECTORS
+    if (match := _SOCKET.search(both)) is not None:
+        return f"interop socket: connect failed {int(match.group(1))}"
+    if _VSOCK.search(both):
+        return VSOCK_REFUSED
+    if _ACCEPT.search(both):
+        return NO_CONNECT_BACK
+    if _WSL_ERROR.search(both):
+        return INTEROP_ERROR
+    if returncode == 1 and not stdout.strip() and not stderr.strip():
+        return NO_ANSWER
+    return INTEROP_OK
+
+
+_REASON = re.compile(
+    r"Exec format error|run-detectors: no interpreter|interop socket: connect failed \d{1,5}|vsock refused"
+    r"|Windows never connected back|interop error|no answer \(exit 1, nothing printed\)"
+    r"|program missing|no Windows drive|timed out after \d{1,5} s|cannot start \(E[A-Z0-9]{1,15}\)"
+    r"|cannot start \(OSError\)"
+)
+
+
+def reason_ok(text: object) -> bool:
+    """``text`` is one of the classifier's reasons."""
+    return isinstance(text, str) and _REASON.fullmatch(text) is not None
+
+
+# --------------------------------------------------------------------------- the owner's signals
+# What the agent can see of its owner now. VRAM (nvidia-smi) needs no interop; the others do, and
+# are listed only when configured (owner_apps, owner_fullscreen, owner_reboot_drain).
+SIG_VRAM, SIG_APPS, SIG_FULLSCREEN, SIG_REBOOT = "VRAM", "apps", "full screen", "reboot"
+WINDOWS_SIGNALS = (SIG_APPS, SIG_FULLSCREEN, SIG_REBOOT)
+_SIGNALS = re.compile(
+    r"(?P<head>VRAM only|VRAM(?:, apps)?(?:, full screen)?(?:, reboot)?)"
+    r"(?: \(interop: (?P<reason>[^()]{1,60}(?:\([^()]{1,40}\))?)\))?"
+)
+# HAProxy 2.6 keeps a check's description in `char desc[HCHK_DESC_LEN]` (128, include/haproxy/
+# defaults.h), `via agent : up (NOTE)` included: a note of at most 100 characters fits.
+NOTE_MAX = 100
+
+
+def signals_line(configured: tuple[str, ...], broken: dict[str, str]) -> str:
+    """The owner signals the agent reads now: ``VRAM, apps, full screen, reboot`` when all that
+    are configured work; ``VRAM only (interop: Exec format error)`` or ``VRAM, reboot (interop:
+    timed out after 20 s)`` (the first broken signal's reason) when some do not. ``configured``:
+    the Windows signals set (``WINDOWS_SIGNALS``); ``broken``: signal -> ``interop_reason``."""
+    wanted = [s for s in WINDOWS_SIGNALS if s in configured]
+    on = [SIG_VRAM, *(s for s in wanted if s not in broken)]
+    failed = [broken[s] for s in wanted if s in broken and reason_ok(broken[s])]
+    if not failed:
+        return ", ".join(on)
+    head = f"{SIG_VRAM} only" if on == [SIG_VRAM] else ", ".join(on)
+    return f"{head} (interop: {failed[0]})"
+
+
+def signals_ok(text: object) -> bool:
+    """``text`` is a line ``signals_line`` makes (the state file and HAProxy's note are read back
+    only through this)."""
+    if not isinstance(text, str) or len(text) > NOTE_MAX:
+        return False
+    match = _SIGNALS.fullmatch(text)
+    if match is None:
+        return False
+    head, reason = match.group("head"), match.group("reason")
+    if reason is None:
+        return head != "VRAM only"
+    return head != "VRAM" and reason_ok(reason)
+
+
+def degraded(signals: str) -> bool:
+    """A configured owner signal is off (the line names an interop reason)."""
+    return signals_ok(signals) and "(interop: " in signals

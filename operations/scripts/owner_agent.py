@@ -39,7 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import selectors
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +50,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -70,7 +72,11 @@ KEY_VAR = "FREETOKEN_API_KEY"
 PREPARE_STOP_MAX_S = 10.0
 # Windows Update's flags change rarely: read every minute, not every round.
 REBOOT_EVERY_S = 60.0
+# One total deadline (wall clock) for each Windows program the agent runs: a program that hangs
+# (Windows locked, microsoft/WSL#7001) or prints forever is killed with its whole group then.
 WINDOWS_TIMEOUT_S = 20.0
+# The most of a Windows program's stdout and stderr kept (the rest is read and dropped).
+WINDOWS_OUTPUT_MAX = 1 << 20
 # No proxy between the agent and the engine on loopback.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -166,6 +172,67 @@ def read_text(path: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- Windows, through interop
+class Ran(NamedTuple):
+    returncode: int | None  # None: it did not start, or was killed at the deadline
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    error: OSError | None  # the exec's error (Errno 8: no binfmt handler for .exe)
+
+
+def run_bounded(argv: list[str], deadline_s: float, cwd: str, cap: int = WINDOWS_OUTPUT_MAX) -> Ran:
+    """Run ``argv`` with one total deadline, in a session of its own: at the deadline its whole
+    process group is killed (what it started too; ``subprocess.run(timeout=)`` kills only the
+    child and then waits for pipes its children still hold). Output past ``cap`` is dropped."""
+    end = time.monotonic() + deadline_s
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        return Ran(None, b"", b"", False, exc)
+    assert proc.stdout is not None and proc.stderr is not None
+    fd_out, fd_err = proc.stdout.fileno(), proc.stderr.fileno()
+    kept = {fd_out: bytearray(), fd_err: bytearray()}
+    timed_out = False
+    try:
+        with selectors.DefaultSelector() as sel:
+            for fd in kept:
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map():
+                left = end - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                for key, _ in sel.select(left):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        continue
+                    buf = kept[key.fd]
+                    buf += chunk[: max(0, cap - len(buf))]
+        if not timed_out:
+            try:
+                proc.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        if proc.returncode is None:  # not reaped yet: its group id is still its own
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    return Ran(None if timed_out else proc.returncode, bytes(kept[fd_out]), bytes(kept[fd_err]), timed_out, None)
+
+
 class WindowsWatch:
     """Reads the owner's side of the PC from a thread (interop is slow): the listed apps
     running, a full-screen app, a pending reboot. Each answer it cannot read counts as no
@@ -179,6 +246,7 @@ class WindowsWatch:
         reboot: bool,
         interval_s: float,
         reboot_interval_s: float = REBOOT_EVERY_S,
+        deadline_s: float = WINDOWS_TIMEOUT_S,
     ):
         self.system32 = system32
         self.apps, self.fullscreen_wanted, self.reboot_wanted = apps, fullscreen, reboot
@@ -189,6 +257,15 @@ class WindowsWatch:
         self.reboot_pending = False
         self._reboot_read = 0.0
         self._problems: dict[str, str | None] = {}
+        self.deadline_s = deadline_s
+        self.last_reason = owner.INTEROP_OK
+        self.configured = tuple(
+            name
+            for name, on in zip(owner.WINDOWS_SIGNALS, (bool(apps), fullscreen, reboot), strict=True)
+            if on and system32 is not None
+        )
+        self.broken: dict[str, str] = {}  # signal -> why it is off (owner.interop_reason)
+        self.read_yet = False  # the signals are known once the first read is done
 
     @property
     def wanted(self) -> bool:
@@ -196,6 +273,9 @@ class WindowsWatch:
             return False
         if not os.path.isdir(self.system32):
             log(f"no Windows here ({self.system32} is not there): apps, full screen and reboots are not watched")
+            with self.lock:
+                self.broken = dict.fromkeys(self.configured, owner.NO_WINDOWS)
+                self.read_yet = True
             return False
         return True
 
@@ -206,38 +286,45 @@ class WindowsWatch:
         return path if os.path.isfile(path) else None
 
     def run(self, relative: str, args: list[str]) -> tuple[int, bytes] | None:
+        """``(exit status, stdout)`` of one Windows program, or None when interop failed (the
+        reason, ``owner.interop_reason``, is kept for its signal and logged once per change). An
+        answer that runs but does not read is not an interop failure: its parser says so."""
+        self.last_reason = owner.PROGRAM_MISSING
         path = self.tool(relative)
         if path is None:
             self.problem(relative, f"{relative} is not in {self.system32}")
             return None
         # From the C: drive: from a Linux folder Windows programs warn about UNC paths.
         drive = os.path.dirname(os.path.dirname(path if self.system32 is None else self.system32.rstrip("/")))
-        try:
-            done = subprocess.run(
-                [path, *args],
-                capture_output=True,
-                timeout=WINDOWS_TIMEOUT_S,
-                stdin=subprocess.DEVNULL,
-                cwd=drive if os.path.isdir(drive) else "/",
-                check=False,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            self.problem(relative, f"{relative}: {type(exc).__name__}")
+        ran = run_bounded([path, *args], self.deadline_s, drive if os.path.isdir(drive) else "/")
+        reason = owner.interop_reason(
+            ran.error, ran.returncode, ran.stdout, ran.stderr, timed_out=ran.timed_out, timeout_s=self.deadline_s
+        )
+        self.last_reason = reason
+        if reason != owner.INTEROP_OK or ran.returncode is None:
+            self.problem(relative, f"{relative}: {reason or owner.INTEROP_ERROR}")
             return None
-        return done.returncode, done.stdout[: 1 << 20]
+        self.problem(relative, None)
+        return ran.returncode, ran.stdout
 
     def problem(self, what: str, text: str | None) -> None:
-        if self._problems.get(what) != text:
+        """Logged once per change of what is wrong with ``what`` (a program, or its answer)."""
+        if self._problems.get(what, None) != text:
+            known = what in self._problems
             self._problems[what] = text
-            log(f"Windows: {text}" if text else f"Windows: {what} read again")
+            if text or known:
+                log(f"Windows: {text}" if text else f"Windows: {what} read again")
 
     def read_once(self, now: float) -> None:
         apps: tuple[str, ...] = ()
+        broken: dict[str, str] = {}
         if self.apps:
             out = self.run("tasklist.exe", list(owner.TASKLIST_ARGS))
             names = owner.parse_tasklist(out[1]) if out and out[0] == 0 else None
             if out is not None:
-                self.problem("tasklist.exe", None if names is not None else "tasklist.exe's answer was not understood")
+                self.problem("tasklist", None if names is not None else "tasklist.exe's answer was not understood")
+            if out is None:
+                broken[owner.SIG_APPS] = self.last_reason
             apps = owner.running_apps(names or set(), self.apps)
         fullscreen = False
         if self.fullscreen_wanted:
@@ -246,20 +333,40 @@ class WindowsWatch:
             state = owner.parse_notification_state(out[1]) if out and out[0] == 0 else None
             if out is not None:
                 self.problem(
-                    "powershell.exe", None if state is not None else "the notification state was not understood"
+                    "notification state", None if state is not None else "the notification state was not understood"
                 )
+            if out is None:
+                broken[owner.SIG_FULLSCREEN] = self.last_reason
             fullscreen = owner.notification_fullscreen(state)
         with self.lock:
             self.apps_running, self.fullscreen = apps, fullscreen
+            self.broken = {**{k: v for k, v in self.broken.items() if k == owner.SIG_REBOOT}, **broken}
         if self.reboot_wanted and now - self._reboot_read >= self.reboot_interval_s:
             self._reboot_read = now
             flags = []
+            reasons = []
             for key in owner.REBOOT_KEYS:
                 out = self.run("reg.exe", ["query", key])
                 flags.append(owner.reboot_flag(key, out[0], out[1]) if out else None)
-            self.problem("reg.exe", None if None not in flags else "reg.exe did not run or was not understood")
+                if out is None:
+                    reasons.append(self.last_reason)
+            understood = flags.count(None) == len(reasons)  # a program that did not run: logged by run()
+            self.problem("reboot flags", None if understood else "reg.exe's answer was not understood")
             with self.lock:
                 self.reboot_pending = any(f is True for f in flags)
+                self.broken.pop(owner.SIG_REBOOT, None)
+                if reasons:
+                    self.broken[owner.SIG_REBOOT] = reasons[0]
+        with self.lock:
+            self.read_yet = True
+
+    def signals(self) -> str:
+        """The owner signals read now (``owner.signals_line``): VRAM, and each configured
+        Windows signal unless its last read failed; "" until the first read is done."""
+        with self.lock:
+            if self.configured and not self.read_yet:
+                return ""
+            return owner.signals_line(self.configured, dict(self.broken))
 
     def serve(self) -> None:
         while True:
@@ -268,6 +375,10 @@ class WindowsWatch:
                 self.read_once(started)
             except Exception as exc:  # never let the thread die: no Windows claim until it reads again
                 self.problem("watch", f"reading Windows failed: {type(exc).__name__}")
+                with self.lock:
+                    self.apps_running, self.fullscreen, self.reboot_pending = (), False, False
+                    self.broken = dict.fromkeys(self.configured, owner.INTEROP_ERROR)
+                    self.read_yet = True
             time.sleep(max(0.0, self.interval_s - (time.time() - started)))
 
     def seen(self) -> tuple[tuple[str, ...], bool, bool]:
@@ -374,6 +485,7 @@ def serve(args: argparse.Namespace) -> int:
     threading.Thread(target=port.serve, daemon=True).start()
     log(f"answering agent checks on {args.bind}:{args.port}; state {state.mode}")
     written = None
+    signals = ""
     while True:
         now = time.time()
         active = engine_active(args.unit)
@@ -394,6 +506,13 @@ def serve(args: argparse.Namespace) -> int:
         )
         before = state
         state, action = owner.step(state, obs, policy)
+        # What the agent can see of its owner: logged once per change, answered to the gateway,
+        # recorded for `freetoken-owner status`. It decides on VRAM whatever interop does.
+        if (now_signals := watch.signals()) != signals:
+            if now_signals:
+                log(f"owner signals: {now_signals}")
+            signals = now_signals
+        state = replace(state, signals=signals)
         port.set(owner.agent_word(state, now))
         if state.mode != before.mode or state.word != before.word:
             log(f"{before.mode} -> {state.mode}: {state.reason}")

@@ -305,3 +305,105 @@ def test_a_distro_name_shaped_by_the_host_never_reaches_the_command(distro):
 
     with pytest.raises(OperationError, match="ws1: windows_autostart: the distro's name read from the host"):
         autostart_command("ws1", "FreeToken-WSL", distro)
+
+
+# ---- issue 34: every Windows program a fact or an operation runs has one bound (coreutils
+# `timeout -k 2 N`, N = INTEROP_TIMEOUT_S), and a timeout is reported as one, not as garbage.
+HANGS = "exec sleep 600\n"
+HANGS_PAST_TERM = "trap '' TERM\nsleep 600 &\nwait\nwait\n"  # ignores TERM: KILL after 2 s (exit 137)
+
+
+@pytest.fixture
+def short_bound(monkeypatch):
+    import facts.windows
+
+    monkeypatch.setattr(facts.windows, "INTEROP_TIMEOUT_S", 1)
+
+
+def test_every_interop_call_is_bounded_by_the_one_constant():
+    from facts.wake_on_lan import WakeOnLanReadiness
+    from facts.windows import INTEROP_TIMEOUT_S
+    from facts.windows_tasks import ScheduledTaskExists
+    from facts.wsl import WslVersion
+    from operations.windows import autostart_command
+
+    bound = f'timeout -k 2 {INTEROP_TIMEOUT_S} "$'
+    assert WindowsUserProfile().command().count(bound) == 1
+    assert WslVersion().command().count(bound) == 1
+    assert ScheduledTaskExists().command("FreeToken-WSL").count(bound) == 1
+    assert WakeOnLanReadiness().command().count(bound) == 2
+    assert autostart_command("ws1", "FreeToken-WSL", "Ubuntu-24.04").count(bound) == 1
+
+
+@pytest.mark.parametrize("script", [HANGS, HANGS_PAST_TERM])
+def test_a_hung_cmd_exe_is_reported_as_timed_out(tmp_path, short_bound, script):
+    from facts.windows import system32
+
+    root = f"{tmp_path}/"
+    folder = Path(system32(root))
+    folder.mkdir(parents=True)
+    (folder / "cmd.exe").write_text("#!/bin/sh\n" + script)
+    (folder / "cmd.exe").chmod(0o755)
+    fact = WindowsUserProfile()
+    info = fact.process(run_sh(fact.command(drive_root=root), env=LINUX_PATH))
+    assert (info.path, info.error) == (None, "cmd.exe timed out after 1 s (WSL interop)")
+
+
+def test_a_timed_out_exit_status_is_read_as_a_timeout():
+    from facts.wake_on_lan import parse_output
+    from facts.windows import parse_user_profile_output
+    from facts.wsl import parse_wsl_exe_version
+
+    for rc in (124, 137):
+        info = parse_user_profile_output(["@@ft:cmd", "", f"@@ft:cmd-rc {rc}"])
+        assert info.error == "cmd.exe timed out after 30 s (WSL interop)"
+        assert parse_wsl_exe_version(b"", rc).detail == "wsl.exe timed out after 30 s (WSL interop)"
+        wol = parse_output(["@@ft:adapters64", "", f"@@ft:adapters-rc {rc}"])
+        assert (wol.adapters, wol.error) == (None, "powershell.exe timed out after 30 s (WSL interop)")
+    # the output of a run without the rc line (an older fact) still reads as before
+    cmd = base64.b64encode((FIX / "cmd-echo-userprofile.crlf").read_bytes()).decode()
+    assert parse_user_profile_output(["@@ft:cmd", cmd]).windows_path == "C:\\Users\\dev"
+
+
+def test_a_hung_wsl_exe_is_reported_as_timed_out(tmp_path, short_bound):
+    from facts.wsl import WslVersion
+
+    (tmp_path / "wsl.exe").write_text("#!/bin/sh\n" + HANGS)
+    (tmp_path / "wsl.exe").chmod(0o755)
+    fact = WslVersion()
+    info = fact.process(run_sh(fact.command(), env={"PATH": f"{tmp_path}:/usr/bin:/bin"}))
+    assert (info.status, info.source, info.detail) == (
+        "unavailable",
+        "wsl.exe",
+        "wsl.exe timed out after 1 s (WSL interop)",
+    )
+
+
+def test_a_hung_schtasks_is_bounded_and_autostart_says_it_timed_out(tmp_path, short_bound):
+    from facts.windows import WINDOWS_SYSTEM32
+    from facts.windows_tasks import ScheduledTaskExists
+    from operations.windows import autostart_command
+
+    system32 = _system32(tmp_path, "schtasks.exe", HANGS_PAST_TERM)
+    fact = ScheduledTaskExists()
+    command = fact.command("FreeToken-WSL").replace(WINDOWS_SYSTEM32, str(system32))
+    assert fact.process(run_sh(command, env=LINUX_PATH)) is False  # unanswered: created, bounded the same way
+    create = autostart_command("ws1", "FreeToken-WSL", "Ubuntu-24.04").replace(WINDOWS_SYSTEM32, str(system32))
+    proc = subprocess.run(
+        ["sh", "-c", create.replace("cd /mnt/c", f"cd {tmp_path}")], capture_output=True, text=True, env=LINUX_PATH
+    )
+    assert proc.returncode == 137
+    assert "host ws1: windows_autostart: schtasks.exe timed out after 1 s (WSL interop)" in proc.stderr
+
+
+def test_a_hung_powershell_is_reported_as_timed_out(tmp_path, short_bound):
+    from facts.wake_on_lan import WakeOnLanReadiness
+    from facts.windows import system32
+
+    root = f"{tmp_path}/"
+    folder = Path(system32(root)) / "WindowsPowerShell" / "v1.0"
+    folder.mkdir(parents=True)
+    (folder / "powershell.exe").write_text("#!/bin/sh\n" + HANGS)
+    (folder / "powershell.exe").chmod(0o755)
+    info = WakeOnLanReadiness().process(run_sh(WakeOnLanReadiness().command(drive_root=root), env=LINUX_PATH))
+    assert (info.adapters, info.error) == (None, "powershell.exe timed out after 1 s (WSL interop)")
