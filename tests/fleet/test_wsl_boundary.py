@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 
 import pytest
 
@@ -174,6 +175,36 @@ def test_the_deploy_keeps_interop_registered_under_systemd(converged):
         assert f"{HOST}\\{OWNER}" in whoami(fleet)
     finally:
         fleet.interop(HOST, "ok")
+
+
+def owner_status(fleet, want: str, timeout: float = 90) -> str:
+    """`freetoken-owner status` once its owner signals line holds ``want`` (polled: the agent
+    reads Windows on its own schedule)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = fleet.run(HOST, "freetoken-owner status").stdout
+        if want in out or time.monotonic() > deadline:
+            return out
+        time.sleep(2)
+
+
+@pytest.mark.parametrize(
+    "mode, reason",
+    [("removed", "Exec format error"), ("dead", "interop socket: connect failed 111"), ("hang", "timed out after")],
+)
+def test_with_interop_broken_the_agent_says_which_owner_signals_are_off(converged, mode, reason):
+    fleet = converged
+    try:
+        fleet.interop(HOST, mode)
+        fleet.run(HOST, "systemctl restart freetoken-agent.service", check=True)  # a fresh look at Windows
+        out = owner_status(fleet, f"(interop: {reason}")
+        print(out)
+        assert f"owner signals: VRAM only (interop: {reason}" in out, out
+    finally:
+        fleet.interop(HOST, "ok")
+    fleet.run(HOST, "systemctl restart freetoken-agent.service", check=True)
+    out = owner_status(fleet, "owner signals: VRAM, reboot")
+    assert "interop:" not in out, out
 
 
 def baseline() -> int:
