@@ -9,6 +9,8 @@ It converges, and a second run changes nothing and says so:
 1. ``/etc/wsl.conf`` ``[boot] systemd=true`` and ``%UserProfile%\\.wslconfig`` ``[wsl2]``
    ``networkingMode=mirrored`` (the distro answers on the PC's own LAN address), merged with the
    deploy's own reader (``freetoken_infra/core/wsl_ini.py``: your comments and keys stay);
+   ``.wslconfig`` is read and written as the deploy does (``freetoken_infra/core/hostio.py``):
+   no link followed, a FIFO, folder or file over 64 KiB refused, written by rename;
 2. sshd (Debian's ``openssh-server``) on ``--port`` (2222: Windows' own OpenSSH may hold 22),
    public-key authentication only, checked with ``sshd -t`` before it is used;
 3. the controller's key in the deploy user's ``~/.ssh/authorized_keys`` (written by that user,
