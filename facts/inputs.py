@@ -204,6 +204,10 @@ _BY_ARGUMENTS = {
     "facts.ownership:DirOwnership": _ownership,
     "facts.restart:RestartPending": _restart,
     "facts.windows:WslConfigFile": _one_path("path"),
+    # The same file as WslConfigFile, as bytes for the merge. A folder on the way swapped for a
+    # link shows in the file's lstat (another inode); and a run the fast check skips reads and
+    # writes nothing there at all.
+    "facts.windows:WindowsFile": _one_path("path"),
     # The Desktop and its two shortcuts; the distro's name changes only with a boot.
     "facts.windows:OwnerShortcuts": _shortcuts,
     "pyinfra.facts.files:File": _one_path("path"),

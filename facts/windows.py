@@ -4,15 +4,19 @@ configuration files (``%UserProfile%\\.wslconfig`` read by Windows at VM start, 
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
+import os
 from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from freetoken_infra.core import owner, wsl_ini
+from freetoken_infra.core import hostio, owner, wsl_ini
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, drive_path
 from freetoken_infra.core.wsl_ini import WslIniFile
 
-from ._output import b64decode_lines, parse_int, quote, section_map
+from ._output import MARKER, b64decode_lines, parse_int, quote, section_map
 
 WINDOWS_SYSTEM32 = f"{drive_path(DEFAULT_DRIVE_ROOT)}/Windows/System32"
 
@@ -149,6 +153,110 @@ class WindowsUserProfile(FactBase[WindowsProfileInfo]):
         return parse_user_profile_output(output)
 
 
+# --------------------------------------------------------------------------- files below the drive root
+
+# hostio's source, run by the facts with python3 -c: a fact runs before anything is uploaded.
+_HOSTIO_SOURCE = open(hostio.__file__, encoding="utf-8").read()
+_READ_MAIN = "\nimport sys\nprint(read_report(sys.argv[1], sys.argv[3:], int(sys.argv[2])))\n"
+
+
+def read_command(folder: str, names: tuple[str, ...] | list[str], cap: int = hostio.WINDOWS_FILE_CAP) -> str:
+    """Shell printing ``hostio.read_report`` for ``names`` in ``folder``: the folder walked from
+    ``/`` without following a link, each file read only when it is a regular file of at most
+    ``cap`` bytes (issue 34, item 3: every Linux account can plant files below the drive root)."""
+    args = " ".join(quote(a) for a in (folder, str(cap), *names))
+    return (
+        "if command -v python3 >/dev/null 2>&1; then "
+        f"python3 -c {quote(_HOSTIO_SOURCE + _READ_MAIN)} {args} 2>&1 </dev/null; "
+        f"else echo '{MARKER}no-python'; fi"
+    )
+
+
+@dataclass(frozen=True)
+class WindowsFileBytes:
+    """A file below the drive root: its bytes (None: there is none), or why root did not read it
+    (``refused``, one line naming the path; ``kind`` as ``hostio.Refused``)."""
+
+    data: bytes | None
+    refused: str | None = None
+    kind: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadFolder:
+    """``hostio.read_folder``'s answer: ``folder`` is ``ok``, ``missing`` or ``refused``."""
+
+    folder: str
+    refused: str | None = None
+    kind: str | None = None
+    files: dict[str, WindowsFileBytes] = field(default_factory=dict)
+
+
+def parse_read_output(lines: list[str]) -> ReadFolder:
+    secs = section_map(lines)
+    if "no-python" in secs:
+        return ReadFolder("refused", "python3 not found", "error")
+    if "read" not in secs:
+        return ReadFolder("refused", "no output", "error")
+    try:
+        doc = json.loads(base64.b64decode(secs["read"][0].strip(), validate=True))
+    except (binascii.Error, ValueError):
+        return ReadFolder("refused", "unreadable fact output", "error")
+    if not isinstance(doc, dict) or doc.get("folder") not in ("ok", "missing", "refused"):
+        return ReadFolder("refused", "unreadable fact output", "error")
+    if doc["folder"] != "ok":
+        return ReadFolder(doc["folder"], _text(doc.get("refused")), _text(doc.get("kind")))
+    files: dict[str, WindowsFileBytes] = {}
+    for name, entry in (doc.get("files") or {}).items():
+        if entry is None:
+            files[name] = WindowsFileBytes(None)
+        elif isinstance(entry, dict) and isinstance(entry.get("data"), str):
+            try:
+                files[name] = WindowsFileBytes(base64.b64decode(entry["data"], validate=True))
+            except (binascii.Error, ValueError):
+                files[name] = WindowsFileBytes(None, f"{name}: unreadable fact output", "error")
+        elif isinstance(entry, dict):
+            files[name] = WindowsFileBytes(None, _text(entry.get("refused")) or name, _text(entry.get("kind")))
+    return ReadFolder("ok", files=files)
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def parse_windows_file_output(lines: list[str], name: str | None = None) -> WindowsFileBytes:
+    """The one file of a ``read_command`` (``name``: the one asked for, when known)."""
+    seen = parse_read_output(lines)
+    if seen.folder == "missing":
+        return WindowsFileBytes(None)
+    if seen.folder == "refused":
+        return WindowsFileBytes(None, seen.refused or "not read", seen.kind)
+    if name is None and len(seen.files) == 1:
+        return next(iter(seen.files.values()))
+    return seen.files.get(name or "", WindowsFileBytes(None, f"{name}: not in the answer", "error"))
+
+
+class WindowsFile(FactBase[WindowsFileBytes]):
+    """
+    Returns ``WindowsFileBytes``: the exact bytes of a file below the drive root (the owner's
+    ``.wslconfig``), or why root refused it: a link at any component of ``path``, a FIFO, socket,
+    device or folder at it, or more than 64 KiB (``hostio.read_folder``). Nothing is followed.
+
+    + path: the file's WSL path (``/mnt/c/Users/dev/.wslconfig``)
+    """
+
+    def command(self, path: str) -> str:
+        self._name = os.path.basename(path)
+        return read_command(os.path.dirname(path) or "/", [self._name]) + "; true"
+
+    @staticmethod
+    def default() -> WindowsFileBytes:
+        return WindowsFileBytes(None, "no output", "error")
+
+    def process(self, output: list[str]) -> WindowsFileBytes:
+        return parse_windows_file_output(output, getattr(self, "_name", None))
+
+
 # --------------------------------------------------------------------------- INI files
 
 
@@ -158,7 +266,9 @@ class IniFileInfo:
 
     ``sections``: ``{section: {key: value}}`` in lower case, first occurrence winning, keys
     before the first header left out; ``problems``: the lines WSL warns about or skips;
-    ``error``: the file could not be read or decoded (WSL reads no key from it).
+    ``error``: the file could not be read or decoded (WSL reads no key from it); ``refused``:
+    root did not read it (``hostio.read_folder``: a link on the way, a FIFO, a folder, over the
+    cap), the reason, also in ``error``.
     """
 
     path: str
@@ -167,6 +277,7 @@ class IniFileInfo:
     error: str | None = None
     ini: WslIniFile | None = None
     problems: tuple[str, ...] = ()
+    refused: str | None = None
 
     def __post_init__(self) -> None:
         # Built from plain sections (tests, callers without the bytes): the file WSL would read
@@ -217,19 +328,26 @@ def _ini_command(path: str) -> str:
 class WslConfigFile(FactBase[IniFileInfo]):
     """
     Returns ``IniFileInfo`` for the Windows-side ``.wslconfig`` at ``path`` (a WSL path such as
-    ``/mnt/c/Users/dev/.wslconfig``, from ``WindowsUserProfile``).
+    ``/mnt/c/Users/dev/.wslconfig``, from ``WindowsUserProfile``), read as ``WindowsFile`` reads
+    it: no link followed, only a regular file under the cap (else ``refused``).
     """
 
     def command(self, path: str) -> str:
         self._path = path
-        return _ini_command(path)
+        return WindowsFile().command(path)
 
     @staticmethod
     def default() -> IniFileInfo:
         return IniFileInfo("", False, {}, "no output")
 
     def process(self, output: list[str]) -> IniFileInfo:
-        return parse_ini_output(getattr(self, "_path", ""), output)
+        path = getattr(self, "_path", "")
+        seen = parse_windows_file_output(output, os.path.basename(path) if path else None)
+        if seen.refused is not None:
+            return IniFileInfo(path, True, {}, seen.refused, refused=seen.refused)
+        if seen.data is None:
+            return IniFileInfo(path, False, {}, None)
+        return parse_ini(path, seen.data)
 
 
 class WslConfFile(FactBase[IniFileInfo]):
@@ -260,6 +378,9 @@ class DesktopShortcuts:
     desktop_exists: bool
     distro: str  # the distro's name as Windows knows it ("" when unknown); untrusted until checked
     files: dict[str, bytes]  # file name -> bytes, for the names asked about that exist
+    # file name -> (why, kind) for a name root did not read (a link, FIFO, folder there)
+    refused: dict[str, tuple[str, str]] = field(default_factory=dict)
+    desktop_refused: str | None = None  # why the Desktop was not read (a link on the way)
 
 
 # The owner's Desktop shortcuts (operations/owner.py writes them).
@@ -272,24 +393,18 @@ class OwnerShortcuts(FactBase[DesktopShortcuts]):
     """
     Returns ``DesktopShortcuts``: whether ``path`` is a folder, the distro's Windows name
     (``$WSL_DISTRO_NAME``, else from ``wslpath -w /``, as ``WslDistroName``) and the bytes of
-    each of ``OWNER_SHORTCUTS`` there. One command, read only.
+    each of ``OWNER_SHORTCUTS`` there, read as ``WindowsFile`` reads (no link followed; a link,
+    FIFO or folder at a name is in ``refused``). One command, read only.
 
     + path: the owner's Desktop as a WSL path (``/mnt/c/Users/dev/Desktop``)
     """
 
     def command(self, path: str) -> str:
-        desktop, names = path, OWNER_SHORTCUTS
-        d = quote(desktop)
-        parts = [
+        return (
             'N="$WSL_DISTRO_NAME"; if [ -z "$N" ]; then '
             "N=$(wslpath -w / 2>/dev/null | sed -e 's#^\\\\\\\\[^\\\\]*\\\\##' -e 's#\\\\.*##'); fi; "
-            "printf '@@ft:distro %s\\n' \"$N\"",
-            f"if [ -d {d} ]; then echo '@@ft:desktop'; fi",
-        ]
-        for i, name in enumerate(names):
-            p = quote(f"{desktop}/{name}")
-            parts.append(f"if [ -f {p} ]; then echo '@@ft:file{i}'; head -c 65536 {p} | base64; fi")
-        return "; ".join(parts) + "; true"
+            "printf '@@ft:distro %s\\n' \"$N\"; " + read_command(path, OWNER_SHORTCUTS) + "; true"
+        )
 
     @staticmethod
     def default() -> DesktopShortcuts:
@@ -301,11 +416,10 @@ class OwnerShortcuts(FactBase[DesktopShortcuts]):
 
 def parse_shortcuts_output(lines: list[str], names: tuple[str, ...] = OWNER_SHORTCUTS) -> DesktopShortcuts:
     secs = section_map(lines)
-    files = {}
-    for i, name in enumerate(names):
-        if f"file{i}" in secs:
-            data = b64decode_lines(secs[f"file{i}"][1])
-            if data is not None:
-                files[name] = data
+    seen = parse_read_output(lines)
+    files = {name: f.data for name, f in seen.files.items() if name in names and f.data is not None}
+    refused = {name: (f.refused or "", f.kind or "") for name, f in seen.files.items() if name in names and f.refused}
     distro = secs.get("distro", ("", []))[0].strip()
-    return DesktopShortcuts("desktop" in secs, distro, files)
+    return DesktopShortcuts(
+        seen.folder == "ok", distro, files, refused, seen.refused if seen.folder == "refused" else None
+    )

@@ -72,6 +72,8 @@ class Seen:
     fleet: Mapping[str, FleetHost]
     windows_files: Mapping[str, bytes | None] = field(default_factory=dict)  # path -> bytes (None: absent)
     engine: EngineSeen | None = None  # None: not gathered (the preflight blocked the host)
+    # path -> why root did not read it (a link on the way, a FIFO, over the cap): left unchanged
+    windows_refused: Mapping[str, str] = field(default_factory=dict)
 
 
 # The unit renderers of operations/service.py, given by the deploy (the plan sits below the
@@ -214,7 +216,7 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
     settings, obs = pre.settings, pre.observations
     if pre.blocked and pre.restart_only:
         # The only blockers are the deploy's own to fix: apply the Windows side, then stop.
-        side = windows_side(settings, pre, seen.windows_files)
+        side = windows_side(settings, pre, seen.windows_files, seen.windows_refused)
         pending = ", ".join(side.changing) or "systemd not yet PID 1"
         notice = f"{name}: {RESTART_MESSAGE} ({pending}); every later step waits for it"
         return ConvergePlan(name, windows=WindowsSide(side.targets, notice=notice, waits=True))
@@ -239,7 +241,7 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
     except AddressError as exc:
         return ConvergePlan(name, stop=Stop(str(exc)))
 
-    side = windows_side(settings, pre, seen.windows_files)
+    side = windows_side(settings, pre, seen.windows_files, seen.windows_refused)
     if side.changing:
         side = WindowsSide(
             side.targets,
@@ -308,12 +310,20 @@ def windows_targets(settings: Settings, pre: HostPreflight) -> list[tuple[str, s
     return targets
 
 
-def windows_side(settings: Settings, pre: HostPreflight, files: Mapping[str, bytes | None]) -> WindowsSide:
-    """The merges, each saying whether it writes its file (read as WSL reads it)."""
+def windows_side(
+    settings: Settings,
+    pre: HostPreflight,
+    files: Mapping[str, bytes | None],
+    refused: Mapping[str, str] | None = None,
+) -> WindowsSide:
+    """The merges, each saying whether it writes its file (read as WSL reads it); a file root
+    refused to read (``refused``: a link, a FIFO, over the cap) is written by none."""
     targets = []
     for path, section, values in windows_targets(settings, pre):
         label = ".wslconfig [wsl2]" if section == "wsl2" else f"{path} [{section}]"
-        writes = wsl_ini.merge(files.get(path), dialect_of(path), section, values).writes
+        writes = (
+            path not in (refused or {}) and wsl_ini.merge(files.get(path), dialect_of(path), section, values).writes
+        )
         targets.append(IniTarget(f"Windows side: {label}", path, section, values, writes))
     return WindowsSide(tuple(targets))
 

@@ -31,7 +31,7 @@ from facts.model import ModelDirectory
 from facts.resources import HostResources
 from facts.restart import RestartPending
 from facts.wake_on_lan import WakeOnLanReadiness
-from facts.windows import WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
+from facts.windows import WindowsFile, WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.windows_tasks import WslDistroName
 from facts.wsl import WslKernel, WslVersion
 from freetoken_infra import plan, rules
@@ -335,8 +335,9 @@ def gather(
     fleet = fleet_of(state.inventory)
     if pre.blocked:
         targets = plan.windows_targets(pre.settings, pre) if pre.restart_only else []
-        return plan.Seen(host.name, pre, fleet, {path: host.get_fact(FileBytes, path=path) for path, _, _ in targets})
-    files = {path: host.get_fact(FileBytes, path=path) for path, _, _ in plan.windows_targets(pre.settings, pre)}
+        files, not_read = windows_files(host, [path for path, _, _ in targets])
+        return plan.Seen(host.name, pre, fleet, files, windows_refused=not_read)
+    files, not_read = windows_files(host, [path for path, _, _ in plan.windows_targets(pre.settings, pre)])
     running = bool((host.get_fact(SystemdStatus, services=[ENGINE_UNIT]) or {}).get(ENGINE_UNIT, False))
     manifest = HostLayout.of(pre.settings).model_manifest_file
     engine = plan.EngineSeen(
@@ -347,7 +348,24 @@ def gather(
         if running or not pre.settings.agent_enabled
         else owner_hold(host.get_fact(FileText, path=AGENT_STATE_FILE)),
     )
-    return plan.Seen(host.name, pre, fleet, files, engine)
+    return plan.Seen(host.name, pre, fleet, files, engine, not_read)
+
+
+def windows_files(host, paths: list[str]) -> tuple[dict[str, bytes | None], dict[str, str]]:
+    """The bytes of the Windows-side files the plan merges (None: absent), and why root refused
+    each one it did not read: ``/etc/wsl.conf`` is root's; ``.wslconfig``, below the drive root
+    where every Linux account can plant a link, is read by ``WindowsFile`` (no link followed)."""
+    files: dict[str, bytes | None] = {}
+    refused: dict[str, str] = {}
+    for path in paths:
+        if path == WSL_CONF:
+            files[path] = host.get_fact(FileBytes, path=path)
+            continue
+        seen = host.get_fact(WindowsFile, path=path)
+        files[path] = seen.data
+        if seen.refused is not None:
+            refused[path] = seen.refused
+    return files, refused
 
 
 def stop_host(state, host, stop: plan.Stop) -> None:

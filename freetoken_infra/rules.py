@@ -208,6 +208,16 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
             f"Windows profile not found ({err})",
             "enable interop (`[interop] enabled=true`) or set %UserProfile%\\.wslconfig by hand",
         )
+    if obs.wslconfig is not None and obs.wslconfig.refused is not None:
+        # Below the drive root every Linux account can plant a link (to a root-only file), a
+        # FIFO or a huge file: root neither reads nor writes it (issue 34, item 3).
+        return Finding(
+            "wslconfig",
+            "warn",
+            f"{obs.wslconfig.refused}; root does not follow or replace it",
+            "the deploy leaves .wslconfig unchanged: look at who put it there, make it a plain file "
+            "(under 64 KiB) or remove it, then re-run",
+        )
     want = settings.wslconfig_values()
     present = obs.wslconfig is not None and obs.wslconfig.exists and obs.wslconfig.ini is not None
     ini = obs.wslconfig.ini if present and obs.wslconfig is not None else None

@@ -16,7 +16,6 @@ read-only system, its one writable folder root's state folder, no new privileges
 
 from __future__ import annotations
 
-import io
 import ipaddress
 import os
 import re
@@ -24,7 +23,7 @@ import re
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.files import File
-from pyinfra.operations import files, systemd
+from pyinfra.operations import systemd
 
 from facts.windows import (
     RESUME_SHORTCUT,
@@ -52,7 +51,7 @@ from freetoken_infra.core.layout import (
 )
 from freetoken_infra.core.settings import Settings
 from freetoken_infra.core.units import Section, UnitFile, managed_by, render, unit_command
-from operations import managed
+from operations import managed, windows
 from operations.managed import ManagedFile
 
 _LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "owner_agent.py")
@@ -196,15 +195,28 @@ def desktop_shortcuts(settings: Settings, root: str):
         return
     desktop = f"{profile.path}/Desktop"
     seen = host.get_fact(OwnerShortcuts, path=desktop)
+    if seen.desktop_refused is not None:
+        host.noop(f"{seen.desktop_refused}; root does not follow it: no shortcuts written")
+        return
     if not seen.desktop_exists:
         host.noop(f"{desktop} is not a folder (a Desktop moved to OneDrive?): no shortcuts written")
         return
     if not _DISTRO.fullmatch(seen.distro):
         host.noop(f"the distro's Windows name is unknown or not a name ({seen.distro[:64]!r}): no shortcuts written")
         return
+    writes = []
     for name, data in shortcut_texts(seen.distro).items():
+        refused = seen.refused.get(name)
+        if refused is not None and refused[1] in ("folder", "path", "error"):
+            host.noop(f"{refused[0]}: that shortcut is not written")
+            continue
+        # A link, FIFO or oversize file at the name is not ours: replaced, by rename, never followed.
         if seen.files.get(name) != data:
-            yield from files.put._inner(src=io.BytesIO(data), dest=f"{desktop}/{name}")
+            writes.append((f"{desktop}/{name}", data))
+    if writes:
+        yield from windows.upload_writer()
+        for path, data in writes:
+            yield windows.write_command(path, data)
 
 
 @operation()

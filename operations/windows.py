@@ -8,10 +8,13 @@ them.
 
 from __future__ import annotations
 
+import base64
 import io
+import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -19,20 +22,43 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.operations import server
 
 from facts.files import FileBytes
-from facts.windows import dialect_of, interop, interop_timed_out, system32, windows_exe
+from facts.windows import WindowsFile, dialect_of, interop, interop_timed_out, system32, windows_exe
 from facts.windows_tasks import ScheduledTaskExists
 from facts.wsl import InteropRegistration
-from freetoken_infra.core import wsl_ini
+from freetoken_infra.core import hostio, wsl_ini
 from freetoken_infra.core.layout import (
     DEFAULT_DRIVE_ROOT,
+    HOSTIO_MODULE,
     INTEROP_BINFMT_CONF,
     INTEROP_BINFMT_LINE,
     SYSTEMD_BINFMT,
+    WINDOWS_FILE_SCRIPT,
+    WSL_CONF,
     drive_path,
 )
 from freetoken_infra.core.units import managed_by
 from operations import managed, preview
 from operations.managed import ManagedFile
+
+_WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "windows_file.py")
+
+
+def upload_writer() -> Generator[Any, None, None]:
+    """``windows_file.py`` and ``hostio.py`` under ``/usr/local/lib/freetoken`` (root's): what
+    writes a Windows-side file without following a link. Uploaded by the steps that write one,
+    only when they do; ``--diff`` shows the file written (``ini_values``' own diff), not these."""
+    for local, dest, mode in ((hostio.__file__, HOSTIO_MODULE, "644"), (_WRITER, WINDOWS_FILE_SCRIPT, "755")):
+        yield from preview.put_without_pyinfra_diff(
+            src=local, dest=dest, user="root", group="root", mode=mode, add_deploy_dir=False
+        )
+
+
+def write_command(path: str, data: bytes) -> str:
+    """Root's command that replaces ``path`` (below the drive root, where every Linux account
+    can plant a link) by ``data``: the bytes cross on the script's stdin, base64, from the
+    controller; the script renames a new file over the name (``hostio.write_below``)."""
+    encoded = base64.b64encode(data).decode("ascii")
+    return f"printf %s {encoded} | /usr/bin/python3 {WINDOWS_FILE_SCRIPT} write {shlex.quote(path)}"
 
 
 def merge_ini(
@@ -57,7 +83,9 @@ def ini_values(path: str, section: str, values: Mapping[str, str]):
 
     A file that cannot be merged safely (e.g. a wsl.conf line that makes WSL stop reading before
     the place the key would go) is left unchanged, with the line in the message; the preflight
-    reports it as a finding.
+    reports it as a finding. So is a ``.wslconfig`` root refuses to read (``WindowsFile``: a link
+    on the way, a FIFO, a folder, over 64 KiB); one it merges is written by ``windows_file.py``,
+    renamed over the name, never through a link.
 
     **Example:**
 
@@ -70,7 +98,14 @@ def ini_values(path: str, section: str, values: Mapping[str, str]):
             values={"systemd": "true"},
         )
     """
-    current = host.get_fact(FileBytes, path=path)
+    if path == WSL_CONF:  # root's own folder
+        current = host.get_fact(FileBytes, path=path)
+    else:  # below the drive root: any Linux account may have planted a link, a FIFO, a huge file
+        seen = host.get_fact(WindowsFile, path=path)
+        if seen.refused is not None:
+            host.noop(f"{path} left unchanged: {seen.refused}; root does not follow or replace it")
+            return
+        current = seen.data
     dialect = dialect_of(path)
     plan = wsl_ini.merge(current, dialect, section, values)
     if plan.problem is not None:
@@ -86,7 +121,11 @@ def ini_values(path: str, section: str, values: Mapping[str, str]):
         None if before is None else preview.text_lines(before),
         preview.text_lines(wsl_ini.decode(plan.data, dialect)[0]),
     )
-    yield from preview.put_without_pyinfra_diff(src=io.BytesIO(plan.data), dest=path)
+    if path == WSL_CONF:
+        yield from preview.put_without_pyinfra_diff(src=io.BytesIO(plan.data), dest=path)
+    else:
+        yield from upload_writer()
+        yield write_command(path, plan.data)
 
 
 # What WSL accepts as a distribution name (`wsl --import`); the name is read from the host, so

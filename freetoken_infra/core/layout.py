@@ -60,6 +60,9 @@ OWNER_MODULE = f"{LIB_DIR}/owner.py"  # owner_agent.py imports it from its own f
 # The owner's command on the host: freetoken-owner snooze 2h | resume | status.
 OWNER_COMMAND = "/usr/local/bin/freetoken-owner"
 OWN_DIR_SCRIPT = f"{LIB_DIR}/own_dir.py"  # root makes and re-owns folders without following links
+# root writes the owner's .wslconfig and Desktop shortcuts (below the drive root) by rename,
+# never through a link; hostio.py beside it
+WINDOWS_FILE_SCRIPT = f"{LIB_DIR}/windows_file.py"
 
 # Root's own state on the target: never inside the service user's state_dir and outside every
 # unit's ReadWritePaths except the root guard's. Owned by root, mode DEPLOY_STATE_MODE (what is

@@ -9,6 +9,8 @@ It converges, and a second run changes nothing and says so:
 1. ``/etc/wsl.conf`` ``[boot] systemd=true`` and ``%UserProfile%\\.wslconfig`` ``[wsl2]``
    ``networkingMode=mirrored`` (the distro answers on the PC's own LAN address), merged with the
    deploy's own reader (``freetoken_infra/core/wsl_ini.py``: your comments and keys stay);
+   ``.wslconfig`` is read and written as the deploy does (``freetoken_infra/core/hostio.py``):
+   no link followed, a FIFO, folder or file over 64 KiB refused, written by rename;
 2. sshd (Debian's ``openssh-server``) on ``--port`` (2222: Windows' own OpenSSH may hold 22),
    public-key authentication only, checked with ``sshd -t`` before it is used;
 3. the controller's key in the deploy user's ``~/.ssh/authorized_keys`` (written by that user,
@@ -35,6 +37,7 @@ import argparse
 import base64
 import binascii
 import hashlib
+import importlib
 import json
 import os
 import pwd
@@ -50,20 +53,30 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORE_MODULE = "freetoken_infra.core.wsl_ini"
+HOSTIO_MODULE = "freetoken_infra.core.hostio"  # reads and writes below the drive root, no link followed
 _BUNDLED_WSL_INI: str | None = None  # --bundle puts the core module's source here
+_BUNDLED_HOSTIO: str | None = None  # --bundle puts hostio's source here
+
+
+def _core(name: str, bundled: str | None):
+    if bundled is not None:
+        if name in sys.modules:
+            return sys.modules[name]
+        module = types.ModuleType(name)
+        module.__dict__["__name__"] = name
+        sys.modules[name] = module  # dataclasses look their module up by name
+        exec(compile(bundled, name.rsplit(".", 1)[1] + ".py", "exec"), module.__dict__)
+        return module
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository's root
+    return importlib.import_module(name)
 
 
 def _wsl_ini():
-    if _BUNDLED_WSL_INI is not None:
-        module = types.ModuleType(CORE_MODULE)
-        module.__dict__["__name__"] = CORE_MODULE
-        sys.modules[CORE_MODULE] = module  # dataclasses look their module up by name
-        exec(compile(_BUNDLED_WSL_INI, "wsl_ini.py", "exec"), module.__dict__)
-        return module
-    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository's root
-    from freetoken_infra.core import wsl_ini
+    return _core(CORE_MODULE, _BUNDLED_WSL_INI)
 
-    return wsl_ini
+
+def _hostio():
+    return _core(HOSTIO_MODULE, _BUNDLED_HOSTIO)
 
 
 WSL_CONF = "/etc/wsl.conf"
@@ -285,14 +298,50 @@ def write_atomic(path: str, data: bytes, mode: int) -> bool:
     return True
 
 
-def merge_ini(wsl_ini, path: str, dialect: str, section: str, values: dict[str, str], label: str, run: Run) -> None:
-    original = _read(path)
+def merge_ini(
+    wsl_ini, path: str, dialect: str, section: str, values: dict[str, str], label: str, run: Run, hostio=None
+) -> None:
+    """Merge ``values`` into ``path``; with ``hostio`` (``.wslconfig``, below the drive root where
+    every Linux account can plant a link, a FIFO or a huge file) read and written without
+    following a link (``hostio.read_at``, ``hostio.write_below``)."""
+    original = _read(path) if hostio is None else read_below(hostio, path, label)
     result = wsl_ini.merge(original, dialect, section, values)
     if result.problem is not None:
         raise EnrolError(f"{label}: cannot be changed safely ({result.problem}); fix that line, then run this again")
-    changed = result.writes and write_atomic(path, result.data, 0o644)
+    if hostio is None:
+        changed = result.writes and write_atomic(path, result.data, 0o644)
+    else:
+        changed = bool(result.writes) and result.data != original
+        if changed:
+            try:
+                hostio.write_below(path, result.data)
+            except (hostio.Refused, OSError) as exc:
+                raise EnrolError(f"{label}: {_why(exc, path)}; nothing written") from None
     run.step(f"{label} [{section}] {', '.join(f'{k}={v}' for k, v in values.items())}", changed)
     run.restart = run.restart or changed
+
+
+def _why(exc: Exception, path: str) -> str:
+    return str(exc) if not isinstance(exc, OSError) else f"{path}: {exc.strerror}"
+
+
+def read_below(hostio, path: str, label: str) -> bytes | None:
+    """The bytes of ``path`` (None: there is none), or an ``EnrolError`` naming it when a folder
+    on the way or the file is a link, or the file is no regular file of at most 64 KiB."""
+    folder, name = os.path.split(path)
+    refused = "root does not follow or replace it: remove it, then run this again"
+    try:
+        fd = hostio.open_folder(folder)
+    except FileNotFoundError:
+        return None
+    except (hostio.Refused, OSError) as exc:
+        raise EnrolError(f"{label}: {_why(exc, folder)}; {refused}") from None
+    try:
+        return hostio.read_at(fd, name, path)
+    except (hostio.Refused, OSError) as exc:
+        raise EnrolError(f"{label}: {_why(exc, path)}; {refused}") from None
+    finally:
+        os.close(fd)
 
 
 def windows_profile() -> str | None:
@@ -513,7 +562,9 @@ def enrol(i: Inputs) -> Run:
     if profile is None:
         raise EnrolError("Windows: cannot find your Windows profile (cmd.exe and wslpath); is WSL interop on?")
     wslconfig = f"{profile}/.wslconfig"
-    merge_ini(wsl_ini, wslconfig, wsl_ini.WSLCONFIG, "wsl2", {"networkingMode": "mirrored"}, ".wslconfig", run)
+    merge_ini(
+        wsl_ini, wslconfig, wsl_ini.WSLCONFIG, "wsl2", {"networkingMode": "mirrored"}, ".wslconfig", run, _hostio()
+    )
     ensure_sshd(i, run)
     ensure_authorized_key(i, run)
     ensure_sudoers(i, run)
@@ -525,16 +576,18 @@ def enrol(i: Inputs) -> Run:
 
 
 def bundle() -> str:
-    """This script with the core module inside: one file to hand out."""
-    core = os.path.join(os.path.dirname(os.path.dirname(HERE)), *CORE_MODULE.split(".")) + ".py"
+    """This script with the core modules inside: one file to hand out."""
+    root = os.path.dirname(os.path.dirname(HERE))
     with open(__file__, encoding="utf-8") as f:
         me = f.read()
-    with open(core, encoding="utf-8") as f:
-        source = f.read()
-    marker = "_BUNDLED_WSL_INI: str | None = None"
-    assert me.count(marker) == 2, "the bundle marker must stand once outside this function"  # here and above
-    head, tail = me.split(marker + "  #", 1)
-    return head + f"_BUNDLED_WSL_INI: str | None = {source!r}  #" + tail
+    for name, marker in ((CORE_MODULE, "_BUNDLED_WSL_INI"), (HOSTIO_MODULE, "_BUNDLED_HOSTIO")):
+        with open(os.path.join(root, *name.split(".")) + ".py", encoding="utf-8") as f:
+            source = f.read()
+        marker += ": str | None = None"
+        assert me.count(marker) == 1, "the bundle marker must stand once, outside this function"
+        head, tail = me.split(marker + "  #", 1)
+        me = head + marker.replace("None = None", f"None = {source!r}") + "  #" + tail
+    return me
 
 
 def main(argv: list[str] | None = None) -> int:

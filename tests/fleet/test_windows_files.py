@@ -7,6 +7,8 @@ Files WSL accepts but our earlier INI reading did not (see freetoken_infra/core/
      writes nothing to it and prints no restart message;
   3. `[automount] root = /` (drives at /c, no /mnt/c): the profile is found through cmd.exe +
      wslpath under that root and .wslconfig is managed there.
+And one attack (issue 34, item 3): a link planted as .wslconfig by an unprivileged account is
+neither read nor written through.
 The host's own files (and /mnt/c) are put back afterwards. Tests run in order.
 """
 
@@ -111,3 +113,39 @@ def test_automount_root_slash_still_gets_wslconfig_managed(sim_fleet, host_files
     (line,) = restart_lines(run)
     assert wslconfig in line, line
     assert re.search(r"^memory=\d+GB\r?$", text, re.M), text
+
+
+def test_a_link_planted_as_wslconfig_by_an_unprivileged_account_is_neither_read_nor_written(sim_fleet, host_files):
+    """Issue 34, item 3: below the drive root every Linux account can plant files (DrvFs shows
+    them 0777, owned by uid 1000). ``nobody`` links ``.wslconfig`` to /etc/shadow; the deploy
+    reads nothing through it, writes nothing through it, prints none of shadow and names it."""
+    # The drive may still be at /c (the test above moved it; the fixture puts it back at the end).
+    drive = "/c" if sim_fleet.run(HOST, "test -d /c && ! test -e /mnt/c").returncode == 0 else "/mnt/c"
+    folder = f"{drive}/Users/{host_files['user']}"
+    path = f"{folder}/.wslconfig"
+    shadow = read(sim_fleet, "/etc/shadow")
+    mode = sim_fleet.run(HOST, f"stat -c %a {folder}", check=True).stdout.strip()
+    # Until the simulated C: drive is 0777 and uid 1000's as DrvFs shows it, open the profile
+    # folder to every account as DrvFs does (the attacker needs nothing more).
+    sim_fleet.run(HOST, f"chmod 0777 {folder} && rm -f {path}", check=True)
+    try:
+        sim_fleet.run(HOST, f"runuser -u nobody -- ln -s /etc/shadow {path}", check=True)
+        run = deploy("--limit", HOST)
+        out = run.stdout + run.stderr
+        assert "Traceback" not in out, out[-6000:]
+        assert read(sim_fleet, "/etc/shadow") == shadow
+        target = sim_fleet.run(HOST, f"readlink {path}").stdout.strip()
+        if target:
+            assert target == "/etc/shadow"
+        else:  # replaced by a regular file: none of shadow in it
+            assert sim_fleet.run(HOST, f"test -f {path} && ! test -L {path}").returncode == 0
+            written = read(sim_fleet, path)
+            assert not any(line in written for line in shadow.splitlines() if len(line) > 8)
+        secret_lines = [line.decode() for line in shadow.splitlines() if len(line) > 8]
+        assert not any(line in out for line in secret_lines), out[-6000:]
+        assert base64.b64encode(shadow).decode()[:40] not in out
+        # the preflight's table wraps its evidence; the merge's own line says it whole
+        assert f"{path} is a symbolic link" in " ".join(out.split()), out[-6000:]
+    finally:
+        # The link goes before the fixture writes the saved file back (a write through it as root).
+        sim_fleet.run(HOST, f"rm -f {path}; chmod {mode} {folder}", check=True)

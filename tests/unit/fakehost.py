@@ -9,12 +9,14 @@ the test (an operation that asks for something new must say what it expects).
 
 Tables:
 - ``files``: path -> text, bytes or (text, mode) (mode as pyinfra's ``File`` fact gives it, 644);
-  answers ``File``, ``FileText``, ``FileBytes``, ``FileContents``, ``Sha1File``, ``Sha256File``.
+  answers ``File``, ``FileText``, ``FileBytes``, ``FileContents``, ``Sha1File``, ``Sha256File``,
+  ``WindowsFile``.
   A file's folders exist.
 - ``dirs``: folders (root:root 755), or path -> (user, group, mode); answers ``Directory`` and
   ``DirOwnership``. The folders above a file or folder of the tables exist (root:root 755), and
   so do the system folders every Debian host has (``SYSTEM_DIRS``).
-- ``links``: path -> target (``Link``).
+- ``links``: path -> target (``Link``); ``WindowsFile`` (which follows no link) refuses a path
+  that is one or has one on the way.
 - ``packages``: Debian packages installed (``DebPackages``).
 - ``running``, ``enabled``: systemd units (``SystemdStatus``, ``SystemdEnabled``).
 - ``accounts``: name -> home, with the system shell (``Account``).
@@ -137,6 +139,14 @@ class FakeHost:
 
     def _fact_FileBytes(self, path: str) -> bytes | None:
         return self.files[path][0] if path in self.files else None
+
+    def _fact_WindowsFile(self, path: str) -> Any:
+        from facts.windows import WindowsFileBytes
+
+        for p in [*reversed(_parents(path)), path]:
+            if p in self.links:
+                return WindowsFileBytes(None, f"{p} is a symbolic link", "link")
+        return WindowsFileBytes(self._fact_FileBytes(path))
 
     def _fact_FileText(self, path: str) -> str | None:
         data = self._fact_FileBytes(path)

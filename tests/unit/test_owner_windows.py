@@ -606,16 +606,21 @@ def test_the_desktop_shortcuts_call_wsl_by_its_full_path_for_a_checked_distro():
             owner_op.shortcut_texts(bad)
 
 
-def test_the_shortcuts_fact_reads_the_desktop_the_distro_and_the_files():
+def test_the_shortcuts_fact_reads_the_desktop_the_distro_and_the_files(tmp_path):
     from facts.batch import allowed
-    from facts.windows import OwnerShortcuts, parse_shortcuts_output
+    from facts.windows import RESUME_SHORTCUT, OwnerShortcuts
 
-    names = ("a.cmd", "b.cmd")
-    command = OwnerShortcuts().command("/mnt/c/Users/dev user/Desktop")
-    assert "'/mnt/c/Users/dev user/Desktop/FreeToken - serve again.cmd'" in command  # quoted for sh
+    desktop = tmp_path / "dev user" / "Desktop"
+    desktop.mkdir(parents=True)
+    (desktop / RESUME_SHORTCUT).write_bytes(b"@\r\n")
+    fact = OwnerShortcuts()
+    command = fact.command(str(desktop))
+    assert f"'{desktop}'" in command and "'FreeToken - serve again.cmd'" in command  # quoted for sh
     # its one argument has a shape the no-op run's batch may replay
     assert allowed("facts.windows:OwnerShortcuts", {"path": "/mnt/c/Users/dev/Desktop"}) is None
-    out = ["@@ft:distro Ubuntu-24.04", "@@ft:desktop", "@@ft:file1", "QA0K"]
-    seen = parse_shortcuts_output(out, names)
-    assert (seen.desktop_exists, seen.distro, seen.files) == (True, "Ubuntu-24.04", {"b.cmd": b"@\r\n"})
-    assert parse_shortcuts_output(["@@ft:distro "], names).desktop_exists is False
+    env = {**os.environ, "WSL_DISTRO_NAME": "Ubuntu-24.04"}
+    run = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60, env=env)
+    seen = fact.process(run.stdout.splitlines())
+    assert (seen.desktop_exists, seen.distro, seen.files) == (True, "Ubuntu-24.04", {RESUME_SHORTCUT: b"@\r\n"})
+    run = subprocess.run(["sh", "-c", fact.command(str(tmp_path / "none"))], capture_output=True, text=True, env=env)
+    assert fact.process(run.stdout.splitlines()).desktop_exists is False
