@@ -24,4 +24,5 @@ if lock.holder is not None:
 elif lock.error and lock.error != "no output":
     click.echo(f"    [{host.name}] deploy lock: cannot tell ({lock.error})", err=True)
 
-run_preflight(state, host)
+# The doctor alone also starts a Windows program as a service would (the host agent does).
+run_preflight(state, host, probe_interop=True)

@@ -178,6 +178,8 @@ _FIXED: dict[str, Inputs] = {
     # Wake-on-LAN readiness (Windows' adapters, powercfg): a warning of the preflight only, which
     # the no-op run does not repeat (the doctor does).
     "facts.wake_on_lan:WakeOnLanReadiness": BOOT_ONLY,
+    # Interop as a service sees it: read by the doctor only, never by a converge.
+    "facts.wsl:InteropAsService": BOOT_ONLY,
     "facts.windows:WslConfFile": _paths("/etc/wsl.conf"),
     # The binfmt_misc table's entries: one gone, re-registered or added (another `MZ` handler).
     "facts.wsl:InteropRegistration": Inputs(

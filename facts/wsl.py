@@ -13,10 +13,11 @@ from typing import Literal
 
 from pyinfra.api import FactBase
 
-from freetoken_infra.core.layout import BINFMT_DIR, DEFAULT_DRIVE_ROOT, INTEROP_BINFMT_NAMES
+from freetoken_infra.core import owner
+from freetoken_infra.core.layout import BINFMT_DIR, DEFAULT_DRIVE_ROOT, INTEROP_BINFMT_NAMES, drive_path
 
-from ._output import b64decode_lines, parse_int, section_map, sections
-from .windows import interop, interop_timed_out, system32, windows_exe
+from ._output import b64decode_lines, parse_int, quote, section_map, sections
+from .windows import INTEROP_TIMEOUT_S, interop, interop_timed_out, system32, windows_exe
 
 # --------------------------------------------------------------------------- kernel
 
@@ -285,3 +286,64 @@ class InteropRegistration(FactBase[InteropBinfmt]):
 
     def process(self, output: list[str]) -> InteropBinfmt:
         return parse_binfmt_output(output)
+
+
+# --------------------------------------------------------------------------- interop as a service sees it
+
+PROBE_WORD = "freetoken-interop-ok"
+
+
+@dataclass(frozen=True)
+class InteropProbe:
+    """A Windows program started from a systemd service, as the host agent starts them."""
+
+    reason: str  # core.owner.interop_reason: INTEROP_OK ("") when it ran and answered
+    detail: str = ""  # what the caller saw, shortened (for the finding's evidence)
+
+
+def parse_service_probe(output: list[str]) -> InteropProbe:
+    secs = section_map(output)
+    if "no-cmd" in secs:
+        return InteropProbe(owner.PROGRAM_MISSING, "no cmd.exe in System32")
+    if "no-systemd-run" in secs:
+        return InteropProbe(owner.INTEROP_ERROR, "no systemd-run (systemd is not PID 1)")
+    raw = b64decode_lines(secs["svc"][1]) if "svc" in secs else None
+    if raw is None:
+        return InteropProbe(owner.INTEROP_ERROR, "no output")
+    data, rc = split_exit_status(raw)
+    timed_out = rc in owner.TIMEOUT_EXITS
+    reason = owner.interop_reason(None, rc, data, b"", timed_out=timed_out, timeout_s=INTEROP_TIMEOUT_S)
+    if reason == owner.INTEROP_OK and PROBE_WORD.encode() not in data:
+        reason = owner.INTEROP_ERROR  # it ran but did not answer as cmd.exe answers
+    detail = data.decode("utf-8", "replace").replace("\r", "").strip().splitlines()
+    return InteropProbe(reason, (detail[-1] if detail else f"exit {rc}")[:200])
+
+
+class InteropAsService(FactBase[InteropProbe]):
+    """
+    Returns ``InteropProbe``: whether a Windows program starts from a systemd service (a
+    transient unit, root, no login session: as the host agent runs ``tasklist.exe``), which is
+    where interop breaks under systemd (the binfmt entry flushed, another ``MZ`` handler, a
+    dead interop server, a Windows side that hangs), while a login shell may still work. Runs
+    ``cmd.exe /c echo`` once under one deadline; the doctor reads it, the deploy does not.
+    """
+
+    def command(self, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
+        cmd = f"{system32(drive_root)}/cmd.exe"
+        limit = INTEROP_TIMEOUT_S - 5
+        return (
+            f"if [ ! -f {quote(cmd)} ]; then echo '@@ft:no-cmd'; "
+            "elif ! command -v systemd-run >/dev/null 2>&1; then echo '@@ft:no-systemd-run'; "
+            "else echo '@@ft:svc'; "
+            f"{{ cd {quote(drive_path(drive_root))} 2>/dev/null; timeout -k 2 {INTEROP_TIMEOUT_S} systemd-run --quiet "
+            f"--wait --pipe --collect --service-type=exec -p RuntimeMaxSec={limit} "
+            f"{quote(cmd)} /c echo {PROBE_WORD} 2>&1 </dev/null; printf '\\n@@rc:%s' \"$?\"; }} | base64; "
+            "fi; true"
+        )
+
+    @staticmethod
+    def default() -> InteropProbe:
+        return InteropProbe(owner.INTEROP_ERROR, "no output")
+
+    def process(self, output: list[str]) -> InteropProbe:
+        return parse_service_probe(output)

@@ -33,7 +33,7 @@ from facts.restart import RestartPending
 from facts.wake_on_lan import WakeOnLanReadiness
 from facts.windows import WindowsFile, WindowsProfileInfo, WindowsUserProfile, WslConfFile, WslConfigFile
 from facts.windows_tasks import WslDistroName
-from facts.wsl import WslKernel, WslVersion
+from facts.wsl import InteropAsService, InteropRegistration, WslKernel, WslVersion
 from freetoken_infra import plan, rules
 from freetoken_infra.core import owner
 from freetoken_infra.core.gate_record import GateRecordError, GateResult
@@ -81,7 +81,7 @@ def windows_profile(host, wslconf) -> WindowsProfileInfo:
     return on_windows_drive(host, WindowsUserProfile, wslconf)
 
 
-def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Observations:
+def observe(host, settings: Settings, probe_gpu_memory: bool = True, probe_interop: bool = False) -> rules.Observations:
     """Read the host (facts only; nothing is changed).
 
     The facts travel in one batched command (facts/batch.py), each parsed by its own fact.
@@ -130,6 +130,10 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         if settings.wake_on_lan_mac is not None and kernel.kind == "wsl2"
         else None
     )
+    # Interop as a service sees it (the doctor: a Windows program started, a second or so).
+    wsl2 = kernel.kind == "wsl2"
+    interop = on_windows_drive(host, InteropAsService, wslconf) if probe_interop and wsl2 else None
+    interop_binfmt = host.get_fact(InteropRegistration) if probe_interop and wsl2 else None
     # Files whose change waits for a WSL restart (a rollout's fleet report says so).
     restart_files = [WSL_CONF]
     if profile is not None and profile.path:
@@ -152,6 +156,8 @@ def observe(host, settings: Settings, probe_gpu_memory: bool = True) -> rules.Ob
         gate_record=_gate_record(host.get_fact(FileText, path=layout.last_gate_file)),
         restart_pending=host.get_fact(RestartPending, paths=restart_files),
         wake_on_lan=wake_on_lan,
+        interop=interop,
+        interop_binfmt=interop_binfmt,
     )
 
 
@@ -220,7 +226,9 @@ def run_ended_line(host_name: str, reason: str, advice: str | None = None) -> st
     )
 
 
-def run_preflight(state, host, stop_blocked: bool = True) -> tuple[rules.HostPreflight, bool]:
+def run_preflight(
+    state, host, stop_blocked: bool = True, probe_interop: bool = False
+) -> tuple[rules.HostPreflight, bool]:
     """Gather, evaluate, record, print. Returns (the host's preflight record, ok).
 
     The record (settings, observations, findings) is kept on the run (``RunRecords.preflight``)
@@ -231,7 +239,7 @@ def run_preflight(state, host, stop_blocked: bool = True) -> tuple[rules.HostPre
     run = RunRecords.of(state)
     run.when_done(print_gate_report_if_gated)  # the gate table, once every host is done
     settings = fleet_settings(state)[host.name]
-    obs = observe(host, settings)
+    obs = observe(host, settings, probe_interop=probe_interop)
     pre = rules.HostPreflight(settings, obs, rules.evaluate(settings, obs))
     run.preflight[host.name] = pre
     record_host(host.name, pre)

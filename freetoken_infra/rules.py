@@ -31,8 +31,8 @@ from facts.model import ModelDirInfo
 from facts.resources import ResourcesInfo
 from facts.wake_on_lan import WakeOnLanInfo
 from facts.windows import IniFileInfo, WindowsProfileInfo
-from facts.wsl import WslKernelInfo, WslVersionInfo
-from freetoken_infra.core import gpu_room, wsl_ini
+from facts.wsl import InteropBinfmt, InteropProbe, WslKernelInfo, WslVersionInfo
+from freetoken_infra.core import gpu_room, owner, wsl_ini
 from freetoken_infra.core.gate_record import GateResult
 from freetoken_infra.core.hardware import HARDWARE_PROFILES, nominal_vram_gb
 from freetoken_infra.core.launch import (
@@ -41,9 +41,10 @@ from freetoken_infra.core.launch import (
     estimated_vram_gb,
     usable_vram_gb,
 )
-from freetoken_infra.core.layout import RESTART_MESSAGE
+from freetoken_infra.core.layout import INTEROP_BINFMT_CONF, RESTART_MESSAGE, SYSTEMD_BINFMT
 from freetoken_infra.core.quant import QuantSummary, unsupported_expert_schemes
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.text import printable
 
 Status = Literal["pass", "warn", "block"]
 
@@ -86,6 +87,8 @@ class Observations:
     gate_record: GateResult | None = None  # the host's last health gate record (None: none or unreadable)
     restart_pending: list[str] | None = None  # Windows-side files changed since WSL started
     wake_on_lan: WakeOnLanInfo | None = None  # read only for a host with wake_on_lan_mac
+    interop: InteropProbe | None = None  # a Windows program from a service (the doctor only)
+    interop_binfmt: InteropBinfmt | None = None  # the binfmt table's interop entry (the doctor only)
 
 
 def _v(version: tuple[int, ...]) -> str:
@@ -661,6 +664,58 @@ def check_guard(obs: Observations) -> Finding | None:
     )
 
 
+# What to do about interop failing as a service sees it, by the classifier's reason.
+_INTEROP_FIXES = {
+    owner.EXEC_FORMAT: (
+        "WSL's interop entry is gone from /proc/sys/fs/binfmt_misc (systemd-binfmt emptied it): the deploy "
+        f"keeps it ({INTEROP_BINFMT_CONF}); now: `sudo {SYSTEMD_BINFMT} {INTEROP_BINFMT_CONF}`, or run the deploy"
+    ),
+    owner.RUN_DETECTORS: (
+        "another package's handler took Windows programs (`ls /proc/sys/fs/binfmt_misc`: mono's `cli`, wine): "
+        "`sudo update-binfmts --disable NAME` (or remove the package), then "
+        f"`sudo {SYSTEMD_BINFMT} {INTEROP_BINFMT_CONF}`"
+    ),
+    owner.VSOCK_REFUSED: "a sandbox refuses AF_VSOCK to the caller: run the doctor as root over SSH, not from a confined unit",
+    owner.NO_CONNECT_BACK: "Windows did not answer: is the owner logged on and Windows unlocked? then `wsl.exe --shutdown`",
+    owner.NO_ANSWER: "no interop socket reached: is interop off (`[interop] enabled=false` in /etc/wsl.conf)?",
+    owner.PROGRAM_MISSING: "no cmd.exe in System32 under the automount root: are the drives mounted?",
+}
+
+
+def check_interop(settings: Settings, obs: Observations) -> Finding | None:
+    """Windows programs as a service starts them (the host agent is one): a warning, never a
+    blocker (the engine serves without interop), naming the owner signals that are off and the fix."""
+    if obs.interop is None or obs.kernel.kind != "wsl2":
+        return None
+    others = obs.interop_binfmt.others if obs.interop_binfmt is not None else ()
+    also = f"; other handlers of Windows programs: {', '.join(others)}" if others else ""
+    reason = obs.interop.reason
+    if reason == owner.INTEROP_OK:
+        return Finding("interop", "pass", f"a Windows program starts from a systemd service{also}")
+    configured = tuple(
+        name
+        for name, on in zip(
+            owner.WINDOWS_SIGNALS,
+            (bool(settings.owner_apps), settings.owner_fullscreen, settings.owner_reboot_drain),
+            strict=True,
+        )
+        if on and settings.agent_enabled
+    )
+    signals = owner.signals_line(configured, dict.fromkeys(configured, reason)) if configured else "VRAM only"
+    if reason.startswith("interop socket: connect failed"):
+        fix = "WSL's interop server is gone: from Windows `wsl.exe --shutdown`, then open the distro again"
+    elif reason.startswith("timed out after"):
+        fix = _INTEROP_FIXES[owner.NO_CONNECT_BACK]
+    else:
+        fix = _INTEROP_FIXES.get(reason, 'see the README, "What WSL shares with every Linux user"')
+    return Finding(
+        "interop",
+        "warn",
+        f"as a service: {reason} ({printable(obs.interop.detail)}){also}; owner signals: {signals}",
+        fix,
+    )
+
+
 def evaluate(settings: Settings, obs: Observations) -> list[Finding]:
     """All findings for one host, in the order a person would fix them."""
     findings = [
@@ -678,7 +733,12 @@ def evaluate(settings: Settings, obs: Observations) -> list[Finding]:
         check_hardware_profile(settings, obs),
         check_launch_plan(settings, obs),
     ]
-    for extra in (check_gpu_free(settings, obs), check_wake_on_lan(settings, obs), check_guard(obs)):
+    for extra in (
+        check_gpu_free(settings, obs),
+        check_wake_on_lan(settings, obs),
+        check_guard(obs),
+        check_interop(settings, obs),
+    ):
         if extra:
             findings.append(extra)
     return findings

@@ -13,7 +13,10 @@ prints what got through.
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
+import subprocess
 import sys
 import time
 
@@ -21,7 +24,8 @@ import pytest
 
 from freetoken_infra.core.settings import Settings
 from operations import model
-from tests.fleet.client import deploy
+from tests.fleet import harness
+from tests.fleet.client import PYINFRA, ROOT, deploy
 
 pytestmark = pytest.mark.fleet
 HOST = "ws1"
@@ -207,10 +211,42 @@ def test_with_interop_broken_the_agent_says_which_owner_signals_are_off(converge
     assert "interop:" not in out, out
 
 
+def doctor_text(*extra: str) -> str:
+    run = subprocess.run(
+        [PYINFRA, "-y", "--limit", HOST, *extra, "inventories/sim.py", "deploys/doctor.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+        env={**os.environ, "FREETOKEN_SIM_STATE": str(harness.state_dir())},
+    )
+    print(run.stdout[-8000:], run.stderr[-8000:], sep="\n")
+    return " ".join((run.stdout + run.stderr).split())
+
+
+@pytest.mark.parametrize(
+    "mode, reason, fix",
+    [
+        ("removed", "Exec format error", "/etc/binfmt.d/WSLInterop.conf"),
+        ("taken", "run-detectors: no interpreter", "update-binfmts --disable"),
+    ],
+)
+def test_the_doctor_checks_interop_as_a_service_sees_it_and_names_the_fix(converged, mode, reason, fix):
+    fleet = converged
+    assert re.search(r"interop pass a Windows program starts from a systemd service", doctor_text())
+    try:
+        fleet.interop(HOST, mode)
+        out = doctor_text()
+    finally:
+        fleet.interop(HOST, "ok")
+    assert f"interop WARN as a service: {reason}" in out, out[-3000:]
+    assert f"owner signals: VRAM only (interop: {reason})" in out
+    assert fix in out
+
+
 def baseline() -> int:
     """The same attacks in each unit's sandbox without no_windows's lines: what got through."""
-    from tests.fleet import harness
-
     fleet = harness.Fleet()
     for unit, (text, user) in unit_texts(fleet).items():
         got = attack(fleet, text, user, baseline=True)

@@ -516,3 +516,51 @@ def test_an_idle_card_and_a_serving_engine_name_nobody():
     health = EngineHealthInfo(True, "ok", None, None, None, "0.2.1", None, None, None)
     assert rules.holders_of(on_card(H200_136G, health=health), H200_136G) is None
     assert "held by" not in finding("launch_plan", on_card(H200_136G, health=health)).evidence
+
+
+# --- interop as a service sees it (the doctor) ------------------------------------------
+
+REAL_INTEROP = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+
+
+def service_probe(fixture: str | None, rc: int, text: bytes = b""):
+    """The InteropAsService fact's answer for what systemd-run printed (a real capture)."""
+    import base64
+
+    from facts.wsl import InteropAsService
+
+    data = (REAL_INTEROP / fixture).read_bytes() if fixture else text
+    raw = base64.b64encode(data + f"\n@@rc:{rc}".encode()).decode()
+    return InteropAsService().process(["@@ft:svc", raw])
+
+
+@pytest.mark.parametrize(
+    "fixture, rc, reason, fix",
+    [
+        ("interop-exec-format-bash.txt", 126, "Exec format error", "/etc/binfmt.d/WSLInterop.conf"),
+        ("interop-run-detectors.txt", 2, "run-detectors: no interpreter", "update-binfmts --disable"),
+        ("interop-connect-failed-111.txt", 1, "interop socket: connect failed 111", "wsl.exe --shutdown"),
+        ("interop-accept4-failed-110.txt", 1, "Windows never connected back", "Windows unlocked"),
+        (None, 124, "timed out after 30 s", "Windows unlocked"),
+    ],
+)
+def test_the_doctor_names_interop_broken_as_a_service_sees_it_and_the_signals_off(fixture, rc, reason, fix):
+    obs = healthy(interop=service_probe(fixture, rc))
+    f = finding("interop", obs, Settings(owner_apps=["eldenring.exe"]))
+    assert f.status == "warn"
+    assert f"as a service: {reason}" in f.evidence
+    assert f"owner signals: VRAM only (interop: {reason})" in f.evidence
+    assert fix in f.remedy
+
+
+def test_interop_that_works_as_a_service_passes_and_names_other_handlers():
+    from facts.wsl import InteropBinfmt
+
+    ok = service_probe(None, 0, b"freetoken-interop-ok\r\n")
+    assert finding("interop", healthy(interop=ok)).status == "pass"
+    taken = healthy(interop=ok, interop_binfmt=InteropBinfmt(True, True, ("cli",)))
+    assert "other handlers of Windows programs: cli" in finding("interop", taken).evidence
+    # Something that ran but did not answer as cmd.exe does is not taken for a working interop.
+    assert finding("interop", healthy(interop=service_probe(None, 0, b"hello\n"))).status == "warn"
+    # The deploy does not probe: no finding at all.
+    assert all(f.check != "interop" for f in rules.evaluate(Settings(), healthy()))
