@@ -272,3 +272,6 @@ FIREWALL_NFT = "/usr/sbin/nft"
 FIREWALL_TABLE = "freetoken"  # `table inet freetoken`: the only table we load or delete
 FIREWALL_RULES = "/etc/freetoken-firewall.nft"
 FIREWALL_UNIT = "freetoken-firewall.service"
+# The live table as nft listed it right after the unit loaded it (root's, in /run): a table that
+# was flushed or changed since (`nft flush ruleset`, Debian's nftables.service) lists otherwise.
+FIREWALL_LOADED = "/run/freetoken-firewall.loaded"
