@@ -18,6 +18,7 @@ The inputs, as ``host_lock.py`` reads them (none of them run anything the host's
 - ``trees``: every entry below a folder (``lstat``, links not followed), up to a cap.
 - ``units``: systemd's ActiveState, UnitFileState and LoadState of each (one ``systemctl show``).
 - ``health``: the engine's ``/health`` answer (HTTP status and its status, version and model).
+- ``nft``: nftables tables (``inet freetoken``): what ``nft list table`` prints for each now.
 - always: the boot (``boot_id`` and PID 1's start): a WSL or Windows restart, a new GPU, driver
   or WSL version (each needs a restart of the WSL VM) is a new boot, so the facts that ask
   Windows, the GPU or the kernel (whose answers change only with a boot) need nothing else.
@@ -34,7 +35,7 @@ from typing import Any
 
 from facts.ownership import components
 from facts.windows import OWNER_SHORTCUTS
-from freetoken_infra.core.layout import BINFMT_DIR, INTEROP_BINFMT_NAMES
+from freetoken_infra.core.layout import BINFMT_DIR, FIREWALL_LOADED, FIREWALL_TABLE, INTEROP_BINFMT_NAMES
 
 DPKG_STATUS = "/var/lib/dpkg/status"
 ACCOUNT_FILES = ("/etc/passwd", "/etc/group", "/etc/shadow")
@@ -52,6 +53,7 @@ class Inputs:
     trees: set[str] = field(default_factory=set)
     units: set[str] = field(default_factory=set)
     health: set[str] = field(default_factory=set)
+    nft: set[str] = field(default_factory=set)  # nftables tables (`inet freetoken`): their live listing
 
     def add(self, other: Inputs) -> None:
         self.paths |= other.paths
@@ -60,9 +62,10 @@ class Inputs:
         self.trees |= other.trees
         self.units |= other.units
         self.health |= other.health
+        self.nft |= other.nft
 
     def to_json(self) -> dict[str, list[str]]:
-        return {k: sorted(getattr(self, k)) for k in ("paths", "dirs", "globs", "trees", "units", "health")}
+        return {k: sorted(getattr(self, k)) for k in ("paths", "dirs", "globs", "trees", "units", "health", "nft")}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.to_json().values())
@@ -181,6 +184,8 @@ _FIXED: dict[str, Inputs] = {
     # Interop as a service sees it: read by the doctor only, never by a converge.
     "facts.wsl:InteropAsService": BOOT_ONLY,
     "facts.windows:WslConfFile": _paths("/etc/wsl.conf"),
+    # The firewall's live table (a flush leaves its oneshot unit `active`) and its loaded listing.
+    "facts.firewall:FirewallTable": Inputs(paths={FIREWALL_LOADED}, nft={f"inet {FIREWALL_TABLE}"}),
     # The binfmt_misc table's entries: one gone, re-registered or added (another `MZ` handler).
     "facts.wsl:InteropRegistration": Inputs(
         paths={f"{BINFMT_DIR}/{name}" for name in INTEROP_BINFMT_NAMES}, globs={f"{BINFMT_DIR}/*"}
@@ -226,7 +231,7 @@ def inputs_of(fact: str, kwargs: dict[str, Any]) -> Inputs | None:
     """The inputs of one fact request (None: not known, so no signature can stand for it)."""
     if fact in _FIXED:
         fixed = _FIXED[fact]
-        return Inputs(*(set(getattr(fixed, k)) for k in ("paths", "dirs", "globs", "trees", "units", "health")))
+        return Inputs(*(set(getattr(fixed, k)) for k in ("paths", "dirs", "globs", "trees", "units", "health", "nft")))
     inputs = _BY_ARGUMENTS.get(fact)
     return inputs(kwargs) if inputs is not None else None
 

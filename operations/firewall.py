@@ -32,8 +32,10 @@ from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File
 from pyinfra.operations import apt, systemd
 
+from facts.firewall import FirewallTable
 from freetoken_infra.core.addresses import Address
 from freetoken_infra.core.layout import (
+    FIREWALL_LOADED,
     FIREWALL_NFT,
     FIREWALL_PACKAGE,
     FIREWALL_RULES,
@@ -100,6 +102,8 @@ def unit() -> str:
     """The unit that loads the rule set at boot, before the network (as Debian's nftables.service
     does, and after it: its `flush ruleset` would remove ours)."""
     load = f"{FIREWALL_NFT} -f {FIREWALL_RULES}"
+    # The table as loaded, for the deploy's FirewallTable fact: a flush since lists otherwise.
+    record = f'/bin/sh -c "{FIREWALL_NFT} list table inet {FIREWALL_TABLE} > {FIREWALL_LOADED}"'
     return render(
         UnitFile(
             header=managed_by("operations/firewall.py"),
@@ -124,7 +128,9 @@ def unit() -> str:
                         ("Type", "oneshot"),
                         ("RemainAfterExit", "yes"),
                         ("ExecStart", load),
+                        ("ExecStartPost", record),
                         ("ExecReload", load),
+                        ("ExecReload", record),
                         ("ExecStop", f"{FIREWALL_NFT} delete table inet {FIREWALL_TABLE}"),
                     ),
                 ),
@@ -167,5 +173,7 @@ def firewall(settings: Settings, gateways: Sequence[Address], present: bool = Tr
         ManagedFile(FIREWALL_RULES, text=ruleset(settings, gateways)),
         ManagedFile(UNIT_PATH, text=unit(), unit=True),
     )
-    # A changed rule set is loaded in one nft transaction (reload): never a moment without it.
-    yield from managed.running(FIREWALL_UNIT, changed=bool(changed), reload=True)
+    # A table flushed or changed by hand since its unit loaded it (the unit still reads `active`)
+    # is loaded again, as a changed rule set is: in one nft transaction (reload).
+    table = host.get_fact(FirewallTable)
+    yield from managed.running(FIREWALL_UNIT, changed=bool(changed) or not table.intact, reload=True)

@@ -144,7 +144,7 @@ def cache_nginx_conf(settings: Settings, bind: str) -> str:
     """
     run = CACHE_RUN_DIR
     gated = bool(settings.hub_token_file)
-    user = settings.service_user
+    user = settings.cache_user
     lines = [
         f"# {managed_by('operations/model.py')}",
         f"# The LAN model cache ({CACHE_UNIT}): the verified model {settings.model_repo}, read-only.",
@@ -403,7 +403,7 @@ def model_cache(
     instance with its own configuration).
 
     + settings: the cache host's ``Settings`` (``model_dir``, ``model_cache_port``,
-      ``service_user``, ``hub_token_file``)
+      ``cache_user``, ``hub_token_file``)
     + present: ``False`` stops, disables and removes the cache (a host that is no longer the
       fleet's cache host; the nginx package stays); nothing is yielded when it is not there
     + bind: the address to listen on (the deploy's plan: ``freetoken_infra.plan.cache_bind_address``);
@@ -438,6 +438,8 @@ def model_cache(
         yield from apt.packages._inner(packages=[CACHE_NGINX_PACKAGE], no_recommends=True)
     if bind is None:
         raise OperationError("model_cache: no bind address given")
+    # The workers' own account: the engine's user can neither signal nor trace them.
+    yield from ownership.system_account(settings.cache_user, home="/nonexistent")
     changed = yield from managed.put(
         ManagedFile(CACHE_SCRIPT, local=_LOCAL_CACHE_SCRIPT),
         ManagedFile(CACHE_NGINX_CONF, text=cache_nginx_conf(settings, bind)),

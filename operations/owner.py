@@ -38,6 +38,7 @@ from freetoken_infra.core import hostio, owner, wsl_ini
 from freetoken_infra.core.layout import (
     AGENT_RUN_DIR_NAME,
     AGENT_SCRIPT,
+    AGENT_SOCKET,
     AGENT_STATE_FILE,
     AGENT_UNIT,
     DEFAULT_DRIVE_ROOT,
@@ -56,6 +57,7 @@ from operations.managed import ManagedFile
 
 _LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "owner_agent.py")
 UNIT_PATH = f"{UNIT_DIR}/{AGENT_UNIT}"
+SOCKET_PATH = f"{UNIT_DIR}/{AGENT_SOCKET}"
 REBOOT_LOOKS = 12
 
 
@@ -117,7 +119,9 @@ def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32) -> str:
         "Unit",
         (
             ("Description", "FreeToken host agent: the gateway's agent-check, the GPU yielded to its owner"),
-            ("After", f"network-online.target {ENGINE_UNIT}"),
+            # Its port comes from its socket unit, which systemd holds from boot.
+            ("Requires", AGENT_SOCKET),
+            ("After", f"network-online.target {ENGINE_UNIT} {AGENT_SOCKET}"),
         ),
     )
     service = Section(
@@ -142,6 +146,32 @@ def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32) -> str:
     )
     install = Section("Install", (("WantedBy", "multi-user.target"),))
     return render(UnitFile(header=managed_by("operations/owner.py"), sections=(about, service, install)))
+
+
+def agent_socket_unit(settings: Settings) -> str:
+    """``freetoken-agent.socket``: the agent-check port on the engine's address, bound by systemd
+    (root) at boot, before any service, so the engine's user can never take it first and answer
+    the gateway in the agent's place; the agent is handed the listening socket."""
+    address = ipaddress.ip_address(str(settings.listen_host))
+    where = f"[{address}]" if address.version == 6 else str(address)
+    about = Section(
+        "Unit",
+        (
+            ("Description", "FreeToken host agent's agent-check port (held from boot, before the engine)"),
+            ("Before", f"{ENGINE_UNIT} {AGENT_UNIT}"),
+        ),
+    )
+    sock = Section(
+        "Socket",
+        (
+            ("ListenStream", f"{where}:{settings.agent_port}"),
+            # The engine's address may come up after the socket (a LAN address at boot).
+            ("FreeBind", "yes"),
+            ("Backlog", "16"),
+        ),
+    )
+    install = Section("Install", (("WantedBy", "sockets.target"),))
+    return render(UnitFile(header=managed_by("operations/owner.py"), sections=(about, sock, install)))
 
 
 def owner_command() -> str:
@@ -238,6 +268,8 @@ def agent(settings: Settings):
     if not settings.agent_enabled:
         if host.get_fact(File, path=UNIT_PATH):
             yield from systemd.service._inner(service=AGENT_UNIT, running=False, enabled=False)
+        if host.get_fact(File, path=SOCKET_PATH):
+            yield from systemd.service._inner(service=AGENT_SOCKET, running=False, enabled=False)
         return
     wslconf = host.get_fact(WslConfFile)
     root = wsl_ini.drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
@@ -248,6 +280,11 @@ def agent(settings: Settings):
         ManagedFile(OWNER_COMMAND, text=owner_command(), mode="755"),
         ManagedFile(UNIT_PATH, text=agent_unit(settings, system32(root)), unit=True),
     )
-    yield from managed.running(AGENT_UNIT, changed=bool(changed - {OWNER_COMMAND}))
+    socket_changed = yield from managed.put(ManagedFile(SOCKET_PATH, text=agent_socket_unit(settings), unit=True))
+    if socket_changed:
+        # The agent lets go of the port (an agent that bound it itself), the socket takes it.
+        yield from systemd.service._inner(service=AGENT_UNIT, running=False)
+    yield from managed.running(AGENT_SOCKET, changed=bool(socket_changed))
+    yield from managed.running(AGENT_UNIT, changed=bool(changed - {OWNER_COMMAND} or socket_changed))
     if settings.owner_shortcuts:
         yield from desktop_shortcuts(settings, root)

@@ -152,6 +152,13 @@ def engine_unit(settings: Settings, plan: LaunchPlan, drive_root: str = DEFAULT_
                     ("RestrictSUIDSGID", "yes"),
                     ("LockPersonality", "yes"),
                     *no_windows(drive_root),
+                    Comment(
+                        "Its own two ports only (the API, and port+1 for its gloo group): never the host agent's\n"
+                        "(which systemd holds from boot anyway). Enforced where the kernel has systemd's BPF hooks."
+                    ),
+                    ("SocketBindAllow", f"tcp:{settings.listen_port}"),
+                    ("SocketBindAllow", f"tcp:{settings.listen_port + 1}"),
+                    ("SocketBindDeny", "any"),
                 ),
             ),
             Section("Install", (("WantedBy", "multi-user.target"),)),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs and runs all of it: lint, formatting, types and the
 # import contract, then the unit tests and the fleet tests on simulated workstations
-# (systemd-nspawn hosts over real SSH, which need root). Usage: bash tests/run.sh [pytest args]
+# (systemd-nspawn hosts over real SSH, which need root), the two side by side. Usage: bash tests/run.sh
+# [pytest args] (with arguments: one pytest run with them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,4 +34,43 @@ echo "--> lint (ruff), formatting (ruff format), types (mypy), layers (lint-impo
 .venv/bin/mypy --no-error-summary
 .venv/bin/lint-imports --no-cache | tail -n 3
 
-exec .venv/bin/pytest "$@"
+if [ $# -gt 0 ]; then
+    exec .venv/bin/pytest "$@"
+fi
+
+# The whole suite, as two pytest runs side by side: what needs no fleet (tests/unit,
+# tests/contract and the fleet folder's local tests) in the background, while the fleet tests,
+# which mostly wait on their containers, run in the foreground. Each prints its 20 slowest tests;
+# the background run's output follows the fleet's, and the last line counts both.
+part=$(mktemp -d)
+trap 'rm -rf "$part"' EXIT
+# Its own XDG folders: nothing of the two runs meets on the controller.
+XDG_STATE_HOME="$part/state" XDG_CACHE_HOME="$part/cache" \
+    .venv/bin/pytest -m "not fleet" -p no:cacheprovider --durations=20 >"$part/nofleet.log" 2>&1 &
+nofleet=$!
+set +e
+.venv/bin/pytest -m fleet -p no:cacheprovider --durations=20 2>&1 | tee "$part/fleet.log"
+fleet_rc=${PIPESTATUS[0]}
+wait "$nofleet"
+nofleet_rc=$?
+set -e
+echo
+echo "--> the tests that need no fleet (run beside the fleet tests): exit $nofleet_rc"
+cat "$part/nofleet.log"
+# pytest's closing line of each run ("=== 3 failed, 1850 passed, 3 xfailed in 1800.00s ==="):
+count() {
+    local n
+    n=$(grep -E '^=+ .* in [0-9.]+s' "$1" | tail -n 1 | grep -oE "[0-9]+ $2" | head -n 1 | grep -oE '^[0-9]+' || true)
+    echo "${n:-0}"
+}
+passed=0
+failed=0
+for log in "$part/fleet.log" "$part/nofleet.log"; do
+    passed=$((passed + $(count "$log" passed)))
+    failed=$((failed + $(count "$log" failed) + $(count "$log" error)))
+done
+echo "--> fleet tests: exit $fleet_rc; the others: exit $nofleet_rc"
+echo "$passed passed, $failed failed"
+if [ "$fleet_rc" -ne 0 ] || [ "$nofleet_rc" -ne 0 ]; then
+    exit 1
+fi

@@ -30,6 +30,9 @@ GUARD_SERVICE = "freetoken-guard.service"
 GUARD_TIMER = "freetoken-guard.timer"
 # The host agent (operations/owner.py): the gateway's agent-check, the yield to the owner.
 AGENT_UNIT = "freetoken-agent.service"
+# The agent-check port, bound by systemd (PID 1) from boot, before the engine can start: the agent
+# takes the listening socket from it.
+AGENT_SOCKET = "freetoken-agent.socket"
 FETCH_UNIT = "freetoken-model-fetch.service"
 CACHE_UNIT = "freetoken-model-cache.service"
 # Debian's node_exporter (operations/node_exporter.py): our settings in a drop-in of its unit.
@@ -269,3 +272,6 @@ FIREWALL_NFT = "/usr/sbin/nft"
 FIREWALL_TABLE = "freetoken"  # `table inet freetoken`: the only table we load or delete
 FIREWALL_RULES = "/etc/freetoken-firewall.nft"
 FIREWALL_UNIT = "freetoken-firewall.service"
+# The live table as nft listed it right after the unit loaded it (root's, in /run): a table that
+# was flushed or changed since (`nft flush ruleset`, Debian's nftables.service) lists otherwise.
+FIREWALL_LOADED = "/run/freetoken-firewall.loaded"

@@ -233,6 +233,8 @@ class Settings(BaseModel):
     """System user the engine runs as; it writes only `cache_dir` and reads the model."""
     fetch_user: str = "freetoken-fetch"
     """System user the model download runs as; it alone writes `model_dir` (the engine only reads it)."""
+    cache_user: str = "freetoken-cache"
+    """System user the LAN model cache's nginx workers run as (on the `model_cache_host`): neither the engine's nor the download's, so neither can signal or trace them."""
     state_dir: str = "/var/lib/freetoken"
     """Root-owned home of the model and the download status (`model-fetch/`, owned by fetch_user)."""
     config_dir: str = "/etc/freetoken"
@@ -488,7 +490,7 @@ class Settings(BaseModel):
                 raise ValueError(f"{name!r} pulls in a Linux NVIDIA driver, which must never be installed inside WSL")
         return v
 
-    @field_validator("service_user", "fetch_user")
+    @field_validator("service_user", "fetch_user", "cache_user")
     @classmethod
     def _user(cls, v: str) -> str:
         if not _USER_RE.fullmatch(v) or v == "root":
@@ -583,6 +585,8 @@ def layout_problem(s: Settings) -> tuple[str, str] | None:
     where that user could swap a folder for a link between root's look and root's act."""
     if s.fetch_user == s.service_user:
         return "fetch_user", "must differ from service_user: the engine must not be able to write the model it serves"
+    if s.cache_user in (s.service_user, s.fetch_user):
+        return "cache_user", "must differ from service_user and fetch_user: neither may signal the LAN cache's workers"
     user_trees = {
         "cache_dir": (s.cache_dir, "the engine's user"),
         "model_dir": (s.model_dir, "the download's user"),

@@ -231,6 +231,20 @@ def _units(units: list) -> dict:
     return out
 
 
+NFT_NAME = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+def _nft(table: str) -> str:
+    """What ``nft list table FAMILY NAME`` prints now ("" when there is no such table)."""
+    family, _, name = table.partition(" ")
+    if family not in ("inet", "ip", "ip6") or not name or not set(name) <= NFT_NAME:
+        return "error: not a table"
+    try:
+        return _output(["nft", "list", "table", family, name])
+    except OSError as exc:
+        return f"error {exc}"
+
+
 HEX_IP = frozenset("0123456789abcdefABCDEF:.")
 PATH_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789/_.-")
 
@@ -388,6 +402,8 @@ def digest(inputs: dict, then: dict | None = None, steady_then: dict | None = No
         if not _tree(root, out):
             return None, {}
     out.update(_units(list(inputs.get("units", []))))
+    for table in inputs.get("nft", []):
+        out[f"nft {table}"] = _nft(table)
     steady = {}
     for url in inputs.get("health", []):
         key = f"health {url}"

@@ -413,16 +413,27 @@ def systemctl(verb: str, unit: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- the agent-check port
+def held_socket() -> socket.socket | None:
+    """The listening socket systemd passed (``LISTEN_FDS=1``, fd 3, for this very process), or None."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()) or os.environ.get("LISTEN_FDS") != "1":
+        return None
+    return socket.socket(fileno=3)
+
+
 class AgentPort:
     """HAProxy's agent-check: every connection gets the current word, then is closed; nothing a
     client sends is read."""
 
     def __init__(self, bind: str, port: int):
-        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind, port))
-        self.sock.listen(16)
+        held = held_socket()
+        if held is not None:  # freetoken-agent.socket: systemd bound it at boot, before the engine
+            self.sock = held
+        else:
+            family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+            self.sock = socket.socket(family, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((bind, port))
+            self.sock.listen(16)
         self.word = owner.WORD_UP
         self.drain_answers = 0  # how many times `drain` was read
         self.lock = threading.Lock()

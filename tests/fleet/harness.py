@@ -1135,7 +1135,7 @@ BARE_NAME = "ws190"
 
 def console_argv(pid: int) -> list[str]:
     """Run a command inside the container whose systemd-nspawn has ``pid``, as root at its
-    console would: its namespaces, root and a clean environment."""
+    console would: its namespaces, root and a clean environment (WSL's own variables only)."""
     inner = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     if not inner:
         raise FleetError(f"container of nspawn pid {pid} has no init process")
@@ -1155,6 +1155,9 @@ def console_argv(pid: int) -> list[str]:
         "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME=/root",
         "LANG=C.UTF-8",
+        # As WSL gives every process it starts (a terminal's shell): its interop socket. A process
+        # entered from outside has no parent inside to find it by (tests/fleet/standins/bin/init).
+        "WSL_INTEROP=/run/WSL/1_interop",
     ]
 
 

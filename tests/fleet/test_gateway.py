@@ -415,6 +415,24 @@ def test_a_key_taken_from_ws1_opens_no_other_engine(gateway):
     assert GATEWAY_ADDRESS in rules, rules
 
 
+def test_a_flushed_firewall_is_noticed_by_the_fast_check_and_loaded_again(gateway, keys):
+    """`nft flush ruleset` (Debian's own nftables.service does one when it starts) left the
+    oneshot unit `active` and the engine port open to the LAN until the next boot: the live table
+    is now a fact and an input of the fast check."""
+    fleet = gateway["fleet"]
+    ws2 = f"http://{host_address('ws2')}:8000/v1/models"
+    before = fleet.run("ws2", "nft list table inet freetoken", check=True).stdout
+    fleet.run("ws2", "nft flush ruleset", check=True)
+    assert fleet.run("ws2", "systemctl is-active freetoken-firewall").stdout.strip() == "active"
+    assert probe(fleet, "ws1", ws2, ENGINE_KEY) == "200"  # open to the LAN
+    run = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws2")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert "unchanged since its last converge" not in out, out[-3000:]
+    assert fleet.run("ws2", "nft list table inet freetoken", check=True).stdout == before
+    assert probe(fleet, "ws1", ws2, ENGINE_KEY).startswith("unreachable")
+
+
 def test_node_exporter_answers_the_gateway_and_no_other_host(gateway):
     """Issue 20 item 14: with the engines on every address, node_exporter answered /metrics to
     anyone on the LAN without a key."""

@@ -86,10 +86,19 @@ def test_the_lan_cache_is_debians_nginx_on_the_fleet_address_only(sim_fleet, cac
     assert sim_fleet.run("ws1", f"python3 -c '{probe}' {address} {port}").returncode == 0
     assert sim_fleet.run("ws1", f"python3 -c '{probe}' {address} 80").returncode != 0
     assert sim_fleet.run("ws1", "systemctl is-enabled nginx.service").stdout.strip() == "masked"
-    # The workers serve as the service user; only the master is root.
+    # The workers serve as their own account (neither the engine's nor the download's); only the
+    # master is root. The engine's user can signal none of them.
     main_pid = sim_fleet.run("ws1", f"systemctl show -p MainPID --value {CACHE_UNIT}", check=True).stdout.strip()
+    workers = sim_fleet.run("ws1", f"ps -o pid= --ppid {main_pid}").stdout.split()
     uids = sim_fleet.run("ws1", f"ps -o uid= --ppid {main_pid}").stdout.split()
-    assert uids and set(uids) == {sim_fleet.run("ws1", "id -u freetoken", check=True).stdout.strip()}, uids
+    cache_uid = sim_fleet.run("ws1", f"id -u {Settings().cache_user}", check=True).stdout.strip()
+    assert uids and set(uids) == {cache_uid}, uids
+    assert cache_uid not in {
+        sim_fleet.run("ws1", f"id -u {u}", check=True).stdout.strip() for u in ("freetoken", "freetoken-fetch")
+    }
+    for pid in workers:
+        kill = sim_fleet.run("ws1", f"setpriv --reuid=freetoken --regid=freetoken --clear-groups kill -0 {pid} 2>&1")
+        assert kill.returncode != 0 and "not permitted" in kill.stdout, kill.stdout
 
 
 def test_slow_and_idle_clients_do_not_starve_a_real_client(sim_fleet, cached_rollout):

@@ -106,11 +106,23 @@ def unit_texts(fleet) -> dict[str, tuple[str, str | None]]:
     for name, unit in (("engine", "freetoken.service"), ("download", "freetoken-model-fetch.service")):
         run = fleet.run(HOST, f"systemctl cat {unit}", check=True)
         texts[name] = (run.stdout, None)
-    texts["lan cache workers"] = (model.cache_unit(Settings(), "127.0.0.1"), Settings().service_user)
+    texts["lan cache workers"] = (model.cache_unit(Settings(), "127.0.0.1"), Settings().cache_user)
     return texts
 
 
 def attack(fleet, unit_text: str, user: str | None, baseline: bool = False) -> dict[str, str]:
+    made = None
+    if user and fleet.run(HOST, f"id -u {user}").returncode != 0:  # the cache's account, on a non-cache host
+        fleet.run(HOST, f"useradd --system --no-create-home --shell /usr/sbin/nologin {user}", check=True)
+        made = user
+    try:
+        return _attack(fleet, unit_text, user, baseline)
+    finally:
+        if made:
+            fleet.run(HOST, f"userdel {made}", check=True)
+
+
+def _attack(fleet, unit_text: str, user: str | None, baseline: bool = False) -> dict[str, str]:
     props = " ".join(f"-p {shlex.quote(p)}" for p in sandbox(unit_text, user, baseline))
     cmd = (
         f"rm -f {PWNED}; systemd-run --quiet --wait --pipe --collect --service-type=exec {props} "

@@ -431,6 +431,7 @@ def test_inputs_of_the_deploys_facts():
         "trees": ["/m"],
         "units": ["freetoken.service"],
         "health": ["http://[::1]:8000/health"],
+        "nft": [],
     }
     adopting = {"fact": "facts.ownership:DirOwnership", "kwargs": {"path": "/v/m", "adopt_from": "old"}}
     adopted = inputs_of_run([adopting])
@@ -570,3 +571,21 @@ def test_the_fingerprint_moves_with_the_code(monkeypatch):
     monkeypatch.setattr(preflight, "code_digest", lambda: "0" * 64)
     assert _fingerprints(BASE)["ws1"] != first["ws1"]
     assert len(real) == 64
+
+
+def test_the_lock_script_reads_the_live_nft_table(tmp_path, monkeypatch):
+    """A flushed firewall table changes the fast check's reading (its unit still reads `active`),
+    so the run reads everything and reloads the table; a table name that is not one is not run."""
+    script = _script()
+    fake = tmp_path / "nft"
+    listing = tmp_path / "listing"
+    fake.write_text(f'#!/bin/sh\n[ "$*" = "list table inet freetoken" ] && cat {listing}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    listing.write_text("table inet freetoken {\n\tchain input {\n\t}\n}\n")
+    loaded, _ = script.digest({"nft": ["inet freetoken"]})
+    assert loaded["nft inet freetoken"].startswith("table inet freetoken")
+    listing.write_text("")  # nft flush ruleset
+    flushed, _ = script.digest({"nft": ["inet freetoken"]})
+    assert flushed["nft inet freetoken"] == "" != loaded["nft inet freetoken"]
+    assert script.digest({"nft": ["inet free;token"]})[0]["nft inet free;token"] == "error: not a table"

@@ -9,7 +9,8 @@ import ipaddress
 
 import pytest
 
-from freetoken_infra.core.layout import FIREWALL_RULES, FIREWALL_UNIT
+from facts.firewall import FirewallTableInfo
+from freetoken_infra.core.layout import FIREWALL_LOADED, FIREWALL_RULES, FIREWALL_UNIT
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
 from freetoken_infra.plan import firewall_needed
 from operations import firewall as fw
@@ -80,17 +81,45 @@ def commands(host: FakeHost, settings: Settings, gateways=GW) -> list[str]:
 ON_LAN = Settings(listen_host="0.0.0.0")
 
 
-def converged(settings=ON_LAN):
+LISTED = "table inet freetoken {\n\tchain input {\n\t}\n}\n"  # what nft lists (shortened)
+
+
+INTACT = FirewallTableInfo(LISTED, LISTED)
+
+
+def converged(settings=ON_LAN, table=INTACT):
     return FakeHost(
         files={FIREWALL_RULES: fw.ruleset(settings, GW), fw.UNIT_PATH: fw.unit()},
         packages={"nftables"},
         running={FIREWALL_UNIT},
         enabled={FIREWALL_UNIT},
+        facts={"FirewallTable": table},
     )
 
 
+@pytest.mark.parametrize(
+    "table",
+    [
+        FirewallTableInfo(None, LISTED),  # `nft flush ruleset` (Debian's nftables.service does one)
+        FirewallTableInfo(LISTED.replace("chain input", "chain input2"), LISTED),  # changed by hand
+        FirewallTableInfo(LISTED, None),  # never recorded as loaded this boot
+    ],
+)
+def test_a_table_flushed_or_changed_since_it_was_loaded_is_loaded_again(table):
+    """The unit is oneshot + RemainAfterExit: after a flush it still reads `active`. The live
+    table against the listing recorded at load time is what notices."""
+    assert commands(converged(table=table), ON_LAN) == [f"systemctl reload {FIREWALL_UNIT}"]
+    assert FirewallTableInfo(LISTED, LISTED).intact and not table.intact
+
+
+def test_the_unit_records_the_table_as_loaded():
+    unit = fw.unit()
+    record = f'/bin/sh -c "/usr/sbin/nft list table inet freetoken > {FIREWALL_LOADED}"'
+    assert f"ExecStartPost={record}" in unit and f"ExecReload={record}" in unit.splitlines()
+
+
 def test_bare_host_gets_the_package_the_rules_and_the_unit_started_at_boot():
-    cmds = commands(FakeHost(), ON_LAN)
+    cmds = commands(FakeHost(facts={"FirewallTable": FirewallTableInfo(None, None)}), ON_LAN)
     install = next(i for i, c in enumerate(cmds) if "apt-get" in c and "install" in c and "nftables" in c)
     assert install < cmds.index(f"upload {FIREWALL_RULES}") < cmds.index(f"upload {fw.UNIT_PATH}")
     assert "systemctl daemon-reload" in cmds

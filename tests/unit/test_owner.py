@@ -394,3 +394,39 @@ def test_an_idle_engine_that_reports_no_vram_yet_is_weighed_by_what_it_took_at_i
     # never seen stopped (the agent came after the engine) and no figure from it: unknown, no claim
     fresh, _ = step(AgentState(), seen(0, used=30000, engine_vram_mib=None), POLICY)
     assert fresh.mode == "serving"
+
+
+def test_the_agent_takes_the_port_systemd_holds_for_it():
+    """freetoken-agent.socket: systemd binds the agent-check port at boot and hands the agent the
+    listening socket (fd 3, LISTEN_FDS=1 for its own pid); the agent binds nothing itself then."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "operations" / "scripts" / "owner_agent.py"
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(4)
+    code = (
+        "import importlib.util, sys;"
+        f"spec = importlib.util.spec_from_file_location('agent', {str(script)!r});"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m);"
+        "p = m.AgentPort('127.0.0.1', 1);"  # port 1 would need root: only the held socket works
+        "print(p.sock.getsockname()[1])"
+    )
+    # As systemd starts it: the socket at fd 3, LISTEN_PID its own pid (exec keeps the pid).
+    launcher = (
+        f"import os, sys; os.dup2({held.fileno()}, 3); os.environ['LISTEN_PID'] = str(os.getpid()); "
+        "os.environ['LISTEN_FDS'] = '1'; os.execv(sys.executable, [sys.executable, '-c', sys.argv[1]])"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", launcher, code],
+        pass_fds=(held.fileno(),),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.strip()) == held.getsockname()[1]
+    held.close()

@@ -237,6 +237,8 @@ def test_the_script_command_is_quoted_words():
         ({"hub_token_file": "/var/cache/freetoken/token"}, "hub_token_file", "is inside cache_dir"),
         ({"model_dir": "/var/lib/freetoken/model-fetch/Q"}, "model_dir", "overlaps state_dir"),
         ({"fetch_user": "freetoken"}, "fetch_user", "must differ from service_user"),
+        ({"cache_user": "freetoken"}, "cache_user", "must differ from service_user and fetch_user"),
+        ({"cache_user": "freetoken-fetch"}, "cache_user", "must differ from service_user and fetch_user"),
         ({"fetch_user": "root"}, "fetch_user", "non-root system user"),
         ({"fetch_user": "a;id"}, "fetch_user", "non-root system user"),
     ],

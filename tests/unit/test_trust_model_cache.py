@@ -201,7 +201,7 @@ def test_the_unit_binds_where_the_fleet_reaches_the_host_never_everywhere():
 def test_nginx_is_told_to_cut_slow_clients_and_never_follow_links():
     conf = cache_nginx_conf(Settings(model_cache_host="ws1", service_user="freetoken"), "10.213.0.11")
     for line in (
-        "user freetoken freetoken;",  # workers: the service user, which only reads the model
+        "user freetoken-cache freetoken-cache;",  # workers: their own account, which only reads the model
         "disable_symlinks on;",
         "client_header_timeout 10s;",
         "keepalive_timeout 10s;",

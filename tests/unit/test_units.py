@@ -27,7 +27,7 @@ from freetoken_infra.core.units import (
     unit_command,
     unit_word,
 )
-from operations import firewall, guard, model, node_exporter, service
+from operations import firewall, guard, model, node_exporter, owner, service
 
 PINS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "units")
 
@@ -77,6 +77,8 @@ UNITS: dict[str, Callable[[], str]] = {
     "cache-default": lambda: model.cache_unit(DEFAULT, "192.0.2.11"),
     "cache-full": lambda: model.cache_unit(FULL, "fd00::11"),
     "cache-odd": lambda: model.cache_unit(ODD, "192.0.2.11"),
+    "agent-socket-default": lambda: owner.agent_socket_unit(DEFAULT),
+    "agent-socket-full": lambda: owner.agent_socket_unit(FULL),
     "node-exporter-default": lambda: node_exporter.dropin(DEFAULT, "127.0.0.1"),
     "node-exporter-full": lambda: node_exporter.dropin(FULL, str(ipaddress.ip_address("fd00::5"))),
 }
