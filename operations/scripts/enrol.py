@@ -321,10 +321,13 @@ def _profiles(text: str) -> frozenset[str]:
 
 
 def _address(text: str) -> str:
+    """One address in its normal form; a one-address subnet (``/32``, ``/255.255.255.255``,
+    ``/128``), should Windows write one so, as that address."""
     try:
-        return str(ipaddress.ip_address(text))
+        network = ipaddress.ip_network(text, strict=True)
     except ValueError:
-        return text  # a subnet, a range or a keyword: never equal to an --allow address
+        return text  # a range or a keyword: never equal to an --allow address
+    return str(network.network_address) if network.num_addresses == 1 else str(network)
 
 
 def parse_rule(output: str) -> RuleSeen | None:

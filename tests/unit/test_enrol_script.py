@@ -260,6 +260,14 @@ STANDIN_POWERSHELL = Path(__file__).resolve().parents[1] / "fleet" / "standins" 
         ("2222|Any|Any\r\n", ({"2222"}, None, {"Domain", "Private", "Public"})),  # an earlier enrol.py's rule
         ("2222|2001:DB8::9|Private\r\n", ({"2222"}, {"2001:db8::9"}, {"Private"})),
         ("2222|192.0.2.0/24|0\r\n", ({"2222"}, {"192.0.2.0/24"}, {"Domain", "Private", "Public"})),
+        (
+            "2222|192.0.2.5/255.255.255.255,2001:db8::9/128|3\r\n",
+            ({"2222"}, {"192.0.2.5", "2001:db8::9"}, {"Domain", "Private"}),
+        ),
+        (
+            "2222|192.0.2.5-192.0.2.9,LocalSubnet|3\r\n",
+            ({"2222"}, {"192.0.2.5-192.0.2.9", "LocalSubnet"}, {"Domain", "Private"}),
+        ),
     ],
 )
 def test_the_rule_is_read_as_windows_writes_it(output, seen):
