@@ -34,6 +34,9 @@ GROUP = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 FINGERPRINT = re.compile(r"SHA256:[A-Za-z0-9+/]{43}")
 DEFAULT_GROUP = "hosts"
+# The account enrol.py makes for the deploy to log in as (operations/scripts/enrol.py DEPLOY_USER):
+# `add`'s default user.
+DEPLOY_USER = "freetoken-deploy"
 REPO = Path(__file__).resolve().parent.parent
 
 

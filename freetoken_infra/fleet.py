@@ -323,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_add.add_argument("--host-key", help="the fingerprint enrol.py printed (SHA256:...)")
     p_add.add_argument("--class", dest="group", help="its hardware class: a group of the inventory (default: hosts)")
     p_add.add_argument("--port", type=int, default=2222, help="its sshd's port (default 2222, as enrol.py sets)")
-    p_add.add_argument("--user", default="root", help="the user the deploy logs in as")
+    p_add.add_argument("--user", help="the user the deploy logs in as (default: enrol.py's own, freetoken-deploy)")
     p_add.add_argument("--ssh-key", help="the controller's private key file (default: ssh's own choice)")
     p_add.add_argument("--known-hosts", help="the known-hosts file to pin the key in (default ~/.ssh/known_hosts)")
     p_add.add_argument("--skip-doctor", action="store_true", help="add it without running the doctor first")
@@ -361,7 +361,7 @@ def _enrolment(args: argparse.Namespace) -> int:
                 args.name,
                 args.address,
                 port=args.port,
-                user=args.user,
+                user=args.user or enrolment.DEPLOY_USER,
                 host_key=args.host_key,
                 group=args.group,
                 ssh_key=args.ssh_key,

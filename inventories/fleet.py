@@ -13,21 +13,26 @@ it needs the connection first):
    %UserProfile%\\.wslconfig under [wsl2] add `networkingMode=mirrored` (WSL 2.0 or later on
    Windows 11 22H2 or later), then `wsl.exe --shutdown` from Windows. The deploy keeps it
    there: `wslconfig_networking_mode = "mirrored"` below.
-2. Let the distro receive connections through the Hyper-V firewall, in an administrator
-   PowerShell (the id is WSL's, the same on every machine):
+2. Let the distro receive connections through the Hyper-V firewall, from the controller only
+   and on home or work networks only, in an administrator PowerShell (the id is WSL's, the
+   same on every machine; 192.0.2.5: your controller's address):
        New-NetFirewallHyperVRule -DisplayName "WSL sshd" -Direction Inbound
            -VMCreatorId "{40E0AC32-46A5-438A-A0B2-2B479E8F2E90}" -Protocol TCP -LocalPorts 2222
-3. sshd in the distro, on a port Windows' own OpenSSH server does not use (2222 here):
+           -RemoteAddresses 192.0.2.5 -Profiles Domain,Private
+3. sshd in the distro, on a port Windows' own OpenSSH server does not use (2222 here), in a
+   drop-in named to be read first (sshd keeps the first value it reads):
        sudo apt-get install -y openssh-server
-       echo "Port 2222" | sudo tee /etc/ssh/sshd_config.d/freetoken.conf
+       printf 'Port 2222\\nPasswordAuthentication no\\nAllowUsers deploy\\n' |
+           sudo tee /etc/ssh/sshd_config.d/00-freetoken.conf
        sudo systemctl enable --now ssh
    (needs systemd in the distro: `[boot] systemd=true` in /etc/wsl.conf, then
    `wsl.exe --shutdown`; the deploy sets that too, but sshd has to come first.)
-4. Key authentication for the user the deploy logs in as: append your controller's public
-   key to that user's ~/.ssh/authorized_keys in the distro (mode 600, ~/.ssh mode 700).
-5. sudo without a password prompt for that user (the deploy elevates with sudo when it does
-   not log in as root; a prompt cannot be answered in a batch run):
-       echo "deploy ALL=(ALL) NOPASSWD:ALL" | sudo tee /etc/sudoers.d/freetoken-deploy
+4. Key authentication for the user the deploy logs in as (an account of its own, not yours):
+   append your controller's public key, as `from="192.0.2.5" ssh-ed25519 ...`, to that user's
+   ~/.ssh/authorized_keys in the distro (mode 600, ~/.ssh mode 700).
+5. sudo without a password prompt for that user, as root (the deploy elevates with sudo when
+   it does not log in as root; a prompt cannot be answered in a batch run):
+       echo "deploy ALL=(root) NOPASSWD: ALL" | sudo tee /etc/sudoers.d/freetoken-deploy
        sudo chmod 440 /etc/sudoers.d/freetoken-deploy
 6. Keep the distro running with nobody logged in: `windows_autostart = True` (a scheduled
    task at logon) or your own task; `vmIdleTimeout=0` is already in group_data/all.py.

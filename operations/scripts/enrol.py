@@ -2,24 +2,34 @@
 """Make this WSL distro a host the fleet's controller can manage, in one command the PC's owner
 runs inside the distro (as root, through sudo):
 
-    sudo python3 enrol.py --key 'ssh-ed25519 AAAA... operator@controller' [--name ws7]
+    sudo python3 enrol.py --key 'ssh-ed25519 AAAA... operator@controller' --allow 192.0.2.5 [--name ws7]
 
-It converges, and a second run changes nothing and says so:
+It opens only what the fleet needs: sshd's port, from the ``--allow`` addresses (the controller's,
+and the gateway host's when it runs the deploy), on the Private and Domain networks, for one
+dedicated account (``freetoken-deploy``) that logs in with the controller's key only. It
+converges, and a second run changes nothing and says so:
 
 1. ``/etc/wsl.conf`` ``[boot] systemd=true`` and ``%UserProfile%\\.wslconfig`` ``[wsl2]``
    ``networkingMode=mirrored`` (the distro answers on the PC's own LAN address), merged with the
    deploy's own reader (``freetoken_infra/core/wsl_ini.py``: your comments and keys stay);
    ``.wslconfig`` is read and written as the deploy does (``freetoken_infra/core/hostio.py``):
    no link followed, a FIFO, folder or file over 64 KiB refused, written by rename;
-2. sshd (Debian's ``openssh-server``) on ``--port`` (2222: Windows' own OpenSSH may hold 22),
-   public-key authentication only, checked with ``sshd -t`` before it is used;
-3. the controller's key in the deploy user's ``~/.ssh/authorized_keys`` (written by that user,
-   never by root inside the user's home), and a sudoers drop-in without a password prompt for
-   that user, checked with ``visudo -c`` before it is installed;
-4. on Windows, through interop, in ONE elevated PowerShell (Windows asks once): the Hyper-V
-   firewall rule that lets the port reach the distro, and the logon task that starts the distro
-   (the deploy's ``windows_autostart`` task, same name);
-5. Wake-on-LAN readiness, as far as WSL can see it.
+2. the deploy account ``freetoken-deploy`` (created without a password: it logs in with the
+   key only), or the owner's own account when ``--user NAME`` asks for it;
+3. sshd (Debian's ``openssh-server``) on ``--port`` (2222: Windows' own OpenSSH may hold 22),
+   public-key authentication only, for that account only (``AllowUsers``), from a drop-in named
+   to be read first (``00-freetoken.conf``: sshd keeps the first value it reads), checked with
+   ``sshd -t`` and then by its effective values (``sshd -T``, also as a connection from each
+   ``--allow`` address sees them): a file that wins over the drop-in is named;
+4. the controller's key, with ``from=`` the ``--allow`` addresses, in the account's
+   ``~/.ssh/authorized_keys`` (written by that user, never by root inside the user's home), and
+   a sudoers drop-in without a password prompt for that user (as root only), checked with
+   ``visudo -c`` before it is installed;
+5. on Windows, through interop, in ONE elevated PowerShell (Windows asks once): the Hyper-V
+   firewall rule that lets the port reach the distro from the ``--allow`` addresses on the
+   Private and Domain profiles (never Public: a laptop on a café's Wi-Fi), and the logon task
+   that starts the distro (the deploy's ``windows_autostart`` task, same name);
+6. Wake-on-LAN readiness, as far as WSL can see it.
 
 It ends with what the owner must still do (``wsl.exe --shutdown`` from Windows when a WSL file
 changed or systemd is not running yet) and the inventory line with the SSH host key fingerprint,
@@ -36,8 +46,10 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import glob
 import hashlib
 import importlib
+import ipaddress
 import json
 import os
 import pwd
@@ -80,14 +92,31 @@ def _hostio():
 
 
 WSL_CONF = "/etc/wsl.conf"
-SSHD_DROPIN = "/etc/ssh/sshd_config.d/freetoken.conf"
+SSHD_CONFIG = "/etc/ssh/sshd_config"
+# Read first of the drop-ins (sshd keeps the first value it reads; Debian's sshd_config includes
+# sshd_config.d/*.conf in name order at its top): a `50-cloud-init.conf` cannot override it.
+SSHD_DROPIN = "/etc/ssh/sshd_config.d/00-freetoken.conf"
+# Where earlier versions wrote it: sorted after every NN-*.conf, so those won. Removed when it is
+# ours (it starts with DROPIN_HEADER).
+OLD_SSHD_DROPIN = "/etc/ssh/sshd_config.d/freetoken.conf"
+DROPIN_HEADER = "# Written by freetoken-infra's enrol.py"
 SUDOERS_DROPIN = "/etc/sudoers.d/freetoken-deploy"
+SHADOW = "/etc/shadow"
+# The account the deploy logs in as unless the owner asks for their own (--user): created here,
+# no password (key only), sudo as root without a prompt. freetoken_infra/enrolment.py DEPLOY_USER.
+DEPLOY_USER = "freetoken-deploy"
+DEPLOY_HOME = "/home/freetoken-deploy"
+# The deploy's service and download users (settings service_user, fetch_user): never the login.
+SERVICE_USERS = ("freetoken", "freetoken-fetch")
 HOST_KEY = "/etc/ssh/ssh_host_ed25519_key.pub"
 TASK_NAME = "FreeToken-WSL"  # the deploy's windows_autostart task (deploys/freetoken.py)
 FIREWALL_RULE = "FreeToken-WSL-sshd"
 # The Hyper-V firewall's id for WSL's VM: the same on every machine (Microsoft's WSL docs,
 # "Configure Hyper-V firewall").
 WSL_VM_CREATOR_ID = "{40E0AC32-46A5-438A-A0B2-2B479E8F2E90}"
+# The network profiles the rule applies on: a LAN at home or at work, never a Public network.
+FIREWALL_PROFILES = ("Domain", "Private")
+_PROFILE_BITS = {"Domain": 1, "Private": 2, "Public": 4}  # NetSecurity's Profile flags
 RESTART = "from Windows, run `wsl.exe --shutdown`, open the distro again"
 
 KEY_TYPES = (
@@ -145,23 +174,53 @@ class Inputs:
     name: str
     user: str
     port: int
+    allow: tuple[str, ...]  # the addresses the controller (and the gateway host) connect from
 
 
-def inputs(args: argparse.Namespace, environ: dict[str, str]) -> Inputs:
+def allowed(values: list[str] | None) -> tuple[str, ...]:
+    """The ``--allow`` addresses, each one IP address in its normal form, in the order given.
+    Required: enrol.py runs at the PC before the controller ever connected, so nothing here has
+    seen the controller's address (a key's comment is text, not an address)."""
+    if not values:
+        raise EnrolError(
+            "--allow: give the address the controller connects from (repeat it for the gateway host "
+            "when it runs the deploy); only these reach sshd"
+        )
+    found: list[str] = []
+    for value in values:
+        try:
+            address = ipaddress.ip_address(value)
+        except ValueError:
+            raise EnrolError(
+                f"--allow {value!r}: not an IP address (one address each; no names, no networks)"
+            ) from None
+        if address.is_unspecified or address.is_multicast:
+            raise EnrolError(f"--allow {value}: not the address of one machine")
+        if str(address) not in found:
+            found.append(str(address))
+    return tuple(found)
+
+
+def inputs(args: argparse.Namespace) -> Inputs:
+    """The checked inputs. The deploy's account is its own (``DEPLOY_USER``), not whoever ran
+    sudo: the owner's account only with ``--user``."""
     key = public_key(args.key if args.key is not None else _read_key_file(args.key_file))
     name = args.name or os.uname().nodename.split(".")[0]
     if not NAME.fullmatch(name):
         raise EnrolError(f"--name {name!r}: a host name is letters, digits and inner hyphens (at most 63)")
-    user = args.user or environ.get("SUDO_USER") or "root"
+    user = args.user or DEPLOY_USER
     if not USER.fullmatch(user):
         raise EnrolError(f"--user {user!r}: not a user name")
-    try:
-        pwd.getpwnam(user)
-    except KeyError:
-        raise EnrolError(f"--user {user}: no such user in this distro") from None
+    if user in SERVICE_USERS:
+        raise EnrolError(f"--user {user}: the engine's or the download's own user; never the deploy's login")
+    if user != DEPLOY_USER:  # the owner's own account: it must be there; DEPLOY_USER is made here
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            raise EnrolError(f"--user {user}: no such user in this distro") from None
     if not 1024 <= args.port <= 65535:
         raise EnrolError(f"--port {args.port}: use a port from 1024 to 65535 (Windows may hold 22)")
-    return Inputs(key, name, user, args.port)
+    return Inputs(key, name, user, args.port, allowed(args.allow))
 
 
 def _read_key_file(path: str | None) -> str:
@@ -177,28 +236,139 @@ def _read_key_file(path: str | None) -> str:
 # --------------------------------------------------------------------------- what it writes
 def sshd_dropin(port: int, user: str) -> str:
     return (
-        "# Written by freetoken-infra's enrol.py: the fleet's controller logs in with its key only.\n"
+        f"{DROPIN_HEADER}: the fleet's controller logs in with its key only, as {user} only.\n"
         f"Port {port}\n"
         "PubkeyAuthentication yes\n"
         "PasswordAuthentication no\n"
         "KbdInteractiveAuthentication no\n"
         "AuthenticationMethods publickey\n"
         f"PermitRootLogin {'prohibit-password' if user == 'root' else 'no'}\n"
+        f"AllowUsers {user}\n"
     )
 
 
+def sshd_wanted(i: Inputs) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """What ``sshd -T`` must print for the drop-in to be in effect: its key in lower case ->
+    (the key as the drop-in spells it, the values). ``Port`` and ``AllowUsers`` add up over every
+    file (each line adds one), so their values are compared as a set; sshd keeps the first value
+    it reads of each other key. ``sshd -T`` spells prohibit-password without-password."""
+    return {
+        "port": ("Port", (str(i.port),)),
+        "pubkeyauthentication": ("PubkeyAuthentication", ("yes",)),
+        "passwordauthentication": ("PasswordAuthentication", ("no",)),
+        "kbdinteractiveauthentication": ("KbdInteractiveAuthentication", ("no",)),
+        "authenticationmethods": ("AuthenticationMethods", ("publickey",)),
+        "permitrootlogin": ("PermitRootLogin", ("without-password" if i.user == "root" else "no",)),
+        "allowusers": ("AllowUsers", (i.user,)),
+    }
+
+
+ADDING_KEYS = ("port", "allowusers")  # each line adds a value; of the others the first line wins
+
+
 def sudoers_dropin(user: str) -> str:
-    return f"# Written by freetoken-infra's enrol.py: the deploy elevates without a prompt.\n{user} ALL=(ALL) NOPASSWD:ALL\n"
+    """NOPASSWD: the deploy is pyinfra over SSH, in a batch that cannot answer a prompt. As root
+    only (never another user, never a group), but every command: pyinfra runs each of its
+    operations as ``sudo -H -n sh -c '...'`` (and ``fleet`` as ``sudo -n sh -c``), so a rule for
+    ``sh`` would allow every command all the same. What keeps this account to the controller is
+    SSH: the key only, ``from=`` and ``AllowUsers``, behind the firewall rule."""
+    return (
+        f"{DROPIN_HEADER}: the deploy (pyinfra over SSH, `sudo -n sh -c ...`) elevates without a prompt, to root only.\n"
+        f"{user} ALL=(root) NOPASSWD: ALL\n"
+    )
 
 
-def powershell_script(port: int, distro: str, rule: bool, task: bool) -> str:
-    """The one elevated script: the firewall rule and the logon task, each only when missing."""
+def authorized_key_line(key: str, allow: tuple[str, ...]) -> str:
+    """The controller's key as the account's authorized_keys holds it: usable only from the
+    ``--allow`` addresses (sshd(8), AUTHORIZED_KEYS FILE FORMAT, ``from="pattern-list"``)."""
+    return f'from="{",".join(allow)}" {key}'
+
+
+@dataclass(frozen=True)
+class RuleSeen:
+    """The Hyper-V firewall rule as Windows has it: its local ports, remote addresses (None:
+    ``Any``) and network profiles."""
+
+    ports: frozenset[str]
+    addresses: frozenset[str] | None
+    profiles: frozenset[str]
+
+    def is_as(self, port: int, allow: tuple[str, ...]) -> bool:
+        return (self.ports, self.addresses, self.profiles) == (
+            frozenset({str(port)}),
+            frozenset(allow),
+            frozenset(FIREWALL_PROFILES),
+        )
+
+
+# One line per rule: LocalPorts|RemoteAddresses|Profiles (the profiles as Windows writes the flags
+# enum, "Domain, Private", or its number; "Any" for any address or profile).
+RULE_QUERY = (
+    f"Get-NetFirewallHyperVRule -Name '{FIREWALL_RULE}' | ForEach-Object "
+    "{ ($_.LocalPorts -join ',') + '|' + ($_.RemoteAddresses -join ',') + '|' + $_.Profiles }"
+)
+
+
+def _profiles(text: str) -> frozenset[str]:
+    text = text.strip()
+    if text.isdigit():
+        bits = int(text)
+        if bits == 0:  # Any
+            return frozenset(_PROFILE_BITS)
+        return frozenset(name for name, bit in _PROFILE_BITS.items() if bits & bit)
+    names = {part for part in re.split(r"[,\s]+", text) if part}
+    return frozenset(_PROFILE_BITS) if "Any" in names else frozenset(names)
+
+
+def _address(text: str) -> str:
+    """One address in its normal form; a one-address subnet (``/32``, ``/255.255.255.255``,
+    ``/128``), should Windows write one so, as that address."""
+    try:
+        network = ipaddress.ip_network(text, strict=True)
+    except ValueError:
+        return text  # a range or a keyword: never equal to an --allow address
+    return str(network.network_address) if network.num_addresses == 1 else str(network)
+
+
+def parse_rule(output: str) -> RuleSeen | None:
+    """The rule from ``RULE_QUERY``'s output; None when there is none (no such line)."""
+    for line in output.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3:
+            continue
+        ports, addresses, profiles = parts
+        remote = (
+            None if addresses.strip() in ("", "Any") else frozenset(_address(a.strip()) for a in addresses.split(","))
+        )
+        return RuleSeen(frozenset(p.strip() for p in ports.split(",") if p.strip()), remote, _profiles(profiles))
+    return None
+
+
+def firewall_rule_lines(port: int, allow: tuple[str, ...], replace: bool) -> list[str]:
+    """The Hyper-V rule: TCP ``port`` into WSL's VM from ``allow`` only, on the Domain and Private
+    profiles (New-NetFirewallHyperVRule's ``-RemoteAddresses``, ``-Profiles``). A rule that is
+    there but admits something else is removed first (Set-NetFirewallHyperVRule cannot change
+    its profiles)."""
+    lines = [f"Remove-NetFirewallHyperVRule -Name '{FIREWALL_RULE}'"] if replace else []
+    addresses = ",".join(f"'{a}'" for a in allow)
+    lines.append(
+        f"New-NetFirewallHyperVRule -Name '{FIREWALL_RULE}' -DisplayName 'FreeToken WSL sshd' "
+        f"-Direction Inbound -VMCreatorId '{WSL_VM_CREATOR_ID}' -Protocol TCP -LocalPorts {port} "
+        f"-RemoteAddresses {addresses} -Profiles {','.join(FIREWALL_PROFILES)}"
+    )
+    return lines
+
+
+def powershell_script(
+    port: int, distro: str, rule: bool, task: bool, allow: tuple[str, ...] = (), replace: bool = False
+) -> str:
+    """The one elevated script: the firewall rule (``replace``: the one there first removed) and
+    the logon task, each only when not as wanted."""
     lines = ["$ErrorActionPreference = 'Stop'"]
     if rule:
-        lines.append(
-            f"New-NetFirewallHyperVRule -Name '{FIREWALL_RULE}' -DisplayName 'FreeToken WSL sshd' "
-            f"-Direction Inbound -VMCreatorId '{WSL_VM_CREATOR_ID}' -Protocol TCP -LocalPorts {port}"
-        )
+        if not allow:
+            raise ValueError("the firewall rule needs the addresses it admits")
+        lines += firewall_rule_lines(port, allow, replace)
     if task:
         lines.append(
             f"schtasks.exe /Create /F /SC ONLOGON /TN '{TASK_NAME}' /TR 'wsl.exe -d {distro} --exec /bin/true'"
@@ -212,6 +382,11 @@ def elevated_command(script: str) -> list[str]:
     encoded = base64.b64encode(script.encode("utf-16-le")).decode()
     inner = f"Start-Process powershell.exe -Verb RunAs -Wait -ArgumentList '-NoProfile','-EncodedCommand','{encoded}'"
     return ["powershell.exe", "-NoProfile", "-NonInteractive", "-Command", inner]
+
+
+def admits(i: Inputs) -> str:
+    """The line that says who can log in, for the owner and the operator."""
+    return f"{i.user}, with the controller's key, from {', '.join(i.allow)} (Domain and Private networks)"
 
 
 def inventory_line(i: Inputs, address: str, host_key: str | None) -> str:
@@ -234,6 +409,7 @@ class Run:
     unchanged: list[str] = field(default_factory=list)
     todo: list[str] = field(default_factory=list)
     restart: bool = False
+    apt_updated: bool = False
 
     def step(self, what: str, changed: bool) -> None:
         (self.changed if changed else self.unchanged).append(what)
@@ -390,29 +566,195 @@ def restart_pending(paths: list[str], proc: str = "/proc") -> bool:
     return False
 
 
+def ensure_package(package: str, run: Run) -> None:
+    """Debian's ``package``, installed when it is not."""
+    if _run(["dpkg-query", "-W", "-f=${Status}", package], package).stdout.strip() == "install ok installed":
+        return
+    print(f"  ...      installing {package} (Debian's package)", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    steps = [["apt-get", "install", "-y", "-qq", package]]
+    if not run.apt_updated:
+        steps.insert(0, ["apt-get", "update", "-qq"])
+    for argv in steps:
+        result = _run(argv, package, env=env)
+        if result.returncode != 0:
+            raise EnrolError(f"{package}: {' '.join(argv)} failed: {(result.stderr or result.stdout).strip()[-300:]}")
+    run.apt_updated = True
+    run.step(f"{package} installed", True)
+
+
+def ensure_account(i: Inputs, run: Run) -> None:
+    """``DEPLOY_USER``: a system account with a home for its ``~/.ssh`` and a shell for pyinfra,
+    and no password (``*``: nothing to guess, and not sshd's ``!`` that a server without PAM
+    reads as a locked account refusing keys too). The owner's own account (``--user``) is left
+    as it is."""
+    if i.user != DEPLOY_USER:
+        run.step(f"the deploy logs in as your account {i.user} (--user)", False)
+        return
+    created = not _account_exists(DEPLOY_USER)
+    if created:
+        argv = ["useradd", "--system", "--user-group", "--create-home", "--home-dir", DEPLOY_HOME]
+        argv += ["--shell", "/bin/bash", "--password", "*", "--comment", "freetoken-infra deploy", DEPLOY_USER]
+        result = _run(argv, "account")
+        if result.returncode != 0:
+            raise EnrolError(
+                f"account {DEPLOY_USER}: useradd failed: {(result.stderr or result.stdout).strip()[-300:]}"
+            )
+    unlocked = password_field(DEPLOY_USER) != "*"
+    if unlocked:  # a password someone set since: the account logs in with the key only
+        result = _run(["usermod", "--password", "*", DEPLOY_USER], "account")
+        if result.returncode != 0:
+            raise EnrolError(
+                f"account {DEPLOY_USER}: usermod failed: {(result.stderr or result.stdout).strip()[-300:]}"
+            )
+    run.step(f"deploy account {DEPLOY_USER}: no password, the controller's key only", created or unlocked)
+
+
+def _account_exists(user: str) -> bool:
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        return False
+    return True
+
+
+def password_field(user: str, shadow: str | None = None) -> str | None:
+    """The password field of ``user`` in ``/etc/shadow`` (None: no line)."""
+    try:
+        with open(shadow or SHADOW, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.rstrip("\n").split(":")
+                if fields[0] == user and len(fields) > 1:
+                    return fields[1]
+    except FileNotFoundError:
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class SshdLine:
+    """One setting as sshd reads it: where, the key in lower case, its value, and the Match
+    line above it in its file (None: it applies to every connection)."""
+
+    file: str
+    line: int
+    key: str
+    value: str
+    match: str | None
+
+
+def sshd_lines(
+    path: str = SSHD_CONFIG, _depth: int = 0, _match: str | None = None, _base: str | None = None
+) -> list[SshdLine]:
+    """Every setting of sshd's configuration in the order sshd reads it: ``path``, each
+    ``Include`` (globs, in name order; relative to the first file's folder) read where it stands."""
+    found: list[SshdLine] = []
+    base = _base or os.path.dirname(path)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return found
+    match = _match
+    for number, raw in enumerate(text.splitlines(), 1):
+        parsed = re.match(r"\s*([A-Za-z]+)(?:\s*=\s*|\s+)(.*?)\s*$", raw)
+        if not parsed or raw.lstrip().startswith("#"):
+            continue
+        key, value = parsed.group(1).lower(), parsed.group(2)
+        if key == "match":
+            match = f"{path}:{number}"
+            continue
+        if key == "include" and _depth < 16:
+            for pattern in shlex.split(value):
+                pattern = pattern if os.path.isabs(pattern) else os.path.join(base, pattern)
+                for name in sorted(glob.glob(pattern)):
+                    found += sshd_lines(name, _depth + 1, match, base)
+            continue
+        found.append(SshdLine(path, number, key, value, match))
+    return found
+
+
+def _sshd_effective(output: str) -> dict[str, list[str]]:
+    effective: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key:
+            effective.setdefault(key.lower(), []).append(value.strip())
+    return effective
+
+
+def _winner(key: str, name: str, lines: list[SshdLine], dropin: str) -> str:
+    """Which file's line makes ``key`` what it is, in words."""
+    if key in ADDING_KEYS:
+        others = [f"{s.file}:{s.line} adds {name} {s.value}" for s in lines if s.key == key and s.file != dropin]
+        return "; ".join(others) if others else f"no file sets {name} but {dropin}"
+    first = next((s for s in lines if s.key == key and s.match is None), None)
+    if first is not None and first.file != dropin:
+        return (
+            f"{first.file}:{first.line} ({name} {first.value}) is read before {dropin} and wins "
+            "(sshd keeps the first value it reads)"
+        )
+    matched = next((s for s in lines if s.key == key and s.match is not None), None)
+    if matched is not None:
+        return f"{matched.file}:{matched.line} ({name} {matched.value}) in the Match block at {matched.match} wins"
+    return f"no file sets it (sshd's default); {dropin} is not read"
+
+
+def sshd_mismatch(i: Inputs, run=None, config: str = SSHD_CONFIG, dropin: str = SSHD_DROPIN) -> str | None:
+    """None when sshd's effective settings (``sshd -T``, and as a connection from each
+    ``--allow`` address to the port as the account sees them, ``-C``) are the drop-in's; else
+    one line naming the key, what is in effect and the file that won."""
+    run = run or _run
+    lines = sshd_lines(config)
+    contexts: list[tuple[list[str], str]] = [([], "sshd -T")]
+    for address in i.allow:
+        spec = f"user={i.user},host={address},addr={address},lport={i.port}"
+        contexts.append((["-C", spec], f"sshd -T -C {spec}"))
+    for extra, said in contexts:
+        result = run(["/usr/sbin/sshd", "-T", *extra], "sshd")
+        if result.returncode != 0:
+            return f"`{said}` failed: {(result.stderr or result.stdout).strip()[-300:]}"
+        effective = _sshd_effective(result.stdout)
+        for key, (name, want) in sshd_wanted(i).items():
+            got = effective.get(key, [])
+            if (set(got) == set(want)) if key in ADDING_KEYS else (got == list(want)):
+                continue
+            shown = " ".join(got) if got else "unset"
+            return f"{name} is {shown} in effect (`{said}`), not {' '.join(want)}: {_winner(key, name, lines, dropin)}"
+    return None
+
+
 def ensure_sshd(i: Inputs, run: Run) -> None:
-    if _run(["dpkg-query", "-W", "-f=${Status}", "openssh-server"], "sshd").stdout.strip() != "install ok installed":
-        print("  ...      installing openssh-server (Debian's package)", flush=True)
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "openssh-server"]):
-            result = _run(argv, "sshd", env=env)
-            if result.returncode != 0:
-                raise EnrolError(f"sshd: {' '.join(argv)} failed: {(result.stderr or result.stdout).strip()[-300:]}")
-        run.step("sshd installed (openssh-server)", True)
+    ensure_package("openssh-server", run)
     previous = _read(SSHD_DROPIN)
+    old = _read(OLD_SSHD_DROPIN)
+    old_ours = old is not None and old.startswith(DROPIN_HEADER.encode())
     os.makedirs(os.path.dirname(SSHD_DROPIN), exist_ok=True)
     changed = write_atomic(SSHD_DROPIN, sshd_dropin(i.port, i.user).encode(), 0o644)
-    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd -t wants its privilege separation folder
-    check = _run(["/usr/sbin/sshd", "-t"], "sshd")
-    if check.returncode != 0:
+    if old_ours:
+        os.unlink(OLD_SSHD_DROPIN)  # its name sorted last: any NN-*.conf won over it
+        changed = True
+
+    def put_back() -> None:
         if previous is None:
             os.unlink(SSHD_DROPIN)
         else:
             write_atomic(SSHD_DROPIN, previous, 0o644)
+        if old_ours and old is not None:
+            write_atomic(OLD_SSHD_DROPIN, old, 0o644)
+
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd -t wants its privilege separation folder
+    check = _run(["/usr/sbin/sshd", "-t"], "sshd")
+    if check.returncode != 0:
+        put_back()
         raise EnrolError(
             f"sshd: its configuration does not pass `sshd -t`: {check.stderr.strip()[-300:]}; drop-in put back"
         )
-    run.step(f"sshd: port {i.port}, public keys only ({SSHD_DROPIN})", changed)
+    problem = sshd_mismatch(i)
+    if problem is not None:
+        put_back()
+        raise EnrolError(f"sshd: {problem}; change that, then run this again; drop-in put back")
+    run.step(f"sshd: port {i.port}, public keys only, {i.user} only ({SSHD_DROPIN}, in effect)", changed)
     if not systemd_running():
         run.todo.append("sshd starts with systemd: " + RESTART + " and run this again")
         return
@@ -427,9 +769,29 @@ def ensure_sshd(i: Inputs, run: Run) -> None:
     run.step("sshd enabled and running", not enabled or not active)
 
 
+def with_authorized_key(have: str, key: str, allow: tuple[str, ...]) -> str | None:
+    """``have`` (an authorized_keys file's text) with the controller's key as
+    ``authorized_key_line`` (every other line as it was; the key's earlier line, with other
+    options or none, replaced where it stood); None when it is already so."""
+    want = authorized_key_line(key, allow)
+    kind, body = key.split()[:2]
+    ours = re.compile(rf"(?:^|\s){re.escape(kind)}\s+{re.escape(body)}(?:\s|$)")
+    lines = have.splitlines()
+    found = [n for n, line in enumerate(lines) if ours.search(line)]
+    if [lines[n] for n in found] == [want]:
+        return None
+    if found:
+        lines[found[0]] = want
+        lines = [line for n, line in enumerate(lines) if n not in found[1:]]
+    else:
+        lines.append(want)
+    return "\n".join(lines) + "\n"
+
+
 def ensure_authorized_key(i: Inputs, run: Run) -> None:
-    """The key appended by the user itself (a child process with the user's ids): root never
-    opens a path inside the user's home, which the user could point anywhere."""
+    """The key written by the user itself (a child process with the user's ids): root never
+    opens a path inside the user's home, which the user could point anywhere. A new file in
+    ``~/.ssh``, renamed over the old: the user's other keys are never half written."""
     account = pwd.getpwnam(i.user)
     read_w, write_w = os.pipe()
     pid = os.fork()
@@ -444,14 +806,24 @@ def ensure_authorized_key(i: Inputs, run: Run) -> None:
             os.makedirs(ssh, mode=0o700, exist_ok=True)
             os.chmod(ssh, 0o700)
             keys = os.path.join(ssh, "authorized_keys")
-            fd = os.open(keys, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "r+", encoding="utf-8", errors="replace") as f:
-                have = f.read()
-                present = any(line.split()[:2] == i.key.split()[:2] for line in have.splitlines() if line.strip())
-                if not present:
-                    f.write(("" if have.endswith("\n") or not have else "\n") + i.key + "\n")
-            os.chmod(keys, 0o600)
-            os.write(write_w, b"present" if present else b"added")
+            try:
+                fd = os.open(keys, os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd, "r", encoding="utf-8", errors="surrogateescape") as f:
+                    have = f.read()
+            except FileNotFoundError:
+                have = ""
+            text = with_authorized_key(have, i.key, i.allow)
+            if text is not None:
+                fd, tmp = tempfile.mkstemp(dir=ssh, prefix=".authorized_keys.")
+                try:
+                    os.fchmod(fd, 0o600)
+                    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+                        f.write(text)
+                    os.replace(tmp, keys)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+            os.write(write_w, b"present" if text is None else b"written")
             status = 0
         except BaseException as exc:
             os.write(write_w, f"error {exc.__class__.__name__}: {exc}".encode()[:300])
@@ -461,20 +833,24 @@ def ensure_authorized_key(i: Inputs, run: Run) -> None:
     with os.fdopen(read_w, "rb") as f:
         said = f.read().decode(errors="replace")
     os.waitpid(pid, 0)
-    if said not in ("added", "present"):
+    if said not in ("written", "present"):
         raise EnrolError(f"authorized_keys of {i.user}: {said or 'the writer died'}")
-    run.step(f"the controller's key in ~{i.user}/.ssh/authorized_keys", said == "added")
+    run.step(
+        f"the controller's key in ~{i.user}/.ssh/authorized_keys, from {', '.join(i.allow)} only", said == "written"
+    )
 
 
 def ensure_sudoers(i: Inputs, run: Run) -> None:
     if i.user == "root":
         run.step("sudo: the deploy logs in as root, no drop-in needed", False)
         return
+    if not os.path.isdir("/etc/sudoers.d") or not shutil.which("visudo", path="/usr/sbin:/usr/bin:/sbin:/bin"):
+        ensure_package("sudo", run)  # the deploy elevates with it
     if not os.path.isdir("/etc/sudoers.d"):
-        raise EnrolError("sudo: /etc/sudoers.d is missing; install sudo (apt-get install sudo), then run this again")
+        raise EnrolError("sudo: /etc/sudoers.d is missing after installing sudo; create it, then run this again")
     text = sudoers_dropin(i.user).encode()
     if _read(SUDOERS_DROPIN) == text:
-        run.step(f"sudo without a prompt for {i.user} ({SUDOERS_DROPIN})", False)
+        run.step(f"sudo as root without a prompt for {i.user} ({SUDOERS_DROPIN})", False)
         return
     fd, tmp = tempfile.mkstemp(dir="/etc/sudoers.d", prefix=".enrol-")  # sudo skips names with a dot
     try:
@@ -490,7 +866,7 @@ def ensure_sudoers(i: Inputs, run: Run) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    run.step(f"sudo without a prompt for {i.user} ({SUDOERS_DROPIN})", True)
+    run.step(f"sudo as root without a prompt for {i.user} ({SUDOERS_DROPIN})", True)
 
 
 def _powershell(command: str) -> subprocess.CompletedProcess:
@@ -508,24 +884,39 @@ def distro_name() -> str:
     return match.group(1) if match else ""
 
 
+def firewall_rule() -> RuleSeen | None:
+    """The Hyper-V firewall rule as Windows has it (None: there is none)."""
+    result = _powershell(RULE_QUERY)
+    return parse_rule(result.stdout) if result.returncode == 0 else None
+
+
 def ensure_windows(i: Inputs, run: Run) -> None:
     distro = distro_name()
     if not DISTRO.fullmatch(distro):
         raise EnrolError(
             f"Windows: the distro's name ({distro!r}, $WSL_DISTRO_NAME or `wslpath -w /`) is not a WSL distribution name"
         )
-    rule = _powershell(f"Get-NetFirewallHyperVRule -Name '{FIREWALL_RULE}' | Out-Null").returncode != 0
+    seen = firewall_rule()
+    rule = seen is None or not seen.is_as(i.port, i.allow)
     task = _run(["schtasks.exe", "/Query", "/TN", TASK_NAME], "Windows", cwd="/").returncode != 0
     if rule or task:
         print("  ...      Windows asks once for administrator rights (the firewall rule, the logon task)", flush=True)
-        result = _run(elevated_command(powershell_script(i.port, distro, rule, task)), "Windows", cwd="/")
+        script = powershell_script(i.port, distro, rule, task, i.allow, replace=seen is not None)
+        result = _run(elevated_command(script), "Windows", cwd="/")
         if result.returncode != 0:
             raise EnrolError(f"Windows: the elevated PowerShell failed or was declined: {result.stderr.strip()[-300:]}")
-        if rule and _powershell(f"Get-NetFirewallHyperVRule -Name '{FIREWALL_RULE}' | Out-Null").returncode != 0:
-            raise EnrolError("Windows: the Hyper-V firewall rule is still missing (was the prompt declined?)")
+        now = firewall_rule() if rule else None
+        if rule and (now is None or not now.is_as(i.port, i.allow)):
+            raise EnrolError(
+                "Windows: the Hyper-V firewall rule is still missing or not as set (was the prompt declined?)"
+            )
         if task and _run(["schtasks.exe", "/Query", "/TN", TASK_NAME], "Windows", cwd="/").returncode != 0:
             raise EnrolError("Windows: the logon task is still missing (was the prompt declined?)")
-    run.step(f"Windows: Hyper-V firewall rule {FIREWALL_RULE} (TCP {i.port} into WSL)", rule)
+    run.step(
+        f"Windows: Hyper-V firewall rule {FIREWALL_RULE} (TCP {i.port} into WSL from {', '.join(i.allow)}; "
+        f"{' and '.join(FIREWALL_PROFILES)} networks only)",
+        rule,
+    )
     run.step(f"Windows: logon task {TASK_NAME} starts the distro {distro}", task)
 
 
@@ -554,7 +945,7 @@ def host_address() -> str:
 def enrol(i: Inputs) -> Run:
     wsl_ini = _wsl_ini()
     run = Run()
-    print(f"--> enrolling {i.name} (deploy user {i.user}, sshd port {i.port})", flush=True)
+    print(f"--> enrolling {i.name} (deploy user {i.user}, sshd port {i.port}, from {', '.join(i.allow)})", flush=True)
     merge_ini(wsl_ini, WSL_CONF, wsl_ini.WSLCONF, "boot", {"systemd": "true"}, WSL_CONF, run)
     conf = _read(WSL_CONF)
     _DRIVE_ROOT[0] = wsl_ini.drive_root(wsl_ini.parse(conf, wsl_ini.WSLCONF)) if conf is not None else "/mnt/"
@@ -565,6 +956,7 @@ def enrol(i: Inputs) -> Run:
     merge_ini(
         wsl_ini, wslconfig, wsl_ini.WSLCONFIG, "wsl2", {"networkingMode": "mirrored"}, ".wslconfig", run, _hostio()
     )
+    ensure_account(i, run)
     ensure_sshd(i, run)
     ensure_authorized_key(i, run)
     ensure_sudoers(i, run)
@@ -597,7 +989,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key", help="the controller's public key (one line: TYPE BASE64 [COMMENT])")
     ap.add_argument("--key-file", help="or a file holding it")
     ap.add_argument("--name", help="the host's name in the inventory (default: this distro's host name)")
-    ap.add_argument("--user", help="the user the deploy logs in as (default: the user who ran sudo)")
+    ap.add_argument(
+        "--user",
+        help=f"your own account for the deploy to log in as (default: its own account {DEPLOY_USER}, made here)",
+    )
+    ap.add_argument(
+        "--allow",
+        action="append",
+        metavar="ADDR",
+        help="an address the controller connects from (repeat it for the gateway host when it runs the deploy); "
+        "only these reach sshd. Required",
+    )
     ap.add_argument("--port", type=int, default=2222, help="sshd's port (default 2222)")
     ap.add_argument("--bundle", action="store_true", help="print a single-file copy of this script and exit")
     args = ap.parse_args(argv)
@@ -607,7 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.geteuid() != 0:
             raise EnrolError("run it as root: sudo python3 enrol.py --key '...'")
-        given = inputs(args, dict(os.environ))
+        given = inputs(args)
         run = enrol(given)
     except EnrolError as exc:
         print(f"enrol: {exc}", file=sys.stderr)
@@ -620,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     print("--> " + ("nothing changed" if not run.changed else f"{len(run.changed)} change(s)"))
     for item in run.todo:
         print(f"    still to do: {item}")
+    print(f"    sshd admits: {admits(given)}")
     print(f"    inventory line: {inventory_line(given, address, host_key)}")
     print(f"    on the controller: {add_command(given, address, host_key)}")
     return 0

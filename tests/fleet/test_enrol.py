@@ -3,13 +3,16 @@ no controller key, systemd off in /etc/wsl.conf (harness.start_bare, booted only
 module). Driven as its owner and the operator would:
 
 1. the owner runs the single-file enrol.py through the PC's console (no SSH yet), as sudo would
-   (no $WSL_DISTRO_NAME); a declined Windows prompt stops it in one line; the Windows stand-ins
-   record the interop calls: one elevation prompt for the Hyper-V firewall rule and the logon
-   task; a second run changes nothing; a bad key is refused in one line;
+   (no $WSL_DISTRO_NAME), admitting the controller (the bridge) and the gateway host; a declined
+   Windows prompt stops it in one line; the Windows stand-ins record the interop calls: one
+   elevation prompt for the Hyper-V firewall rule (those addresses, Domain and Private profiles)
+   and the logon task; the deploy's own account, `from=` on its key, the drop-in read first and
+   sshd's effective values; a second run changes nothing; a bad key is refused in one line;
 2. the owner does what it says (`wsl.exe --shutdown`: the container boots again);
 3. the operator's `fleet add` refuses another host key, then pins the printed one, runs the
-   doctor and adds the host to an inventory file;
-4. the normal deploy converges it from that inventory and the verify suite passes on it;
+   doctor and adds the host to an inventory file, as `freetoken-deploy`;
+4. the normal deploy converges it from that inventory (through sudo) and the verify suite
+   passes on it;
 5. `fleet remove` takes it out again.
 """
 
@@ -25,12 +28,17 @@ import pytest
 
 from tests.fleet import harness
 from tests.fleet.client import ROOT
+from tests.fleet.profiles import BRIDGE_ADDRESS, GATEWAY_ADDRESS
 
 pytestmark = pytest.mark.fleet
 
 HOST = harness.BARE_NAME
 SCRIPT = ROOT / "operations" / "scripts" / "enrol.py"
 WRONG_PIN = "SHA256:" + "A" * 43
+DEPLOY_USER = "freetoken-deploy"
+DEPLOY_KEYS = f"home/{DEPLOY_USER}/.ssh/authorized_keys"
+# The controller is this machine, on the bridge; the gateway host's address is admitted too.
+ALLOW = (BRIDGE_ADDRESS, GATEWAY_ADDRESS)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +61,8 @@ def run(sim_fleet, bare, tmp_path_factory):
 
 
 def _enrol(sim_fleet, run):
-    return sim_fleet.console(HOST, ["python3", "/root/enrol.py", "--key", run["pub"], "--name", HOST])
+    allow = [arg for address in ALLOW for arg in ("--allow", address)]
+    return sim_fleet.console(HOST, ["python3", "/root/enrol.py", "--key", run["pub"], "--name", HOST, *allow])
 
 
 def _calls(root: Path) -> list[dict]:
@@ -91,13 +100,33 @@ def test_the_owner_enrols_it_in_one_command(sim_fleet, run):
     user = json.loads((root / ".sim/profile.json").read_text())["windows_user"]
     wslconfig = (root / f"mnt/c/Users/{user}/.wslconfig").read_text()
     assert "networkingMode=mirrored" in wslconfig and "# my own settings - keep this comment" in wslconfig
-    assert "AuthenticationMethods publickey" in (root / "etc/ssh/sshd_config.d/freetoken.conf").read_text()
-    assert run["pub"] in (root / "root/.ssh/authorized_keys").read_text()
+    dropin = (root / "etc/ssh/sshd_config.d/00-freetoken.conf").read_text()
+    assert "AuthenticationMethods publickey" in dropin and f"AllowUsers {DEPLOY_USER}\n" in dropin
+    assert not (root / "etc/ssh/sshd_config.d/freetoken.conf").exists()
+    effective = sim_fleet.console(HOST, ["/usr/sbin/sshd", "-T"])
+    assert effective.returncode == 0, effective.stderr
+    lines = set(effective.stdout.splitlines())
+    assert {"port 2222", "passwordauthentication no", "pubkeyauthentication yes", f"allowusers {DEPLOY_USER}"} <= lines
+    assert not {line for line in lines if line.startswith(("port ", "allowusers "))} - {
+        "port 2222",
+        f"allowusers {DEPLOY_USER}",
+    }
+    # The deploy's own account: no password (key only), sudo as root, the key from the controller only.
+    assert re.search(
+        rf"^{DEPLOY_USER}:x:\d+:\d+:[^:]*:/home/{DEPLOY_USER}:/bin/bash$", (root / "etc/passwd").read_text(), re.M
+    )
+    assert re.search(rf"^{DEPLOY_USER}:\*:", (root / "etc/shadow").read_text(), re.M)
+    sudoers = (root / "etc/sudoers.d/freetoken-deploy").read_text()
+    assert f"{DEPLOY_USER} ALL=(root) NOPASSWD: ALL\n" in sudoers
+    assert (root / DEPLOY_KEYS).read_text() == f'from="{",".join(ALLOW)}" {run["pub"]}\n'
+    assert not (root / "root/.ssh/authorized_keys").exists()  # not root's, not the owner's
     calls = _calls(root)[run["calls_before"] :]
     assert [c["tool"] for c in calls].count("uac") == 1  # Windows asked once
     rules = json.loads((root / "mnt/c/.sim/hyperv-firewall.json").read_text())
     assert rules["FreeToken-WSL-sshd"]["local_ports"] == "2222"
     assert rules["FreeToken-WSL-sshd"]["vm_creator_id"] == "{40E0AC32-46A5-438A-A0B2-2B479E8F2E90}"
+    assert rules["FreeToken-WSL-sshd"]["remote_addresses"] == list(ALLOW)
+    assert rules["FreeToken-WSL-sshd"]["profiles"] == ["Domain", "Private"]
     tasks = json.loads((root / "mnt/c/.sim/schtasks.json").read_text())
     assert re.fullmatch(r"wsl\.exe -d \S+ --exec /bin/true", tasks["FreeToken-WSL"]["/TR"])
     assert "still to do: from Windows, run `wsl.exe --shutdown`" in r.stdout
@@ -105,7 +134,7 @@ def test_the_owner_enrols_it_in_one_command(sim_fleet, run):
     listed = subprocess.run(["ssh-keygen", "-l", "-f", "-"], input=pub, capture_output=True, text=True, check=True)
     run["host_key"] = listed.stdout.split()[1]
     assert f"# host key {run['host_key']}" in r.stdout
-    assert f"--host-key {run['host_key']}" in r.stdout
+    assert f"--host-key {run['host_key']}" in r.stdout and f"--user {DEPLOY_USER}" in r.stdout
 
 
 def test_a_second_run_changes_nothing_and_asks_windows_nothing(sim_fleet, run):
@@ -117,10 +146,12 @@ def test_a_second_run_changes_nothing_and_asks_windows_nothing(sim_fleet, run):
 
 
 def test_bad_input_is_refused_in_one_line_and_changes_nothing(sim_fleet, run):
-    before = (run["root"] / "root/.ssh/authorized_keys").read_text()
+    before = (run["root"] / DEPLOY_KEYS).read_text()
     r = sim_fleet.console(HOST, ["python3", "/root/enrol.py", "--key", run["pub"] + "\nssh-ed25519 AAAA x"])
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and r.stderr.startswith("enrol: --key")
-    assert (run["root"] / "root/.ssh/authorized_keys").read_text() == before
+    r = sim_fleet.console(HOST, ["python3", "/root/enrol.py", "--key", run["pub"]])  # no --allow
+    assert r.returncode == 2 and r.stderr.startswith("enrol: --allow: give the address the controller connects from")
+    assert (run["root"] / DEPLOY_KEYS).read_text() == before
 
 
 def _inventory(path: Path) -> None:
@@ -146,7 +177,7 @@ def test_after_the_restart_fleet_add_pins_its_key_runs_the_doctor_and_adds_it(si
     _inventory(inventory)
     run["inventory"] = inventory
     before = inventory.read_text()
-    common = ["--class", "rtx5060ti_16gb", "--user", "root", "--ssh-key", bare["ssh_key"]]
+    common = ["--class", "rtx5060ti_16gb", "--user", DEPLOY_USER, "--ssh-key", bare["ssh_key"]]
     known = str(run["work"] / "known_hosts")
     wrong = _fleet(
         "-i", str(inventory), "add", HOST, bare["address"], "--host-key", WRONG_PIN, "--known-hosts", known, *common

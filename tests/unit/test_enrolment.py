@@ -211,3 +211,21 @@ def test_remove_drains_first_and_a_failed_drain_changes_nothing(tmp_path):
     with pytest.raises(EnrolError, match="gateway unreachable"):
         enrolment.remove(str(inventory), "lab-ws03", drain=refuse, say=lambda m: None)
     assert inventory.read_text() == before
+
+
+def test_add_logs_in_as_the_account_enrol_made_unless_told(monkeypatch, tmp_path):
+    """enrol.py's default deploy account is `fleet add`'s default user (one name, two files)."""
+    import sys
+
+    from freetoken_infra import fleet
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "operations" / "scripts"))
+    import enrol
+
+    assert enrolment.DEPLOY_USER == enrol.DEPLOY_USER == "freetoken-deploy"
+    added = []
+    monkeypatch.setattr(enrolment, "add", lambda inventory, host, doctor: added.append(host))
+    inventory = str(tmp_path / "fleet.py")
+    assert fleet.main(["-i", inventory, "add", "ws7", "192.0.2.17", "--host-key", PIN]) == 0
+    assert fleet.main(["-i", inventory, "add", "ws8", "192.0.2.18", "--host-key", PIN, "--user", "alice"]) == 0
+    assert [h.user for h in added] == ["freetoken-deploy", "alice"]
