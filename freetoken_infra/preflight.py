@@ -16,7 +16,6 @@ from pathlib import Path
 import click
 import pyinfra
 from pyinfra.api.exceptions import PyinfraError
-from pyinfra.facts.files import Sha256File
 from pyinfra.facts.systemd import SystemdStatus
 
 from facts import batch
@@ -28,6 +27,7 @@ from facts.gpu_memory import GpuMemoryProbe
 from facts.guard import GuardState
 from facts.init import InitSystem
 from facts.model import ModelDirectory
+from facts.model_manifest import ModelManifest
 from facts.resources import HostResources
 from facts.restart import RestartPending
 from facts.wake_on_lan import WakeOnLanReadiness
@@ -339,10 +339,13 @@ def gather(
         return plan.Seen(host.name, pre, fleet, files, windows_refused=not_read)
     files, not_read = windows_files(host, [path for path, _, _ in plan.windows_targets(pre.settings, pre)])
     running = bool((host.get_fact(SystemdStatus, services=[ENGINE_UNIT]) or {}).get(ENGINE_UNIT, False))
-    manifest = HostLayout.of(pre.settings).model_manifest_file
+    # The manifest lies in the download's user's folder: its hash is taken from the bytes the
+    # ModelManifest fact read without following a link (none when it refused a link or a FIFO).
     engine = plan.EngineSeen(
         running=running,
-        manifest_sha256=host.get_fact(Sha256File, path=manifest) if plan.gate_may_skip(pre, running) else None,
+        manifest_sha256=host.get_fact(ModelManifest, model_dir=pre.settings.model_dir).sha256
+        if plan.gate_may_skip(pre, running)
+        else None,
         distro=host.get_fact(WslDistroName) if pre.settings.windows_autostart else "",
         owner=None
         if running or not pre.settings.agent_enabled
