@@ -232,14 +232,29 @@ def run_preflight(state, host, stop_blocked: bool = True) -> tuple[rules.HostPre
     run.when_done(print_gate_report_if_gated)  # the gate table, once every host is done
     settings = fleet_settings(state)[host.name]
     obs = observe(host, settings)
-    pre = rules.HostPreflight(settings, obs, rules.evaluate(settings, obs))
+    cut = batch.cut_short(state, host)
+    # A fact batch cut at its deadline: the facts it did not answer are defaults, not the host's;
+    # the host stops with the line that names the fact that hung.
+    findings = [facts_cut_finding(cut)] if cut else rules.evaluate(settings, obs)
+    pre = rules.HostPreflight(settings, obs, findings)
     run.preflight[host.name] = pre
     record_host(host.name, pre)
     click.echo("\n" + findings_table(host.name, pre.findings), err=True)
     _maybe_print_summary(state, run)
     if pre.blocked and stop_blocked:
-        fail_host(state, host, pre.stop_reason)
+        fail_host(state, host, cut or pre.stop_reason)
     return pre, not pre.blocked
+
+
+def facts_cut_finding(cut: str) -> rules.Finding:
+    """The one blocker of a host whose fact batch was cut at its deadline (``batch.cut_short``)."""
+    return rules.Finding(
+        "facts",
+        "block",
+        cut,
+        "find what hangs that fact on the host (a FIFO or a hung mount where it reads, a program "
+        f"that never returns), then re-run; {batch.DEADLINE_ENV} sets the deadline",
+    )
 
 
 # What a converge's decisions are made by on the controller (the fast check's fingerprint): this
