@@ -164,8 +164,8 @@ def _run_hooked_pyinfra(out_path: str, argv: list[str]) -> int:
 
         orig_batch_command = fact_batch.batch_command
 
-        def batch_command(commands, first=None):
-            text = orig_batch_command(commands, first)
+        def batch_command(commands, first=None, **kwargs):
+            text = orig_batch_command(commands, first, **kwargs)
             made[text] = list(commands)
             return text
 

@@ -108,9 +108,15 @@ if taken is None and alone:
     batch.prefetch(state, host)  # the lock is held: every fact the last run read, in one command
     if connection_lost(host):  # as when it drops in the lock's own round trip: one line, re-run
         lock_refused = "connection lost"
+# A fact batch cut at its deadline (facts/batch.py): the host stops with the line naming the fact
+# that hung; the lock it holds is released at disconnect.
+if taken is None and batch.cut_short(state, host):
+    lock_refused = batch.cut_short(state, host)
 # The host's preflight record (the settings and everything this deploy knows of the host), what
 # else the plan reads, and every decision of this run (freetoken_infra/plan.py).
 pre = None if lock_refused or unchanged is not None else run_preflight(state, host, stop_blocked=False)[0]
+if pre is not None and batch.cut_short(state, host):  # cut in the preflight's own batch
+    lock_refused, pre = batch.cut_short(state, host), None
 plan = converge.converge_plan(
     gather(state, host, lock_refused, pre, unchanged, refused),
     converge.Renderers(service.engine_unit, service.engine_environment),

@@ -33,7 +33,17 @@ here cut that to a handful, without changing what any fact or operation sees:
    Anything else in the file is dropped with one warning line; the run goes on as if it had
    not been learned.
 
-``FREETOKEN_FACT_BATCH=0`` turns both off (every fact is its own command, as in plain pyinfra).
+3. **A deadline.** A batch's facts run under coreutils ``timeout`` (``DEADLINE_S`` in all,
+   ``$FREETOKEN_FACT_BATCH_DEADLINE_S`` to change it): a fact that never ends (a FIFO planted
+   where a fact reads, a hung program) is killed with the rest of the batch's process group,
+   and the batch says so. Each fact's section starts with its marker before the fact runs, so
+   the cut output names the fact that was running (``batch_cut``). ``prefetch`` keeps that one
+   line for the host (``cut_short``); the deploy and the preflight stop the host with it (the
+   lock, taken before, is released at disconnect as for any stopped host), and no fact the
+   batch did not answer is read again on that host in this run (it could hang as long again).
+
+``FREETOKEN_FACT_BATCH=0`` turns off the first two (every fact is its own command, as in plain
+pyinfra).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import base64
 import binascii
 import copy
 import functools
+import hashlib
 import importlib
 import ipaddress
 import json
@@ -63,6 +74,12 @@ from freetoken_infra.core import pyinfra_internals
 
 BATCH_MARKER = "@@ftbatch:"
 ENV_SWITCH = "FREETOKEN_FACT_BATCH"
+# Every batch's facts end within this many seconds in all (a no-op converge's batch takes a few;
+# the slowest facts are bounded by their own, shorter timeouts: Windows programs 30 s each).
+DEADLINE_S = 300
+DEADLINE_ENV = "FREETOKEN_FACT_BATCH_DEADLINE_S"
+KILL_AFTER_S = 5  # after the deadline's TERM, KILL to whatever ignored it
+_CUT = "cut "
 MAX_LEARNED = 300
 # Connector arguments that make a request unfit to remember (secrets, environments, what an
 # operation feeds a command on stdin); any other argument named like a password too.
@@ -172,7 +189,14 @@ def _fact_class(fact: str) -> type | None:
 # --------------------------------------------------------------------------- pure parts
 
 
-def batch_command(commands: list[str], first: str | None = None) -> str:
+def deadline_s() -> int:
+    """The batch's deadline: ``$FREETOKEN_FACT_BATCH_DEADLINE_S`` when it is a positive whole
+    number of seconds, else ``DEADLINE_S``."""
+    text = os.environ.get(DEADLINE_ENV, "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else DEADLINE_S
+
+
+def batch_command(commands: list[str], first: str | None = None, deadline: int | None = None) -> str:
     """One shell command running each of ``commands`` in its own subshell.
 
     Output: for each command ``i``, a line ``@@ftbatch:i``, then base64 lines of what the
@@ -183,10 +207,16 @@ def batch_command(commands: list[str], first: str | None = None) -> str:
     of its own making). The status line comes after the command ended, so it is always the
     last line of the decoded text.
 
+    With ``deadline`` (seconds), the commands run in one ``sh`` under ``timeout -k 5 DEADLINE``
+    (their text on its stdin, a here-document: no argument grows); when it kills them, a line
+    ``@@ftbatch:cut DEADLINE`` follows what they printed, and the section of the command that
+    was running has its start line and no end (``batch_cut``).
+
     With ``first``, that command runs before the others (its stdout and stderr in section
     ``len(commands)``, printed first) and the others run only when it exits 0: the host lock
     is taken in the same round trip as the facts it guards. ``first`` may read the batch's
-    stdin; the facts never do.
+    stdin; the facts never do. The deadline is the facts' alone: ``first``'s answer (the lock
+    taken) always comes back.
     """
     parts = []
     for index, command in enumerate(commands):
@@ -196,6 +226,13 @@ def batch_command(commands: list[str], first: str | None = None) -> str:
             f"echo '{BATCH_MARKER}end {index}'"
         )
     body = "; ".join(parts) + "; true" if parts else "true"
+    if deadline is not None and parts:
+        end = "FT_BATCH_" + hashlib.sha256(body.encode()).hexdigest()[:16]
+        body = (
+            f"timeout -k {KILL_AFTER_S} {int(deadline)} sh <<'{end}'\n{body}\n{end}\n"
+            f'ft_rc=$?; if [ "$ft_rc" = 124 ] || [ "$ft_rc" = 137 ]; then '
+            f"echo '{BATCH_MARKER}{_CUT}{int(deadline)}'; fi; true"
+        )
     if first is None:
         return body
     n = len(commands)
@@ -204,8 +241,23 @@ def batch_command(commands: list[str], first: str | None = None) -> str:
     return (
         f"ft_first=$( ( {first}\n) 2>&1; printf '\\n{BATCH_MARKER}rc %s\\n' \"$?\" ); "
         f"echo '{BATCH_MARKER}{n}'; printf '%s\\n' \"$ft_first\" | base64; echo '{BATCH_MARKER}end {n}'; "
-        f"case \"$ft_first\" in *'{BATCH_MARKER}rc 0') {body} ;; esac; true"
+        f"case \"$ft_first\" in *'{BATCH_MARKER}rc 0')\n{body}\n;; esac; true"
     )
+
+
+def batch_cut(lines: list[str]) -> tuple[int, int | None] | None:
+    """``(deadline, index of the command that was running)`` when the batch was cut at its
+    deadline (the index None when none had started), else None."""
+    running: int | None = None
+    for line in lines:
+        if line.startswith(BATCH_MARKER + "end "):
+            running = None
+        elif line.startswith(BATCH_MARKER) and line[len(BATCH_MARKER) :].isdigit():
+            running = int(line[len(BATCH_MARKER) :])
+        elif line.startswith(BATCH_MARKER + _CUT):
+            seconds = line[len(BATCH_MARKER) + len(_CUT) :].strip()
+            return (int(seconds) if seconds.isdigit() else 0), running
+    return None
 
 
 def _decoded_section(encoded: list[str]) -> tuple[int | None, list[str]] | None:
@@ -416,9 +468,12 @@ def run_batch(
     executor = dict(requests[0].executor if requests else _plain_executor(state, host))
     if first is not None and first[1] is not None:
         executor["_stdin"] = first[1]
+    deadline = deadline_s()
     try:
         status, output = host.run_shell_command(
-            StringCommand(batch_command([text for _, _, text in facts], first[0] if first else None)),
+            StringCommand(
+                batch_command([text for _, _, text in facts], first[0] if first else None, deadline=deadline)
+            ),
             print_output=False,
             print_input=False,
             **executor,
@@ -431,6 +486,13 @@ def run_batch(
             raise
         return {}, (False, []) if first is not None else None
     results = split_batch_output(output.stdout_lines) if status else {}
+    cut = batch_cut(output.stdout_lines) if status else None
+    if cut is not None:
+        seconds, running = cut
+        hung = describe(facts[running][0]) if running is not None and running < len(facts) else "none had started"
+        _memo_for(
+            state, host
+        ).cut = f"the fact batch was cut at its {seconds} s deadline ({DEADLINE_ENV}): {hung} did not finish"
     first_result: FirstResult | None = None
     if first is not None:
         rc, lines = results.get(len(facts), (None, None))
@@ -452,6 +514,20 @@ def run_batch(
     return values, first_result
 
 
+def describe(request: FactRequest) -> str:
+    """``facts.model_manifest:ModelManifest(model_dir='/m')``: a request as a line names it."""
+    args = ", ".join(f"{k}={v!r}" for k, v in request.fact_kwargs)
+    return f"{_class_path(request.cls)}({args})"
+
+
+def cut_short(state, host) -> str | None:
+    """The line that says which fact hung when one of this host's batches was cut at its
+    deadline in this run (None: none was). From then on the host's facts are not read: each
+    answers its default without a command, and the caller stops the host with this line."""
+    memo = _memos.get((id(state), pyinfra_internals.unwrap_context(host).name))
+    return memo.cut if memo is not None else None
+
+
 def _plain_executor(state, host) -> tuple:
     """The connector arguments a fact read without arguments of its own runs with now."""
     return make_request(state, host, Command, (), {"command": "true"}).executor
@@ -470,6 +546,7 @@ class _Memo:
     reading: int = 0  # > 0 while a fact is being read
     warned: bool = False  # the learned list's dropped entries were reported
     read: list[dict] = field(default_factory=list)  # every fact this run read: name and arguments
+    cut: str | None = None  # a batch was cut at its deadline: the line naming the fact that hung
 
 
 _memos: dict[tuple[int, str], _Memo] = {}
@@ -612,6 +689,8 @@ def prefetch(
             groups.setdefault(group_key, []).append(request)
     first_result = None
     for group_key, group in groups.items():
+        if memo.cut is not None and group:
+            continue  # a batch was cut: nothing more is read on this host (``cut_short``)
         with _reading(memo):
             values, result = run_batch(state, host, group, first if group_key == plain_key else None)
         memo.values.update(values)
@@ -636,6 +715,14 @@ def _get_fact(self: Any, name_or_cls: Any, *args: Any, **kwargs: Any) -> Any:
         entry = {"fact": str(name_or_cls), "kwargs": {}}
     if entry not in memo.read:
         memo.read.append(entry)
+    if memo.cut is not None:
+        # A batch was cut at its deadline: reading again could hang as long, and the host is
+        # stopped with the line that names the fact (``cut_short``). What was read stands.
+        cut_request = make_request(state, self, name_or_cls, args, kwargs) if isinstance(name_or_cls, type) else None
+        if cut_request is not None and cut_request.key in memo.values:
+            return copy.deepcopy(memo.values[cut_request.key])
+        default = getattr(name_or_cls, "default", None)
+        return default() if callable(default) else None
     if not batchable(name_or_cls):
         with _reading(memo):
             return _original_get_fact(self, name_or_cls, *args, **kwargs)

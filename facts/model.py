@@ -2,6 +2,12 @@
 
 The quantisation summary itself is pure code in ``freetoken_infra.core.quant`` (the downloader
 uses it on the target too); this module only reads the directory. The rules decide.
+
+The directory is the download's user's (``freetoken-fetch``, which talks to the hub), and this
+fact runs as root: no link in it is followed (``find -P``), and ``config.json`` and
+``hf_quant_config.json`` are read through ``hostio`` (``_hostread``): only a regular file of at
+most ``hostio.MODEL_FILE_CAP`` bytes, reached without a link. Anything else is a one-line
+refusal in ``error``: the rules warn and the deploy fetches the model again (issue 35, item 3).
 """
 
 from __future__ import annotations
@@ -11,9 +17,11 @@ from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
+from freetoken_infra.core import hostio
 from freetoken_infra.core.quant import QuantSummary, summarize_quant
 
-from ._output import MARKER, b64decode_lines, nul_records, parse_int, quote, sections
+from ._hostread import parse_read_output, read_command
+from ._output import MARKER, nul_records, parse_int, quote, sections
 
 __all__ = ["ModelDirInfo", "ModelDirectory", "QuantSummary", "parse_model_dir_output", "summarize_quant"]
 
@@ -29,10 +37,10 @@ class ModelDirInfo:
     config: dict | None = None
 
 
-def _load_json(name: str, body: list[str]) -> tuple[dict | None, str | None]:
-    data = b64decode_lines(body)
-    if data is None:
-        return None, f"{name}: undecodable transport"
+CONFIG_FILES = ("config.json", "hf_quant_config.json")
+
+
+def _load_json(name: str, data: bytes) -> tuple[dict | None, str | None]:
     try:
         value = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -59,13 +67,25 @@ def parse_model_dir_output(path: str, lines: list[str]) -> ModelDirInfo:
                     files[rel] = int(size)
         elif name == "absent":
             path = path or arg
-        elif name == "json":
-            value, error = _load_json(arg, body)
+    if exists:
+        seen = parse_read_output(lines)
+        if seen.folder != "ok":
+            # A folder on the way that is a link (refused), or gone since the listing.
+            errors.append(seen.refused or f"{path} was not read")
+        for config_name in CONFIG_FILES:
+            got = seen.files.get(config_name)
+            if got is None or (got.data is None and got.refused is None):
+                continue
+            if got.refused is not None:
+                errors.append(got.refused)  # one line naming the path: a link, a FIFO, too large
+                continue
+            assert got.data is not None
+            value, error = _load_json(config_name, got.data)
             if error:
                 errors.append(error)
-            elif arg == "config.json":
+            elif config_name == "config.json":
                 config = value
-            elif arg == "hf_quant_config.json":
+            else:
                 hf_quant = value
     if not exists:
         return ModelDirInfo(path, False, {}, None, None)
@@ -79,9 +99,10 @@ def parse_model_dir_output(path: str, lines: list[str]) -> ModelDirInfo:
 
 class ModelDirectory(FactBase[ModelDirInfo]):
     """
-    Returns ``ModelDirInfo``: the files (name -> size, two levels, dot-dirs such as ``.cache``
-    skipped, symlinks followed as in a hub snapshot) and the quantisation summary from
-    ``config.json`` / ``hf_quant_config.json``.
+    Returns ``ModelDirInfo``: the regular files (name -> size, two levels, dot-dirs such as
+    ``.cache`` skipped, no link followed: the downloader writes none) and the quantisation
+    summary from ``config.json`` / ``hf_quant_config.json``, read without following a link (a
+    link, FIFO or oversize file there is refused in ``error``, naming it).
 
     + path: the model directory
     """
@@ -90,10 +111,9 @@ class ModelDirectory(FactBase[ModelDirInfo]):
         self._path = path
         return (
             f'P={quote(path)}; if [ -d "$P" ]; then echo "{MARKER}dir $P"; echo \'{MARKER}names0\'; '
-            "find -L \"$P\" -mindepth 1 -maxdepth 2 \\( -type d -name '.*' -prune \\) "
+            "find -P \"$P\" -mindepth 1 -maxdepth 2 \\( -type d -name '.*' -prune \\) "
             "-o -type f -printf '%s\\t%P\\0' 2>/dev/null | base64; "
-            "for F in config.json hf_quant_config.json; do "
-            f'if [ -f "$P/$F" ]; then echo "{MARKER}json $F"; base64 < "$P/$F"; fi; done; '
+            f"{read_command(path, CONFIG_FILES, hostio.MODEL_FILE_CAP)}; "
             f'else echo "{MARKER}absent $P"; fi; true'
         )
 

@@ -4,19 +4,17 @@ configuration files (``%UserProfile%\\.wslconfig`` read by Windows at VM start, 
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import os
 from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from freetoken_infra.core import hostio, owner, wsl_ini
+from freetoken_infra.core import owner, wsl_ini
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, drive_path
 from freetoken_infra.core.wsl_ini import WslIniFile
 
-from ._output import MARKER, b64decode_lines, parse_int, quote, section_map
+from ._hostread import ReadFile, parse_read_output, read_command
+from ._output import b64decode_lines, parse_int, quote, section_map
 
 WINDOWS_SYSTEM32 = f"{drive_path(DEFAULT_DRIVE_ROOT)}/Windows/System32"
 
@@ -155,73 +153,8 @@ class WindowsUserProfile(FactBase[WindowsProfileInfo]):
 
 # --------------------------------------------------------------------------- files below the drive root
 
-# hostio's source, run by the facts with python3 -c: a fact runs before anything is uploaded.
-_HOSTIO_SOURCE = open(hostio.__file__, encoding="utf-8").read()
-_READ_MAIN = "\nimport sys\nprint(read_report(sys.argv[1], sys.argv[3:], int(sys.argv[2])))\n"
-
-
-def read_command(folder: str, names: tuple[str, ...] | list[str], cap: int = hostio.WINDOWS_FILE_CAP) -> str:
-    """Shell printing ``hostio.read_report`` for ``names`` in ``folder``: the folder walked from
-    ``/`` without following a link, each file read only when it is a regular file of at most
-    ``cap`` bytes (issue 34, item 3: every Linux account can plant files below the drive root)."""
-    args = " ".join(quote(a) for a in (folder, str(cap), *names))
-    return (
-        "if command -v python3 >/dev/null 2>&1; then "
-        f"python3 -c {quote(_HOSTIO_SOURCE + _READ_MAIN)} {args} 2>&1 </dev/null; "
-        f"else echo '{MARKER}no-python'; fi"
-    )
-
-
-@dataclass(frozen=True)
-class WindowsFileBytes:
-    """A file below the drive root: its bytes (None: there is none), or why root did not read it
-    (``refused``, one line naming the path; ``kind`` as ``hostio.Refused``)."""
-
-    data: bytes | None
-    refused: str | None = None
-    kind: str | None = None
-
-
-@dataclass(frozen=True)
-class ReadFolder:
-    """``hostio.read_folder``'s answer: ``folder`` is ``ok``, ``missing`` or ``refused``."""
-
-    folder: str
-    refused: str | None = None
-    kind: str | None = None
-    files: dict[str, WindowsFileBytes] = field(default_factory=dict)
-
-
-def parse_read_output(lines: list[str]) -> ReadFolder:
-    secs = section_map(lines)
-    if "no-python" in secs:
-        return ReadFolder("refused", "python3 not found", "error")
-    if "read" not in secs:
-        return ReadFolder("refused", "no output", "error")
-    try:
-        doc = json.loads(base64.b64decode(secs["read"][0].strip(), validate=True))
-    except (binascii.Error, ValueError):
-        return ReadFolder("refused", "unreadable fact output", "error")
-    if not isinstance(doc, dict) or doc.get("folder") not in ("ok", "missing", "refused"):
-        return ReadFolder("refused", "unreadable fact output", "error")
-    if doc["folder"] != "ok":
-        return ReadFolder(doc["folder"], _text(doc.get("refused")), _text(doc.get("kind")))
-    files: dict[str, WindowsFileBytes] = {}
-    for name, entry in (doc.get("files") or {}).items():
-        if entry is None:
-            files[name] = WindowsFileBytes(None)
-        elif isinstance(entry, dict) and isinstance(entry.get("data"), str):
-            try:
-                files[name] = WindowsFileBytes(base64.b64decode(entry["data"], validate=True))
-            except (binascii.Error, ValueError):
-                files[name] = WindowsFileBytes(None, f"{name}: unreadable fact output", "error")
-        elif isinstance(entry, dict):
-            files[name] = WindowsFileBytes(None, _text(entry.get("refused")) or name, _text(entry.get("kind")))
-    return ReadFolder("ok", files=files)
-
-
-def _text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
+# The file bytes of a read below the drive root (``_hostread``: no link followed, a cap).
+WindowsFileBytes = ReadFile
 
 
 def parse_windows_file_output(lines: list[str], name: str | None = None) -> WindowsFileBytes:

@@ -46,7 +46,8 @@ class FleetHost:
 
 @dataclass(frozen=True)
 class LockRefused:
-    """The host lock was not taken (held by another run, or the connection was lost)."""
+    """The host lock was not taken (held by another run, or the connection was lost), or the
+    facts read with it were cut at their deadline (``reason`` names the fact that hung)."""
 
     host_name: str
     reason: str

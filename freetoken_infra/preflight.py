@@ -16,7 +16,6 @@ from pathlib import Path
 import click
 import pyinfra
 from pyinfra.api.exceptions import PyinfraError
-from pyinfra.facts.files import Sha256File
 from pyinfra.facts.systemd import SystemdStatus
 
 from facts import batch
@@ -28,6 +27,7 @@ from facts.gpu_memory import GpuMemoryProbe
 from facts.guard import GuardState
 from facts.init import InitSystem
 from facts.model import ModelDirectory
+from facts.model_manifest import ModelManifest
 from facts.resources import HostResources
 from facts.restart import RestartPending
 from facts.wake_on_lan import WakeOnLanReadiness
@@ -240,14 +240,29 @@ def run_preflight(
     run.when_done(print_gate_report_if_gated)  # the gate table, once every host is done
     settings = fleet_settings(state)[host.name]
     obs = observe(host, settings, probe_interop=probe_interop)
-    pre = rules.HostPreflight(settings, obs, rules.evaluate(settings, obs))
+    cut = batch.cut_short(state, host)
+    # A fact batch cut at its deadline: the facts it did not answer are defaults, not the host's;
+    # the host stops with the line that names the fact that hung.
+    findings = [facts_cut_finding(cut)] if cut else rules.evaluate(settings, obs)
+    pre = rules.HostPreflight(settings, obs, findings)
     run.preflight[host.name] = pre
     record_host(host.name, pre)
     click.echo("\n" + findings_table(host.name, pre.findings), err=True)
     _maybe_print_summary(state, run)
     if pre.blocked and stop_blocked:
-        fail_host(state, host, pre.stop_reason)
+        fail_host(state, host, cut or pre.stop_reason)
     return pre, not pre.blocked
+
+
+def facts_cut_finding(cut: str) -> rules.Finding:
+    """The one blocker of a host whose fact batch was cut at its deadline (``batch.cut_short``)."""
+    return rules.Finding(
+        "facts",
+        "block",
+        cut,
+        "find what hangs that fact on the host (a FIFO or a hung mount where it reads, a program "
+        f"that never returns), then re-run; {batch.DEADLINE_ENV} sets the deadline",
+    )
 
 
 # What a converge's decisions are made by on the controller (the fast check's fingerprint): this
@@ -347,10 +362,13 @@ def gather(
         return plan.Seen(host.name, pre, fleet, files, windows_refused=not_read)
     files, not_read = windows_files(host, [path for path, _, _ in plan.windows_targets(pre.settings, pre)])
     running = bool((host.get_fact(SystemdStatus, services=[ENGINE_UNIT]) or {}).get(ENGINE_UNIT, False))
-    manifest = HostLayout.of(pre.settings).model_manifest_file
+    # The manifest lies in the download's user's folder: its hash is taken from the bytes the
+    # ModelManifest fact read without following a link (none when it refused a link or a FIFO).
     engine = plan.EngineSeen(
         running=running,
-        manifest_sha256=host.get_fact(Sha256File, path=manifest) if plan.gate_may_skip(pre, running) else None,
+        manifest_sha256=host.get_fact(ModelManifest, model_dir=pre.settings.model_dir).sha256
+        if plan.gate_may_skip(pre, running)
+        else None,
         distro=host.get_fact(WslDistroName) if pre.settings.windows_autostart else "",
         owner=None
         if running or not pre.settings.agent_enabled

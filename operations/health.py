@@ -24,6 +24,7 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.operations import files
 
 from facts.files import FileText
+from facts.model_manifest import ModelManifest
 from freetoken_infra.core.gate_record import (
     CUT_OFF,
     NOT_FINISHED,
@@ -227,10 +228,12 @@ class HostGate:
         return "\n".join("    " + printable(line) for line in journal.output_lines) or "    (no journal lines)"
 
     def manifest_hash(self) -> str | None:
-        manifest = HostLayout.of(self.inputs.settings).model_manifest_file
-        status, output = self.sh(f"sha256sum {shlex.quote(manifest)} 2>/dev/null")
-        words = (output.stdout_lines or [""])[0].split() if status else []
-        return words[0] if words else None
+        """The model manifest's sha256, from the bytes the ``ModelManifest`` fact's command reads
+        (the download's user's folder: no link followed, no FIFO opened, a cap); None when there
+        is none or it was refused."""
+        fact = ModelManifest()
+        status, output = self.sh(fact.command(self.inputs.settings.model_dir))
+        return fact.process(list(output.stdout_lines)).sha256 if status else None
 
     def keep(self, result: GateResult, version: str) -> None:
         """Leave the gate record on the host (no secret in it; root's directory), written beside

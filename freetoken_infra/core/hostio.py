@@ -16,6 +16,12 @@ file is read only when it is a regular file (``lstat``, then ``O_NOFOLLOW | O_NO
 ``fstat`` of what was opened) no larger than its cap; a write creates a new file with a random
 name (``O_CREAT | O_EXCL | O_NOFOLLOW``) in the folder it holds open and renames it over the
 name, which replaces a link itself and never writes through it.
+
+The model folder (issue 35, item 3): ``model_dir`` is written by the download's user, which talks
+to the hub. Root reads its ``config.json``, ``hf_quant_config.json`` and the manifest the same
+way (``read_folder``, at most ``MODEL_FILE_CAP`` bytes each), and the verify suite hashes its
+files through ``open_below``: a link, FIFO, socket, device or folder where a file should be is
+refused in one line naming the path, never read.
 """
 
 from __future__ import annotations
@@ -65,6 +71,9 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 WINDOWS_FILE_CAP = 64 * 1024  # .wslconfig and the Desktop shortcuts are a few hundred bytes
+# config.json, hf_quant_config.json and the manifest: a few KiB to a few hundred KiB (a long
+# per-layer exclusion list); anything larger is no file the downloader wrote.
+MODEL_FILE_CAP = 8 * 1024 * 1024
 READ_MARKER = "@@ft:read "
 
 
@@ -136,22 +145,25 @@ def open_folder(path: str) -> int:
         raise
 
 
-def _refuse_unless_regular(mode: int, size: int, shown: str, cap: int) -> None:
+def _refuse_unless_regular(mode: int, size: int, shown: str, cap: float) -> None:
     what, kind = _what(mode)
     if kind != "file":
         raise Refused(f"{shown} is {what}", kind)
     if size > cap:
-        raise Refused(f"{shown} is {size_text(size)}, over the {size_text(cap)} cap", "size")
+        raise Refused(f"{shown} is {size_text(size)}, over the {size_text(int(cap))} cap", "size")
 
 
-def read_at(folder_fd: int, name: str, shown: str, cap: int = WINDOWS_FILE_CAP) -> bytes | None:
-    """The bytes of the regular file ``name`` in the folder held open (None: there is none);
-    ``Refused`` for a link, FIFO, socket, device or folder, or a file over ``cap`` bytes."""
+def open_regular(folder_fd: int, name: str, shown: str, cap: int | None = None) -> int | None:
+    """A descriptor of the regular file ``name`` in the folder held open (None: there is none),
+    opened ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO never blocks the open) and checked again with
+    ``fstat``; ``Refused`` for a link, FIFO, socket, device or folder, or a file over ``cap``
+    bytes (None: no cap)."""
+    limit = cap if cap is not None else float("inf")
     try:
         listed = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
-    _refuse_unless_regular(listed.st_mode, listed.st_size, shown, cap)
+    _refuse_unless_regular(listed.st_mode, listed.st_size, shown, limit)
     try:
         fd = os.open(name, READ_FLAGS, dir_fd=folder_fd)
     except FileNotFoundError:
@@ -161,11 +173,24 @@ def read_at(folder_fd: int, name: str, shown: str, cap: int = WINDOWS_FILE_CAP) 
             now = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
         except OSError:
             raise Refused(f"{shown}: {exc.strerror}", "error") from None
-        _refuse_unless_regular(now.st_mode, now.st_size, shown, cap)
+        _refuse_unless_regular(now.st_mode, now.st_size, shown, limit)
         raise Refused(f"{shown}: {exc.strerror}", "error") from None
     try:
         st = os.fstat(fd)
-        _refuse_unless_regular(st.st_mode, st.st_size, shown, cap)
+        _refuse_unless_regular(st.st_mode, st.st_size, shown, limit)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_at(folder_fd: int, name: str, shown: str, cap: int = WINDOWS_FILE_CAP) -> bytes | None:
+    """The bytes of the regular file ``name`` in the folder held open (None: there is none);
+    ``Refused`` for a link, FIFO, socket, device or folder, or a file over ``cap`` bytes."""
+    fd = open_regular(folder_fd, name, shown, cap)
+    if fd is None:
+        return None
+    try:
         chunks, total = [], 0
         while total <= cap:
             chunk = os.read(fd, cap + 1 - total)
@@ -176,6 +201,35 @@ def read_at(folder_fd: int, name: str, shown: str, cap: int = WINDOWS_FILE_CAP) 
         if total > cap:  # it grew after the fstat
             raise Refused(f"{shown} is over the {size_text(cap)} cap", "size")
         return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def open_below(folder_fd: int, rel: str, shown: str) -> int | None:
+    """A descriptor of the regular file at ``rel`` (``a/b/c``) below the folder held open, each
+    folder on the way opened ``O_DIRECTORY | O_NOFOLLOW`` and the file as ``open_regular`` opens
+    it (no cap). None: there is none; ``Refused`` for a link anywhere on the way, or a file that
+    is not a regular one."""
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise Refused(f"{rel!r} is not a relative file name", "path")
+    fd = os.dup(folder_fd)
+    try:
+        for part in parts[:-1]:
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                try:
+                    st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    raise Refused(f"{shown}: {exc.strerror}", "error") from None
+                what, kind = _what(st.st_mode)
+                raise Refused(f"{shown}: a folder on the way is {what}", kind) from None
+            os.close(fd)
+            fd = child
+        return open_regular(fd, parts[-1], shown)
     finally:
         os.close(fd)
 

@@ -404,3 +404,54 @@ def test_every_argument_of_our_own_facts_has_a_shape_in_the_allow_list():
                     if name not in ARGUMENT_SHAPES:
                         missing.append(f"{module.__name__}:{cls.__name__}({name})")
     assert not missing, missing
+
+
+def test_a_fact_that_never_ends_is_cut_at_the_deadline_naming_it_and_the_lock_is_released(
+    local_prepare, tmp_path, monkeypatch
+):
+    """Issue 35, item 3: a fact blocked on a FIFO (or any hung program) held the batch, the run
+    and the host lock for ever. The batch is cut at its deadline (here 2 s), says which fact was
+    running, reads nothing more on the host, and the lock taken in the same round trip is held
+    by this run, so that its disconnect releases it."""
+    from pyinfra.facts.server import Command
+
+    from operations import host_lock
+
+    state, host, calls = local_prepare
+    monkeypatch.setenv(batch.DEADLINE_ENV, "2")
+    monkeypatch.setattr(host_lock, "HOST_LOCK_FILE", str(tmp_path / "run.lock"))
+    monkeypatch.setattr(host_lock, "HOST_LOCK_MUTEX", str(tmp_path / "run.lock.mutex"))
+    wanted = [
+        (Command, {"command": "echo before"}),
+        (Command, {"command": "sleep 60"}),  # for ever, as far as the run can tell
+        (Command, {"command": "echo after"}),
+    ]
+
+    def lock_then_facts(command, script, elevation):
+        return batch.prefetch(state, host, wanted, first=(command, script))
+
+    # No clock bound (shared machines are noisy): without the deadline the batch ends after its
+    # 60 s sleep and nothing below says it was cut.
+    assert host_lock.take(state, host, timeout_s=5, run=lock_then_facts) is None
+    assert batch.cut_short(state, host) == (
+        "the fact batch was cut at its 2 s deadline (FREETOKEN_FACT_BATCH_DEADLINE_S): "
+        "pyinfra.facts.server:Command(command='sleep 60') did not finish"
+    )
+    assert (tmp_path / "run.lock").exists()
+    calls.clear()
+    assert host.get_fact(Command, command="echo before") == "before"  # read before the cut
+    assert host.get_fact(Command, command="sleep 60") is None  # not read again: it could hang
+    assert host.get_fact(Command, command="echo after") is None
+    batch.prefetch(state, host, [(Command, {"command": "echo later"})])
+    assert calls == []
+    host_lock.HostLockKeeper.of(state).host_disconnect(state, host)
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_a_cut_batch_says_which_command_was_running():
+    command = batch_command(["echo a", "sleep 60", "echo c"], deadline=1)
+    _, lines = pyinfra_lines(command)
+    assert batch.batch_cut(lines) == (1, 1)  # cut: a whole run would have ended with its marker
+    assert split_batch_output(lines) == {0: (0, ["a"])}
+    _, whole = pyinfra_lines(batch_command(["echo a", "echo b"], deadline=5))
+    assert batch.batch_cut(whole) is None and split_batch_output(whole) == {0: (0, ["a"]), 1: (0, ["b"])}

@@ -21,6 +21,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from facts._hostread import HOSTIO_SOURCE
 from freetoken_infra.core.gate_record import GateRecordError, parse_output
 from freetoken_infra.core.layout import KEY_VAR
 from operations.health import GATE_RECORD_SOURCE, GATE_SCRIPT_SOURCE, gate_command
@@ -96,42 +97,61 @@ def health_gate(host, settings, key_file: str | None, wait_s: float) -> dict:
 
 # --------------------------------------------------------------------------- model files
 
-MODEL_HASH_SCRIPT = r"""
+# The model folder is the download's user's and this probe runs as root: every file is reached
+# without following a link and read only when it is a regular file (``hostio``: a link or a FIFO
+# planted as a shard is a line in ``bad``, never read nor waited on; issue 35, item 3).
+MODEL_HASH_MAIN = r"""
 import hashlib, json, os, sys
 # Hashes as the hub defines them: sha256 of an LFS file's content; a small file's git blob id
 # (sha1 of "blob <size>\0" + content). Computed here, independently of the downloader's code.
 model_dir = sys.argv[1]
+manifest = model_dir.rstrip("/") + "/.freetoken-manifest.json"
 try:
-    with open(os.path.join(model_dir, ".freetoken-manifest.json"), "rb") as f:
-        files = json.load(f)["files"]
+    folder = open_folder(model_dir)
+    raw = read_at(folder, ".freetoken-manifest.json", manifest, MODEL_FILE_CAP)
+    files = json.loads(raw)["files"] if raw is not None else None
+except Refused as exc:
+    print(json.dumps({"error": "manifest not read: %s" % exc}))
+    sys.exit(0)
 except (OSError, ValueError, KeyError, TypeError) as exc:
     print(json.dumps({"error": "manifest unreadable: %s" % exc}))
     sys.exit(0)
+if not isinstance(files, dict):
+    print(json.dumps({"error": "manifest unreadable: %s" % ("missing" if raw is None else "no files")}))
+    sys.exit(0)
 bad = []
 for name, entry in sorted(files.items()):
-    path = os.path.join(model_dir, name)
+    shown = model_dir.rstrip("/") + "/" + name
     try:
-        size = os.path.getsize(path)
+        fd = open_below(folder, name, shown)
+    except Refused as exc:
+        bad.append(str(exc))
+        continue
     except OSError as exc:
         bad.append("%s: %s" % (name, exc.strerror))
         continue
-    if size != entry.get("size"):
-        bad.append("%s: %d bytes, the manifest says %s" % (name, size, entry.get("size")))
+    if fd is None:
+        bad.append("%s: missing" % name)
         continue
-    if entry.get("sha256"):
-        h, want = hashlib.sha256(), entry["sha256"]
-    elif entry.get("oid"):
-        h, want = hashlib.sha1(b"blob %d\0" % size), entry["oid"]
-    else:
-        bad.append("%s: no hash in the manifest" % name)
-        continue
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != entry.get("size"):
+            bad.append("%s: %d bytes, the manifest says %s" % (name, size, entry.get("size")))
+            continue
+        if entry.get("sha256"):
+            h, want = hashlib.sha256(), entry["sha256"]
+        elif entry.get("oid"):
+            h, want = hashlib.sha1(b"blob %d\0" % size), entry["oid"]
+        else:
+            bad.append("%s: no hash in the manifest" % name)
+            continue
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     if h.hexdigest() != want:
         bad.append("%s: content hash %s, the manifest says %s" % (name, h.hexdigest()[:16], want[:16]))
 print(json.dumps({"files": len(files), "bad": bad}))
 """
+MODEL_HASH_SCRIPT = HOSTIO_SOURCE + "\n" + MODEL_HASH_MAIN
 
 
 def model_hash_mismatches(host, model_dir: str) -> dict:
