@@ -394,3 +394,29 @@ def test_an_idle_engine_that_reports_no_vram_yet_is_weighed_by_what_it_took_at_i
     # never seen stopped (the agent came after the engine) and no figure from it: unknown, no claim
     fresh, _ = step(AgentState(), seen(0, used=30000, engine_vram_mib=None), POLICY)
     assert fresh.mode == "serving"
+
+
+@pytest.mark.parametrize("said", [2**30 * 1024, 10**30, -5, "6042", 6042.5, True, None])
+def test_an_engine_lying_about_its_vram_hides_no_game(said):
+    """The engine is untrusted (it parses LAN requests): what it says it holds counts only up to
+    what the card's used memory grew by when it came up. Claiming 1 PiB (or anything else) while
+    the owner's game holds 12 GiB still yields the GPU (issue 35 item 9)."""
+    state = AgentState()
+    state, _ = step(state, seen(0, used=853, active=False), POLICY)  # stopped: the idle baseline
+    state, _ = step(state, seen(1, used=CARD_IDLE_MIB, engine_vram_mib=said), POLICY)  # up and healthy
+    assert state.engine_mib == ENGINE_MIB and state.mode == "serving"
+    state, action = step(state, seen(2, used=CARD_IDLE_MIB + GAME_MIB, engine_vram_mib=said), POLICY)
+    assert state.mode == "yielding" and state.others_mib == 853 + GAME_MIB
+    state, action = step(state, seen(9, used=CARD_IDLE_MIB + GAME_MIB, engine_vram_mib=said), POLICY)
+    assert action == STOP
+
+
+def test_the_engines_share_is_bounded_by_the_card_before_its_growth_is_learnt():
+    # not learnt yet (loading), the idle baseline known: at most used less the baseline
+    obs = seen(0, used=853 + 3000, engine_vram_mib=2**30, health_ok=False)
+    assert owner.engine_share_mib(obs, None, 853) == 3000
+    # no baseline either (the agent came after the engine): never more than the card's used memory
+    assert owner.engine_share_mib(obs, None, None) == 853 + 3000
+    # an honest figure below the card's growth is taken as it is
+    assert owner.engine_share_mib(seen(0, engine_vram_mib=5000), ENGINE_MIB, 853) == 5000
+    assert others_mib(seen(0, used=CARD_IDLE_MIB + GAME_MIB, engine_vram_mib=2**30), ENGINE_MIB, 853) == 853 + GAME_MIB
