@@ -326,7 +326,7 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
     argv += ["--engine-url", f"http://127.0.0.1:{server.server_address[1]}", "--key-file", str(key_file)]
     argv += ["--bind", "127.0.0.1", "--port", str(agent_port), "--vram-threshold-gb", "4", "--quiet-s", "1"]
     argv += ["--drain-timeout-s", "2", "--interval-s", "0.1"]
-    argv += ["--state-file", str(state_file), "--override-file", str(override)]
+    argv += ["--state-file", str(state_file), "--override-file", str(override), "--nvml-lib", ""]
     proc = subprocess.Popen(
         argv,
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
