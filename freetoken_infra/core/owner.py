@@ -112,17 +112,46 @@ class AgentState:
     signals: str = ""  # the owner signals read now (signals_line); "": not known yet
 
 
-def others_mib(obs: Observation, learned_engine_mib: int | None = None) -> int | None:
-    """Other processes' VRAM: the card's used memory less the engine's own; None when unknown
-    (nvidia-smi unread, or the engine runs and neither said what it holds nor was seen coming
-    up). The engine's own: its ``/v1/stats`` figure (0.2.1 reports it only once a request has
-    been served), else what the card's used memory grew by when it came up (FreeToken takes its
-    pages at load; ``learn``)."""
+def engine_share_mib(
+    obs: Observation, learned_engine_mib: int | None = None, idle_used_mib: int | None = None
+) -> int | None:
+    """What the engine holds, as far as the card bears it out; None when unknown (nvidia-smi
+    unread, or the engine runs and neither said what it holds nor was seen coming up).
+
+    Its own ``/v1/stats`` figure (0.2.1 reports it only once a request has been served), else
+    what the card's used memory grew by when it came up (FreeToken takes its pages at load;
+    ``learn``). The engine is untrusted (it parses LAN requests): its figure counts only up to
+    what the card shows it took, i.e. what the used memory grew by when it came up (the card's
+    growth counts its CUDA context too, so an honest figure is below it), else, before that is
+    learnt, the used memory less the card's idle baseline (``idle_used_mib``, seen with the
+    engine stopped), and never more than the card's used memory. An engine that says it holds
+    1 PiB hides no game."""
+    used = obs.gpu_used_mib
+    if used is None:
+        return None
+    said = obs.engine_vram_mib
+    if isinstance(said, bool) or not isinstance(said, int) or said < 0:
+        said = None
+    engine = said if said is not None else learned_engine_mib
+    if engine is None:
+        return None
+    if learned_engine_mib is not None:
+        bound = learned_engine_mib
+    elif idle_used_mib is not None:
+        bound = max(0, used - idle_used_mib)
+    else:
+        bound = used
+    return max(0, min(engine, bound, used))
+
+
+def others_mib(obs: Observation, learned_engine_mib: int | None = None, idle_used_mib: int | None = None) -> int | None:
+    """Other processes' VRAM: the card's used memory less the engine's own (what it says it holds,
+    bounded by what the card shows it took, ``engine_share_mib``); None when unknown."""
     if obs.gpu_used_mib is None:
         return None
     if not obs.engine_active:
         return obs.gpu_used_mib
-    engine = obs.engine_vram_mib if obs.engine_vram_mib is not None else learned_engine_mib
+    engine = engine_share_mib(obs, learned_engine_mib, idle_used_mib)
     if engine is None:
         return None
     return max(0, obs.gpu_used_mib - engine)
@@ -172,7 +201,9 @@ class Claim:
         return self.kind != REBOOT
 
 
-def claims(obs: Observation, policy: Policy, learned_engine_mib: int | None = None) -> list[Claim]:
+def claims(
+    obs: Observation, policy: Policy, learned_engine_mib: int | None = None, idle_used_mib: int | None = None
+) -> list[Claim]:
     """Every claim the owner has now, strongest first (the owner's own use before the schedule,
     the schedule before a reboot)."""
     out = []
@@ -187,7 +218,7 @@ def claims(obs: Observation, policy: Policy, learned_engine_mib: int | None = No
         )
     if policy.fullscreen and obs.fullscreen:
         out.append(Claim(FULLSCREEN, "yielded (full-screen)", "a full-screen app runs on Windows (owner_fullscreen)"))
-    others = others_mib(obs, learned_engine_mib)
+    others = others_mib(obs, learned_engine_mib, idle_used_mib)
     if policy.vram_threshold_mib > 0 and others is not None and others > policy.vram_threshold_mib:
         reason = (
             f"the owner's GPU use: {gib(others)} held by other processes "
@@ -206,9 +237,11 @@ def claims(obs: Observation, policy: Policy, learned_engine_mib: int | None = No
     return out
 
 
-def claim(obs: Observation, policy: Policy, learned_engine_mib: int | None = None) -> str | None:
+def claim(
+    obs: Observation, policy: Policy, learned_engine_mib: int | None = None, idle_used_mib: int | None = None
+) -> str | None:
     """Why the owner claims the GPU now (the strongest claim's reason), or None."""
-    found = claims(obs, policy, learned_engine_mib)
+    found = claims(obs, policy, learned_engine_mib, idle_used_mib)
     return found[0].reason if found else None
 
 
@@ -221,9 +254,9 @@ def step(state: AgentState, obs: Observation, policy: Policy) -> tuple[AgentStat
     """The next state and the action to take now (``STOP``, ``START`` or None)."""
     state = learn(state, obs)
     now = obs.now
-    found = claims(obs, policy, state.engine_mib)
+    found = claims(obs, policy, state.engine_mib, state.idle_used_mib)
     c = _strongest(found)
-    others = others_mib(obs, state.engine_mib)
+    others = others_mib(obs, state.engine_mib, state.idle_used_mib)
     state = replace(state, others_mib=others if others is not None else state.others_mib)
     if state.mode in (SERVING, HELD):
         if c is None:

@@ -37,6 +37,7 @@ Runs on the target with the system python3; standard library only.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import selectors
@@ -47,8 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -72,13 +72,21 @@ KEY_VAR = "FREETOKEN_API_KEY"
 PREPARE_STOP_MAX_S = 10.0
 # Windows Update's flags change rarely: read every minute, not every round.
 REBOOT_EVERY_S = 60.0
+# NVML, the library nvidia-smi itself reads: WSL's driver folder first, then the loader's path.
+NVML_LIBS = ("/usr/lib/wsl/lib/libnvidia-ml.so.1", "libnvidia-ml.so.1")
+NVML_RETRY_S = 60.0
 # One total deadline (wall clock) for each Windows program the agent runs: a program that hangs
 # (Windows locked, microsoft/WSL#7001) or prints forever is killed with its whole group then.
 WINDOWS_TIMEOUT_S = 20.0
 # The most of a Windows program's stdout and stderr kept (the rest is read and dropped).
 WINDOWS_OUTPUT_MAX = 1 << 20
-# No proxy between the agent and the engine on loopback.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# Each read of the engine (untrusted: it parses LAN requests) has one total deadline, wall clock
+# over connect, headers and body; an answer older than ENGINE_FRESH_S is no answer ("unknown").
+ENGINE_DEADLINE_S = 2.0
+ENGINE_FRESH_S = 3.0
+ANSWER_MAX = 65536
+# The engine unit's state is read with systemctl at least this often (UnitState).
+UNIT_EVERY_S = 10.0
 
 
 def log(message: str) -> None:
@@ -112,9 +120,120 @@ def gpu_used_mib() -> int | None:
         return None
 
 
+class _NvmlMemory(ctypes.Structure):
+    """nvml.h's nvmlMemory_t: bytes."""
+
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+class Nvml:
+    """The first GPU's memory through NVML in this process (``libnvidia-ml.so.1`` by ctypes; under
+    WSL the Windows driver maps it into ``/usr/lib/wsl/lib``): a few microseconds a read, where
+    an ``nvidia-smi`` process costs tens of milliseconds of CPU. OSError when the library is
+    missing or does not initialise."""
+
+    def __init__(self, paths: tuple[str, ...] = NVML_LIBS):
+        lib = None
+        for path in paths:
+            try:
+                lib = ctypes.CDLL(path)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise OSError("libnvidia-ml.so.1 not found")
+        try:
+            lib.nvmlInit_v2.restype = ctypes.c_int
+            lib.nvmlDeviceGetHandleByIndex_v2.restype = ctypes.c_int
+            lib.nvmlDeviceGetHandleByIndex_v2.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]
+            lib.nvmlDeviceGetMemoryInfo.restype = ctypes.c_int
+            lib.nvmlDeviceGetMemoryInfo.argtypes = [ctypes.c_void_p, ctypes.POINTER(_NvmlMemory)]
+            lib.nvmlShutdown.restype = ctypes.c_int
+        except AttributeError as exc:  # not NVML
+            raise OSError(f"not NVML: {exc}") from None
+        if (rc := lib.nvmlInit_v2()) != 0:
+            raise OSError(f"nvmlInit_v2 returned {rc}")
+        handle = ctypes.c_void_p()
+        if (rc := lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle))) != 0:
+            lib.nvmlShutdown()
+            raise OSError(f"nvmlDeviceGetHandleByIndex_v2 returned {rc}")
+        self.lib, self.handle = lib, handle
+
+    def used_mib(self) -> int | None:
+        memory = _NvmlMemory()
+        if self.lib.nvmlDeviceGetMemoryInfo(self.handle, ctypes.byref(memory)) != 0:
+            return None
+        return memory.used // 2**20
+
+    def close(self) -> None:
+        self.lib.nvmlShutdown()
+
+
+class GpuMemory:
+    """The card's used memory (MiB): NVML in-process (``Nvml``), else the ``nvidia-smi`` process
+    (``gpu_used_mib``) when the library is missing or errs; NVML is tried again every
+    ``NVML_RETRY_S``. Each change of source is logged once."""
+
+    def __init__(self, paths: tuple[str, ...] = NVML_LIBS, fallback=None, clock=time.monotonic):
+        self.paths, self.clock = paths, clock
+        self.fallback = fallback if fallback is not None else gpu_used_mib
+        self.nvml: Nvml | None = None
+        self.tried: float | None = None
+        self.source = ""
+
+    def _say(self, source: str) -> None:
+        if source != self.source:
+            log(f"GPU memory read {source}")
+            self.source = source
+
+    def used_mib(self) -> int | None:
+        now = self.clock()
+        if self.nvml is None and self.paths and (self.tried is None or now - self.tried >= NVML_RETRY_S):
+            self.tried = now
+            try:
+                self.nvml = Nvml(self.paths)
+            except OSError as exc:
+                self._say(f"from nvidia-smi (NVML: {exc})")
+        if self.nvml is not None:
+            used = self.nvml.used_mib()
+            if used is not None:
+                self._say("through NVML")
+                return used
+            self.nvml.close()
+            self.nvml = None
+            self._say("from nvidia-smi (NVML: nvmlDeviceGetMemoryInfo failed)")
+        return self.fallback()
+
+
 def engine_active(unit: str) -> bool:
     run = subprocess.run(["systemctl", "is-active", "--quiet", unit], timeout=30, check=False)
     return run.returncode == 0
+
+
+class UnitState:
+    """The engine unit's state, read with ``systemctl is-active`` (a process start, a few ms of
+    CPU) only when it may have changed: every ``every_s``, after the agent's own start or stop
+    (``forget``), and as soon as the engine's HTTP port starts or stops answering (an engine that
+    stopped or crashed stops answering at once; one that the operator started is seen within
+    ``every_s``). Not once a second: that alone cost the owner more than the rest of the agent."""
+
+    def __init__(self, unit: str, every_s: float = UNIT_EVERY_S, read=engine_active):
+        self.unit, self.every_s, self.read = unit, every_s, read
+        self.known: bool | None = None
+        self.read_at = 0.0
+        self.answered: bool | None = None
+
+    def forget(self) -> None:
+        self.known = None
+
+    def active(self, now: float, answered: bool | None) -> bool:
+        flipped = answered is not None and self.answered is not None and answered != self.answered
+        if answered is not None:
+            self.answered = answered
+        if self.known is None or flipped or now - self.read_at >= self.every_s:
+            self.known = self.read(self.unit)
+            self.read_at = now
+        return self.known
 
 
 def read_key(path: str) -> str | None:
@@ -130,36 +249,160 @@ def read_key(path: str) -> str | None:
     return None
 
 
-def _request(url: str, key: str | None, body: dict | None, timeout: float) -> dict | None:
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+def _left(end: float, clock) -> float:
+    left = end - clock()
+    if left <= 0:
+        raise TimeoutError("the engine's answer ran past its deadline")
+    return left
+
+
+def _body(head: bytes, rest: bytes, eof: bool) -> bytes | None:
+    """The body of an answer whose headers are ``head``, once all of it is in ``rest`` (None:
+    not yet). Content-Length, chunked, or up to the end of the connection."""
+    length, chunked = None, False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip().lower()
+        if name == b"content-length":
+            if not value.isdigit():
+                raise ValueError("content-length")
+            length = int(value)
+        elif name == b"transfer-encoding" and b"chunked" in value:
+            chunked = True
+    if chunked:
+        out, at = bytearray(), 0
+        while True:
+            eol = rest.find(b"\r\n", at)
+            if eol < 0:
+                return None if not eof else b""
+            size = int(rest[at:eol].split(b";")[0].strip() or b"x", 16)
+            if size == 0:
+                return bytes(out)
+            if len(rest) < eol + 2 + size + 2:
+                return None if not eof else b""
+            out += rest[eol + 2 : eol + 2 + size]
+            at = eol + 2 + size + 2
+    if length is not None:
+        return rest[:length] if len(rest) >= length else (None if not eof else b"")
+    return rest if eof else None
+
+
+def http_json(
+    url: str,
+    key: str | None = None,
+    body: dict | None = None,
+    deadline_s: float = ENGINE_DEADLINE_S,
+    clock=time.monotonic,
+) -> dict | None:
+    """One request to the engine (untrusted) and its JSON object, or None for no answer. ONE
+    total deadline, wall clock over the connect, the request, the headers and the body: an
+    engine that drips its answer a byte at a time is cut off at ``deadline_s`` (a per-read
+    timeout let one such answer hold the agent for hours). At most ``ANSWER_MAX`` bytes."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        return None
+    data = b"" if body is None else json.dumps(body).encode()
+    lines = [
+        f"{'GET' if body is None else 'POST'} {parts.path or '/'} HTTP/1.1",
+        f"Host: {parts.netloc}",
+        "Connection: close",
+        "Accept: application/json",
+    ]
+    if key and key.isprintable():
+        lines.append(f"Authorization: Bearer {key}")
+    if body is not None:
+        lines += ["Content-Type: application/json", f"Content-Length: {len(data)}"]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode() + data
+    end = clock() + deadline_s
     try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            doc = json.loads(resp.read(65536))
-    except urllib.error.HTTPError as exc:
-        try:
-            doc = json.loads(exc.read(65536))
-        except ValueError:
-            return None
-    except (OSError, ValueError):
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=_left(end, clock)) as sock:
+            sock.settimeout(_left(end, clock))
+            sock.sendall(request)
+            got = bytearray()
+            answer = None
+            while answer is None:
+                sock.settimeout(_left(end, clock))
+                chunk = sock.recv(65536)
+                got += chunk
+                if len(got) > ANSWER_MAX:
+                    return None
+                head, sep, rest = bytes(got).partition(b"\r\n\r\n")
+                if sep:
+                    answer = _body(head, rest, eof=not chunk)
+                elif not chunk:
+                    return None
+            status = head.split(b"\r\n", 1)[0].split()
+            if len(status) < 2 or not status[0].startswith(b"HTTP/") or not status[1].isdigit():
+                return None
+            doc = json.loads(answer)
+    except (OSError, ValueError):  # TimeoutError is an OSError
         return None
     return doc if isinstance(doc, dict) else None
 
 
-def health_ok(base: str) -> bool:
-    doc = _request(f"{base}/health", None, None, timeout=2)
-    return doc is not None and doc.get("status") == "ok"
-
-
-def engine_vram_mib(base: str, key: str | None) -> int | None:
-    doc = _request(f"{base}/v1/stats", key, None, timeout=2)
+def vram_from_stats(doc: dict | None) -> int | None:
+    """``/v1/stats``' ``vram_bytes`` in MiB, or None (0: not loaded yet, what it will hold is
+    unknown). The figure is the engine's word only: ``owner.engine_share_mib`` bounds it by the
+    card."""
     vram = doc.get("vram_bytes") if doc else None
     if isinstance(vram, bool) or not isinstance(vram, int) or vram <= 0:
-        return None  # 0: not loaded yet (what it will hold is unknown)
+        return None
     return vram // 2**20
+
+
+class EngineAnswer(NamedTuple):
+    at: float  # the reader's clock when the reads ended
+    answered: bool  # /health answered at all (the engine's port is open and speaks HTTP)
+    health_ok: bool  # /health said "status": "ok"
+    vram_mib: int | None  # /v1/stats (vram_from_stats)
+
+
+class EngineReader:
+    """Reads the engine's ``/health`` and ``/v1/stats`` from a thread of its own, each read with
+    one total deadline (``http_json``), and keeps the latest answer with its time. The decision
+    loop takes it only while it is fresh (``fresh``): an engine that answers slowly, drips its
+    answer or never answers is "unknown" to it, never a wait."""
+
+    def __init__(
+        self,
+        base: str,
+        key_file: str,
+        interval_s: float,
+        deadline_s: float = ENGINE_DEADLINE_S,
+        clock=time.monotonic,
+    ):
+        self.base, self.key_file, self.interval_s, self.deadline_s = base, key_file, interval_s, deadline_s
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.latest: EngineAnswer | None = None
+        self.published = threading.Event()  # set at each answer (tests wait on it)
+
+    def read_once(self) -> EngineAnswer:
+        health = http_json(f"{self.base}/health", None, None, self.deadline_s, self.clock)
+        stats = None
+        if health is not None:
+            stats = http_json(f"{self.base}/v1/stats", read_key(self.key_file), None, self.deadline_s, self.clock)
+        ok = health is not None and health.get("status") == "ok"
+        return EngineAnswer(self.clock(), health is not None, ok, vram_from_stats(stats))
+
+    def serve(self) -> None:
+        while True:
+            started = self.clock()
+            try:
+                answer: EngineAnswer | None = self.read_once()
+            except Exception:  # never let the thread die: no answer is "unknown"
+                answer = None
+            with self.lock:
+                if answer is not None:
+                    self.latest = answer
+            self.published.set()
+            time.sleep(max(0.0, self.interval_s - (self.clock() - started)))
+
+    def fresh(self, now: float, fresh_s: float) -> EngineAnswer | None:
+        """The latest answer if it is at most ``fresh_s`` old by the reader's clock, else None."""
+        with self.lock:
+            latest = self.latest
+        return latest if latest is not None and now - latest.at <= fresh_s else None
 
 
 def read_text(path: str) -> str | None:
@@ -379,7 +622,14 @@ class WindowsWatch:
                     self.apps_running, self.fullscreen, self.reboot_pending = (), False, False
                     self.broken = dict.fromkeys(self.configured, owner.INTEROP_ERROR)
                     self.read_yet = True
-            time.sleep(max(0.0, self.interval_s - (time.time() - started)))
+            time.sleep(max(0.0, self.period_s - (time.time() - started)))
+
+    @property
+    def period_s(self) -> float:
+        """How often the thread wakes: every ``interval_s`` for apps and full screen, else only
+        for the reboot flags (every ``reboot_interval_s``): each interop call starts a Windows
+        process, what the owner pays for."""
+        return self.interval_s if self.apps or self.fullscreen_wanted else self.reboot_interval_s
 
     def seen(self) -> tuple[tuple[str, ...], bool, bool]:
         with self.lock:
@@ -392,14 +642,16 @@ def local_now(now: float) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- acting
-def prepare_stop(base: str, key: str | None, drain_timeout_s: float) -> str:
-    """FreeToken closes its door to new generations and waits for running ones (bounded)."""
+def prepare_stop(base: str, key: str | None, drain_timeout_s: float, clock=time.monotonic) -> str:
+    """FreeToken closes its door to new generations and waits for running ones: bounded by one
+    total deadline (its own wait, its abort time and 5 s), however slowly it answers."""
     wait = min(PREPARE_STOP_MAX_S, max(0.0, drain_timeout_s))
-    doc = _request(
+    doc = http_json(
         f"{base}/v1/admin/prepare-stop",
         key,
         {"drain_timeout_s": wait, "abort_timeout_s": 3.0},
-        timeout=wait + 3.0 + 5.0,
+        deadline_s=wait + 3.0 + 5.0,
+        clock=clock,
     )
     if doc is None:
         return "prepare-stop: no answer"
@@ -468,79 +720,120 @@ class AgentPort:
             return self.drain_answers > 0
 
 
-def serve(args: argparse.Namespace) -> int:
-    apps = tuple(args.app or ())
-    bad = [a for a in apps if not owner.app_name_ok(a)]
-    if bad:
-        log(f"not Windows image names, left out: {bad!r}")
-        apps = tuple(a for a in apps if owner.app_name_ok(a))
-    hours = owner.parse_hours(args.serve_hours) if args.serve_hours else None
-    policy = owner.Policy(
-        int(args.vram_threshold_gb * owner.MIB_PER_GIB),
-        args.quiet_s,
-        apps=apps,
-        fullscreen=args.fullscreen,
-        hours=hours,
-        reboot=args.reboot_drain,
-    )
-    watch = WindowsWatch(
-        args.system32, apps, args.fullscreen, args.reboot_drain, args.windows_interval_s, args.reboot_interval_s
-    )
-    if watch.wanted:
-        threading.Thread(target=watch.serve, daemon=True).start()
-    text = read_text(args.state_file)
-    state = owner.load_state(text) if text else owner.AgentState(since=time.time())
-    port = AgentPort(args.bind, args.port)
-    now = time.time()
-    port.set(owner.agent_word(state, now))
-    threading.Thread(target=port.serve, daemon=True).start()
-    log(f"answering agent checks on {args.bind}:{args.port}; state {state.mode}")
-    written = None
-    signals = ""
-    while True:
-        now = time.time()
-        active = engine_active(args.unit)
-        key = read_key(args.key_file)
-        seen = watch.seen()
-        obs = owner.Observation(
+class Agent:
+    """The decision loop: one look at the host a round (``look``), ``owner.step``, the action
+    (``act``), the state file. Nothing in a round waits on the engine: its answers come from
+    the ``EngineReader`` thread, taken only while fresh."""
+
+    def __init__(self, args: argparse.Namespace, watch: WindowsWatch, port: AgentPort, gpu=None, clock=time.time):
+        apps = tuple(args.app or ())
+        bad = [a for a in apps if not owner.app_name_ok(a)]
+        if bad:
+            log(f"not Windows image names, left out: {bad!r}")
+            apps = tuple(a for a in apps if owner.app_name_ok(a))
+        self.args, self.watch, self.port, self.clock = args, watch, port, clock
+        self.policy = owner.Policy(
+            int(args.vram_threshold_gb * owner.MIB_PER_GIB),
+            args.quiet_s,
+            apps=apps,
+            fullscreen=args.fullscreen,
+            hours=owner.parse_hours(args.serve_hours) if args.serve_hours else None,
+            reboot=args.reboot_drain,
+        )
+        self.gpu = gpu if gpu is not None else gpu_used_mib
+        self.reader = EngineReader(args.engine_url, args.key_file, args.interval_s)
+        self.unit = UnitState(args.unit)
+        self.fresh_s = max(ENGINE_FRESH_S, 2 * args.interval_s)
+        self.systemctl = systemctl
+        text = read_text(args.state_file)
+        self.state = owner.load_state(text) if text else owner.AgentState(since=clock())
+        self.written: bytes | None = None
+        self.signals = ""
+
+    def look(self, now: float) -> owner.Observation:
+        answer = self.reader.fresh(self.reader.clock(), self.fresh_s)  # None: no fresh answer, unknown
+        active = self.unit.active(self.reader.clock(), None if answer is None else answer.answered)
+        seen = self.watch.seen()
+        return owner.Observation(
             now=now,
-            gpu_used_mib=gpu_used_mib(),
+            gpu_used_mib=self.gpu(),
             engine_active=active,
-            engine_vram_mib=engine_vram_mib(args.engine_url, key) if active else None,
-            health_ok=active and health_ok(args.engine_url),
-            snooze_until=owner.load_snooze(read_text(args.override_file) or ""),
-            drain_answered=port.drained(),
+            engine_vram_mib=answer.vram_mib if active and answer is not None else None,
+            health_ok=active and answer is not None and answer.health_ok,
+            snooze_until=owner.load_snooze(read_text(self.args.override_file) or ""),
+            drain_answered=self.port.drained(),
             apps_running=seen[0],
             fullscreen=seen[1],
             reboot_pending=seen[2],
             local=local_now(now),
         )
-        before = state
-        state, action = owner.step(state, obs, policy)
+
+    def decide(self, now: float) -> tuple[owner.Observation, str | None]:
+        """One look and ``owner.step``: the new state (kept, answered to the gateway) and the
+        action to take."""
+        obs = self.look(now)
+        before = self.state
+        state, action = owner.step(before, obs, self.policy)
         # What the agent can see of its owner: logged once per change, answered to the gateway,
         # recorded for `freetoken-owner status`. It decides on VRAM whatever interop does.
-        if (now_signals := watch.signals()) != signals:
+        if (now_signals := self.watch.signals()) != self.signals:
             if now_signals:
                 log(f"owner signals: {now_signals}")
-            signals = now_signals
-        state = replace(state, signals=signals)
-        port.set(owner.agent_word(state, now))
-        if state.mode != before.mode or state.word != before.word:
-            log(f"{before.mode} -> {state.mode}: {state.reason}")
+            self.signals = now_signals
+        self.state = replace(state, signals=self.signals)
+        self.port.set(owner.agent_word(self.state, now))
+        if self.state.mode != before.mode or self.state.word != before.word:
+            log(f"{before.mode} -> {self.state.mode}: {self.state.reason}")
+        return obs, action
+
+    def act(self, obs: owner.Observation, action: str | None) -> None:
         if action == owner.STOP:
-            if active:
-                log(prepare_stop(args.engine_url, key, args.drain_timeout_s))
-            error = systemctl("stop", args.unit)
-            log(f"engine stopped ({state.reason})" if error is None else f"could not stop the engine: {error}")
+            if obs.engine_active:
+                log(prepare_stop(self.args.engine_url, read_key(self.args.key_file), self.args.drain_timeout_s))
+            error = self.systemctl("stop", self.args.unit)
+            self.unit.forget()
+            log(f"engine stopped ({self.state.reason})" if error is None else f"could not stop the engine: {error}")
         elif action == owner.START:
-            error = systemctl("start", args.unit)
+            error = self.systemctl("start", self.args.unit)
+            self.unit.forget()
             log("engine started" if error is None else f"could not start the engine: {error}")
+
+    def record(self, now: float) -> None:
         # Written on a change of state or of others' VRAM by a quarter GiB (not every second).
+        state = self.state
         rough = None if state.others_mib is None else state.others_mib // 256
         record = owner.dump_state(replace(state, others_mib=rough), 0.0)
-        if record != written:
-            hostio.write_atomic(args.state_file, owner.dump_state(state, now))
-            written = record
+        if record != self.written:
+            hostio.write_atomic(self.args.state_file, owner.dump_state(state, now))
+            self.written = record
+
+    def round(self) -> None:
+        now = self.clock()
+        obs, action = self.decide(now)
+        self.act(obs, action)
+        self.record(now)
+
+
+def serve(args: argparse.Namespace) -> int:
+    watch = WindowsWatch(
+        args.system32,
+        tuple(a for a in args.app or () if owner.app_name_ok(a)),
+        args.fullscreen,
+        args.reboot_drain,
+        args.windows_interval_s,
+        args.reboot_interval_s,
+    )
+    if watch.wanted:  # no Windows signal configured: no thread, no interop call at all
+        threading.Thread(target=watch.serve, daemon=True).start()
+    port = AgentPort(args.bind, args.port)
+    nvml = NVML_LIBS if args.nvml_lib is None else tuple(p for p in [args.nvml_lib] if p)
+    agent = Agent(args, watch, port, gpu=GpuMemory(nvml).used_mib)
+    port.set(owner.agent_word(agent.state, time.time()))
+    threading.Thread(target=port.serve, daemon=True).start()
+    threading.Thread(target=agent.reader.serve, daemon=True).start()
+    log(f"answering agent checks on {args.bind}:{args.port}; state {agent.state.mode}")
+    while True:
+        agent.round()
         time.sleep(args.interval_s)
 
 
@@ -577,7 +870,7 @@ def owner_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="owner_agent.py")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve")
@@ -599,12 +892,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--reboot-interval-s", type=float, default=REBOOT_EVERY_S)
     s.add_argument("--state-file", required=True)
     s.add_argument("--override-file", required=True)
+    s.add_argument("--nvml-lib", help="NVML's library (default: WSL's, then the loader's); '': nvidia-smi only")
     o = sub.add_parser("owner")
     o.add_argument("--state-file", required=True)
     o.add_argument("--override-file", required=True)
     o.add_argument("verb", choices=("snooze", "resume", "status"))
     o.add_argument("duration", nargs="?")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     return serve(args) if args.command == "serve" else owner_command(args)
 
 

@@ -326,7 +326,7 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
     argv += ["--engine-url", f"http://127.0.0.1:{server.server_address[1]}", "--key-file", str(key_file)]
     argv += ["--bind", "127.0.0.1", "--port", str(agent_port), "--vram-threshold-gb", "4", "--quiet-s", "1"]
     argv += ["--drain-timeout-s", "2", "--interval-s", "0.1"]
-    argv += ["--state-file", str(state_file), "--override-file", str(override)]
+    argv += ["--state-file", str(state_file), "--override-file", str(override), "--nvml-lib", ""]
     proc = subprocess.Popen(
         argv,
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
@@ -430,3 +430,29 @@ def test_the_agent_takes_the_port_systemd_holds_for_it():
     assert run.returncode == 0, run.stderr
     assert int(run.stdout.strip()) == held.getsockname()[1]
     held.close()
+
+
+@pytest.mark.parametrize("said", [2**30 * 1024, 10**30, -5, "6042", 6042.5, True, None])
+def test_an_engine_lying_about_its_vram_hides_no_game(said):
+    """The engine is untrusted (it parses LAN requests): what it says it holds counts only up to
+    what the card's used memory grew by when it came up. Claiming 1 PiB (or anything else) while
+    the owner's game holds 12 GiB still yields the GPU (issue 35 item 9)."""
+    state = AgentState()
+    state, _ = step(state, seen(0, used=853, active=False), POLICY)  # stopped: the idle baseline
+    state, _ = step(state, seen(1, used=CARD_IDLE_MIB, engine_vram_mib=said), POLICY)  # up and healthy
+    assert state.engine_mib == ENGINE_MIB and state.mode == "serving"
+    state, action = step(state, seen(2, used=CARD_IDLE_MIB + GAME_MIB, engine_vram_mib=said), POLICY)
+    assert state.mode == "yielding" and state.others_mib == 853 + GAME_MIB
+    state, action = step(state, seen(9, used=CARD_IDLE_MIB + GAME_MIB, engine_vram_mib=said), POLICY)
+    assert action == STOP
+
+
+def test_the_engines_share_is_bounded_by_the_card_before_its_growth_is_learnt():
+    # not learnt yet (loading), the idle baseline known: at most used less the baseline
+    obs = seen(0, used=853 + 3000, engine_vram_mib=2**30, health_ok=False)
+    assert owner.engine_share_mib(obs, None, 853) == 3000
+    # no baseline either (the agent came after the engine): never more than the card's used memory
+    assert owner.engine_share_mib(obs, None, None) == 853 + 3000
+    # an honest figure below the card's growth is taken as it is
+    assert owner.engine_share_mib(seen(0, engine_vram_mib=5000), ENGINE_MIB, 853) == 5000
+    assert others_mib(seen(0, used=CARD_IDLE_MIB + GAME_MIB, engine_vram_mib=2**30), ENGINE_MIB, 853) == 853 + GAME_MIB
