@@ -38,6 +38,12 @@ if GATEWAY_GROUP in host.groups:
         backends = gateway.backends_for(host.name, hosts, measured_decode_tps())
         engine_key = gateway.fleet_engine_key(backends, every)
         client_keys = gateway.keys_map(gateway.read_source(settings.gateway_keys_source, "gateway_keys_source"))
+        # /metrics and /stats take their own keys only (unset: none opens them).
+        metrics_source = settings.gateway_metrics_keys_source
+        metrics_keys = gateway.metrics_keys_map(
+            None if metrics_source is None else gateway.read_source(metrics_source, "gateway_metrics_keys_source"),
+            client_keys,
+        )
         address = addresses.fleet_address(host.name, host.data.get("ssh_hostname"))
         tls = None
         if settings.gateway_tls_cert_file is not None:
@@ -55,12 +61,14 @@ if GATEWAY_GROUP in host.groups:
     gateway.gateway(
         name="Gateway: HAProxy in front of "
         + ", ".join(f"{b.name} ({b.slots} slot{'s' if b.slots > 1 else ''}, weight {b.weight})" for b in backends)
-        + " (validated, reloaded)",
+        + " (validated, reloaded)"
+        + ("" if metrics_source else "; /metrics and /stats closed: no gateway_metrics_keys_source"),
         config=gateway.haproxy_config(
             settings, backends, engine_key is not None, tls=tls is not None, waker=bool(sleepers)
         ),
         client_keys=client_keys,
         engine_keys=gateway.engine_key_map(engine_key),
+        metrics_keys=metrics_keys,
         scrape=scrape,
         tls=tls,
     )

@@ -28,7 +28,9 @@ fails is failed by the deploy, after an automatic rollback when it was an upgrad
 * At the end: the fleet report (``freetoken_infra.report.format_fleet_report``), and the same
   rows as JSON, always written: to ``--json FILE``, else to a new file under
   ``$XDG_STATE_HOME/freetoken-infra/rollouts/`` (``~/.local/state`` by default), whose path
-  the rollout prints; ``--from last`` reads the newest there.
+  the rollout prints; ``--from last`` reads the newest there. Each report is signed, with its
+  run id and creation time inside the signed content; a catch-up takes no report older than the
+  newest one this controller applied, and prints what it replays before anything runs.
 * Exit status (the first that applies): 2 bad arguments or settings (nothing touched), 3 the
   rollout stopped early, 1 some host failed, 4 no host failed but some are parked, 5 no host
   failed or is parked but some were refused at preflight, 0 every host ok.
@@ -37,6 +39,8 @@ fails is failed by the deploy, after an automatic rollback when it was an upgrad
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -48,8 +52,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -446,29 +452,169 @@ def report_key(create: bool) -> bytes:
     return text.encode("ascii", "replace")
 
 
-def report_signature(doc: dict[str, Any], key: bytes) -> str:
-    body = {k: v for k, v in doc.items() if k != SIGNATURE}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
+# A signature proves who wrote a report, not that it is the one to replay: an older signed report
+# put in front (touched, copied back from a backup) would bring back its --data and its hosts'
+# speeds. So each report carries its run id and creation time inside the signed content, and the
+# controller keeps one small record, beside the key, of the newest report it applied (wrote, or
+# replayed in a catch-up): a catch-up refuses a report older than that, and the gateway's weights
+# order reports by their signed time, never by a file's mtime. Times are stamped under a lock on
+# the reports folder and never before the record's (a clock set back cannot make a new report
+# look older than the last one). No age bound: a catch-up of PCs that were away for weeks is
+# legitimate, and the record already refuses every report but the newest.
+APPLIED_NAME = ".newest-applied"
+RUN_ID = "run_id"
+CREATED = "created_utc"
+_RUN_ID_RE = re.compile(r"[0-9a-f]{32}")
+_CREATED_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+_CREATED_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 
 
-def write_report(path: Path, doc: dict[str, Any]) -> None:
-    """Write the report, signed (``report_signature``), atomically (a catch-up may read it while
-    another rollout writes) and 0600 (its --data may hold a credential in a URL)."""
-    signed = {**doc, SIGNATURE: report_signature(doc, report_key(create=True))}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+@dataclass(frozen=True)
+class ReportStamp:
+    """Which run wrote a report, and when (UTC): signed with the rest of the report."""
+
+    run_id: str
+    created: datetime
+
+    @property
+    def created_utc(self) -> str:
+        return self.created.strftime(_CREATED_FORMAT)
+
+    @classmethod
+    def of(cls, doc: Any) -> ReportStamp | None:
+        """The stamp of a report (or of the applied record), None when it has none of this shape."""
+        if not isinstance(doc, dict):
+            return None
+        run_id, created = doc.get(RUN_ID), doc.get(CREATED)
+        if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+            return None
+        if not isinstance(created, str) or not _CREATED_RE.fullmatch(created):
+            return None
+        try:
+            when = datetime.strptime(created, _CREATED_FORMAT).replace(tzinfo=timezone.utc)
+        except ValueError:
+            return None
+        return cls(run_id, when)
+
+    def describe(self) -> str:
+        return f"run {self.run_id}, created {self.created_utc}"
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The newest report this controller applied: its stamp and where it was."""
+
+    stamp: ReportStamp
+    report: str
+
+
+@contextlib.contextmanager
+def _reports_lock() -> Iterator[None]:
+    """One rollout at a time stamps a report and moves the applied record (flock on the folder)."""
+    folder = reports_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def newest_applied() -> Applied | None:
+    """The record of the newest report this controller applied (None: none yet). RolloutError
+    when it is not this user's alone or damaged (remove it: the next rollout writes a new one)."""
+    path = reports_dir() / APPLIED_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RolloutError(f"the record of the newest applied report {path} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+        info = os.fstat(f.fileno())
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise RolloutError(
+                f"the record of the newest applied report {path} is not this user's alone (owner uid "
+                f"{info.st_uid}, mode {info.st_mode & 0o777:o}); remove it: the next rollout writes a new one"
+            )
+        text = f.read(4096)
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    stamp = ReportStamp.of(doc)
+    if stamp is None or not isinstance(doc.get("report"), str):
+        raise RolloutError(
+            f"the record of the newest applied report {path} is damaged; remove it: the next rollout writes a new one"
+        )
+    return Applied(stamp, doc["report"])
+
+
+def _write_applied(stamp: ReportStamp, report: Path) -> None:
+    """Record `stamp` as the newest applied, atomically (0600, renamed over the old record);
+    call under ``_reports_lock``. An older stamp changes nothing."""
+    current = newest_applied()
+    if current is not None and current.stamp.created >= stamp.created:
+        return
+    folder = reports_dir()
+    text = json.dumps({RUN_ID: stamp.run_id, CREATED: stamp.created_utc, "report": str(report.absolute())})
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{APPLIED_NAME}.", suffix=".tmp")  # 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(signed, indent=1) + "\n")
-        os.replace(tmp, path)
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / APPLIED_NAME)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
 
 
+def note_applied(stamp: ReportStamp, report: Path) -> None:
+    """A catch-up replays `report`: from now on no older report is replayed."""
+    with _reports_lock():
+        _write_applied(stamp, report)
+
+
+def report_signature(doc: dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in doc.items() if k != SIGNATURE}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
+
+
+def write_report(path: Path, doc: dict[str, Any]) -> ReportStamp:
+    """Write the report, stamped (a new run id, now: never before the newest applied report's
+    time) and signed (``report_signature``: the stamp inside), atomically (a catch-up may read it
+    while another rollout writes) and 0600 (its --data may hold a credential in a URL); then it
+    is the newest applied report (its rollout applied its --data)."""
+    key = report_key(create=True)
+    with _reports_lock():
+        now = datetime.now(timezone.utc)
+        applied = newest_applied()
+        if applied is not None and now <= applied.stamp.created:
+            now = applied.stamp.created + timedelta(microseconds=1)
+        stamp = ReportStamp(uuid.uuid4().hex, now)
+        stamped = {**doc, RUN_ID: stamp.run_id, CREATED: stamp.created_utc}
+        signed = {**stamped, SIGNATURE: report_signature(stamped, key)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(signed, indent=1) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        _write_applied(stamp, path)
+    return stamp
+
+
 def newest_report() -> Path:
+    """The report file changed last (its mtime: anyone who can touch it moves it here, so what
+    it holds is checked by ``load_report``: signature, then its signed time)."""
     found = sorted(reports_dir().glob("rollout-*.json"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise RolloutError(f"--from last: no rollout report in {reports_dir()} yet")
@@ -478,15 +624,23 @@ def newest_report() -> Path:
 def measured_decode_tps(newest: int = 50) -> dict[str, float]:
     """Each host's decode tok/s as its last passed health gate measured it, from the newest of
     this controller's rollout reports that has it (an ``ok`` row with a tok/s): what the gateway
-    weighs hosts by (deploys/gateway.py). Only reports whose signature holds count; none yet: {}."""
-    found = sorted(reports_dir().glob("rollout-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    out: dict[str, float] = {}
-    for path in found[:newest]:
+    weighs hosts by (deploys/gateway.py). Only reports whose signature holds count, newest by
+    their signed creation time (a file's mtime puts no older report in front); a report without
+    a signed time (written before reports carried one) counts for nothing. None yet: {}."""
+    found = []
+    for path in reports_dir().glob("rollout-*.json"):
         try:
-            _, doc = load_report(str(path))
+            doc, stamp = _verified_report(path, str(path))
         except RolloutError:
-            continue  # not ours, damaged, or no key yet: it steers nothing
-        for row in report_rows(doc, str(path)):
+            continue  # not ours, damaged, unstamped, or no key yet: it steers nothing
+        found.append((stamp.created, path, doc))
+    out: dict[str, float] = {}
+    for _, path, doc in sorted(found, key=lambda item: item[0], reverse=True)[:newest]:
+        try:
+            rows = report_rows(doc, str(path))
+        except RolloutError:
+            continue
+        for row in rows:
             if row.result == RESULT_OK and row.tokens_per_s is not None:
                 out.setdefault(row.host, row.tokens_per_s)
     return out
@@ -502,8 +656,9 @@ def parse_only(spec: str) -> list[str]:
     return wanted
 
 
-def load_report(source: str) -> tuple[Path, dict[str, Any]]:
-    path = newest_report() if source == "last" else Path(source)
+def _verified_report(path: Path, source: str) -> tuple[dict[str, Any], ReportStamp]:
+    """A report this controller's rollout wrote: read, its signature checked, then its signed
+    stamp (run id, creation time); RolloutError otherwise, in one line."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -521,6 +676,33 @@ def load_report(source: str) -> tuple[Path, dict[str, Any]]:
         raise RolloutError(
             f"--from {source}: {path} is not a report this controller's rollout wrote (its signature "
             f"does not match the key in {reports_dir()}); nothing was run"
+        )
+    stamp = ReportStamp.of(doc)
+    if stamp is None:
+        raise RolloutError(
+            f"--from {source}: {path} carries no signed run id and creation time (a rollout before "
+            "they were signed wrote it), so it cannot be told from an older report put in its place; "
+            "run the rollout again (it catches up by itself: converged hosts pass unchanged); nothing was run"
+        )
+    return doc, stamp
+
+
+def load_report(source: str) -> tuple[Path, dict[str, Any]]:
+    """The report a catch-up replays (`source`: a file or ``last``): ours (signed), stamped, its
+    rows well-formed, and no older than the newest report this controller applied (an older
+    one, however signed, would bring back settings and hosts a later rollout replaced)."""
+    path = newest_report() if source == "last" else Path(source)
+    doc, stamp = _verified_report(path, source)
+    applied = newest_applied()
+    if applied is not None and (
+        stamp.created < applied.stamp.created
+        or (stamp.created == applied.stamp.created and stamp.run_id != applied.stamp.run_id)
+    ):
+        raise RolloutError(
+            f"--from {source}: {path} ({stamp.describe()}) is older than the newest report this "
+            f"controller applied, {applied.report} ({applied.stamp.describe()}); a catch-up "
+            "replays no older report (its --data and hosts would undo a later rollout); "
+            f"catch up from {applied.report}, or run the rollout again; nothing was run"
         )
     report_rows(doc, source)  # every row checked before anything of the report is used
     return path, doc
@@ -546,6 +728,21 @@ def replayed_options(doc: dict[str, Any], source: str) -> dict[str, Any]:
         parse_data(data)  # settings keys only, before anything else is done
         out["data"] = list(data)
     return out
+
+
+def replay_line(path: Path, doc: dict[str, Any], taken: dict[str, Any]) -> str:
+    """One line: the report a catch-up replays (its run and time) and the options it takes from
+    it, each --data item as the rollout will pass it, a secret value masked."""
+    stamp = ReportStamp.of(doc)
+    argv = []
+    if "batches" in taken:
+        argv += ["--batches", taken["batches"]]
+    if "max_fail_pct" in taken:
+        argv += ["--max-fail-pct", f"{taken['max_fail_pct']:g}"]
+    for item in taken.get("data", []):
+        argv += ["--data", item]
+    what = redact_command(argv) if argv else "nothing (every option given again)"
+    return f"--> replaying {path} ({stamp.describe() if stamp else 'unstamped'}): {what}"
 
 
 def report_rows(doc: dict[str, Any], source: str) -> list[HostRow]:
@@ -653,12 +850,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.only and not args.from_report:
             raise RolloutError("--only needs --from REPORT (the rollout report whose hosts to catch up)")
+        newest_applied()  # a record that is not ours stops here, before any host is touched
         if args.from_report:
             source, earlier = load_report(args.from_report)
             replayed = replayed_options(earlier, args.from_report)
+            taken = []
             for key in defaults:  # its batches and gates, unless given again
                 if getattr(args, key) is None and key in replayed:
                     setattr(args, key, replayed[key])
+                    taken.append(key)
+            # What the report brings back, before anything runs (a credential in a URL masked).
+            print(replay_line(source, earlier, {k: replayed[k] for k in taken}), flush=True)
         for key, (value, _) in defaults.items():
             if getattr(args, key) is None:
                 setattr(args, key, value)
@@ -674,6 +876,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("nothing to catch up", flush=True)
                 return EXIT_OK
             hosts = chosen
+            stamp = ReportStamp.of(earlier)  # load_report refused a report without one
+            if stamp is not None:
+                note_applied(stamp, source)  # no older report is replayed from now on
         batches = plan_batches(hosts, sizes, split(args.canary))
         report_path = Path(args.json_file) if args.json_file else default_report_path()
         gateway = gateway_of(args.inventory, parse_data(args.data))

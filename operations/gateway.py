@@ -6,8 +6,8 @@ while loading, so only `"status": "ok"` counts), `retry-on` + `redispatch` for r
 has answered yet, consistent hashing on the session header, a runtime API for drain / ready
 (`python -m freetoken_infra.fleet`), seamless reloads and a built-in Prometheus exporter.
 
-The pure parts (`haproxy_config`, `keys_map`, `scrape_config`, `backends_for`) are unit-tested;
-`gateway` converges the files and validates (`haproxy -c`) before it reloads.
+The pure parts (`haproxy_config`, `keys_map`, `metrics_keys_map`, `scrape_config`, `backends_for`)
+are unit-tested; `gateway` converges the files and validates (`haproxy -c`) before it reloads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import re
 import shlex
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import yaml
@@ -39,6 +39,7 @@ from freetoken_infra.core.layout import (
     GATEWAY_CONFIG,
     GATEWAY_ENGINE_KEY_MAP,
     GATEWAY_KEYS_MAP,
+    GATEWAY_METRICS_KEYS_MAP,
     GATEWAY_RUNTIME_SOCKET,
     GATEWAY_SCRAPE_CONFIG,
     GATEWAY_SERVER_STATE,
@@ -221,10 +222,17 @@ def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, 
     return key
 
 
-def keys_map(text: str, source: str = "gateway_keys_source") -> str:
+def keys_map(
+    text: str,
+    source: str = "gateway_keys_source",
+    taken: Collection[str] = (),
+    taken_by: str = "",
+    what: str = "the gateway's client keys",
+) -> str:
     """The clients' keys as an HAProxy map: ``KEY LABEL`` per line. Input: one key per line,
     optionally followed by a label (the client's name in the log); '#' starts a comment.
-    Errors name the line, never the key."""
+    A key in `taken` (another map's, named by `taken_by`) is refused. Errors name the line,
+    never the key."""
     lines, seen = [], set()
     for number, raw in enumerate(text.splitlines(), 1):
         words = raw.split("#", 1)[0].split()
@@ -238,12 +246,42 @@ def keys_map(text: str, source: str = "gateway_keys_source") -> str:
             )
         if key in seen:
             raise GatewayError(f"{source}, line {number}: this key is listed twice")
+        if key in taken:
+            raise GatewayError(f"{source}, line {number}: this key is also {taken_by}")
         seen.add(key)
         redact.remember(key)
         lines.append(f"{key} {label}\n")
     if not lines:
-        raise GatewayError(f"{source}: no key; clients need at least one")
-    return "# Managed by freetoken-infra: the gateway's client keys (KEY LABEL).\n" + "".join(lines)
+        raise GatewayError(f"{source}: no key; give at least one")
+    return f"# Managed by freetoken-infra: {what} (KEY LABEL).\n" + "".join(lines)
+
+
+def map_keys(text: str) -> set[str]:
+    """The keys of a map ``keys_map`` wrote."""
+    return {words[0] for words in (line.split() for line in text.splitlines()) if words and words[0][0] != "#"}
+
+
+METRICS_CLOSED = (
+    "# Managed by freetoken-infra: no metrics key (gateway_metrics_keys_source unset):\n"
+    "# /metrics and /stats answer 401 to every request.\n"
+)
+
+
+def metrics_keys_map(text: str | None, client_map: str) -> str:
+    """The map of the gateway's stats frontend (`/metrics`, `/stats`): the keys of
+    ``gateway_metrics_keys_source`` (`text`; None: unset, and the map holds no key, so both
+    answer 401 to everyone). Its own map, never the clients': a scrape credential, which sits in
+    a file on the Prometheus host, buys metrics only, and a client key opens no metrics. A key
+    that is also a client key (`client_map`) is refused: it would open both."""
+    if text is None:
+        return METRICS_CLOSED
+    return keys_map(
+        text,
+        "gateway_metrics_keys_source",
+        taken=map_keys(client_map),
+        taken_by="a client key (gateway_keys_source); a metrics key must open /metrics and /stats only",
+        what="the keys of /metrics and /stats only",
+    )
 
 
 def tls_pem(host_name: str, path: str) -> str:
@@ -308,13 +346,14 @@ def engine_key_map(key: str | None) -> str:
     return "# Managed by freetoken-infra: the fleet's engine key.\n" + (f"engine {key}\n" if key else "")
 
 
-def _key_rules() -> list[str]:
-    """Accept `Authorization: Bearer KEY` or `x-api-key: KEY` (FreeToken's own two forms)."""
+def _key_rules(keys: str) -> list[str]:
+    """Accept `Authorization: Bearer KEY` or `x-api-key: KEY` (FreeToken's own two forms) when
+    KEY is in the map `keys` (each frontend its own map: a key opens only its own door)."""
     return [
         "http-request set-var(txn.api_key) req.hdr(x-api-key) if { req.hdr(x-api-key) -m found }",
         "http-request set-var(txn.api_key) req.hdr(authorization),bytes(7) "
         'if { req.hdr(authorization) -m beg -i "bearer " }',
-        f"acl key_ok var(txn.api_key),map_str({GATEWAY_KEYS_MAP}) -m found",
+        f"acl key_ok var(txn.api_key),map_str({keys}) -m found",
         "http-request return status 401 content-type application/json "
         'string \'{"error": "Unauthorized"}\' unless key_ok',
     ]
@@ -392,7 +431,7 @@ def haproxy_config(
             f"if {{ path /health }} {{ nbsrv({GATEWAY_BACKEND}) gt 0 }}",
             "http-request return status 503 content-type application/json "
             'string \'{"status": "error", "message": "no engine in service"}\' if { path /health }',
-            *_key_rules(),
+            *_key_rules(GATEWAY_KEYS_MAP),
             "# The whole request (up to tune.bufsize) before a host is picked: HAProxy retries only a",
             "# request it holds entirely, and a client's body often follows its headers in another",
             "# packet (the openai client's does). Without it, an engine killed under load left one such",
@@ -414,7 +453,8 @@ def haproxy_config(
     )
     stats = "\n    ".join(
         [
-            *_key_rules(),
+            "# Its own keys (gateway_metrics_keys_source): a client key gets 401 here, a metrics key on /v1.",
+            *_key_rules(GATEWAY_METRICS_KEYS_MAP),
             "http-request use-service prometheus-exporter if { path /metrics }",
             "stats enable",
             "stats uri /stats",
@@ -520,7 +560,8 @@ def scrape_config(
     }
     head = (
         "# Generated by freetoken-infra (deploys/gateway.py): Prometheus scrape config for the fleet.\n"
-        "# Put one gateway client key in the credentials file (mode 0600) and merge this into prometheus.yml.\n"
+        "# Put one metrics key (gateway_metrics_keys_source, never a client key) in the credentials file\n"
+        "# (mode 0600) and merge this into prometheus.yml.\n"
         "# freetoken-guard: node_exporter on each serving host, its textfile collector reading the\n"
         "# guard's samples (RAM, swap, GPU memory); its firewall admits the gateway host(s) and\n"
         "# firewall_metrics_from only.\n"
@@ -545,9 +586,9 @@ RELOAD = (
 
 
 @operation()
-def gateway(config: str, client_keys: str, engine_keys: str, scrape: str, tls: str | None = None):
+def gateway(config: str, client_keys: str, engine_keys: str, metrics_keys: str, scrape: str, tls: str | None = None):
     """
-    HAProxy's config, the key maps and the TLS PEM (0600 root) and the scrape config; a changed
+    HAProxy's config, the three key maps and the TLS PEM (0600 root) and the scrape config; a changed
     config is validated with `haproxy -c` before it replaces the running one, then HAProxy
     reloads without dropping connections. Nothing changes when every file is as given.
     ``--dry --diff`` shows the key maps and the PEM masked (``********``), never a key.
@@ -555,6 +596,7 @@ def gateway(config: str, client_keys: str, engine_keys: str, scrape: str, tls: s
     + config: haproxy.cfg text (haproxy_config)
     + client_keys: the clients' key map (keys_map)
     + engine_keys: the engine key map (engine_key_map)
+    + metrics_keys: the key map of /metrics and /stats (metrics_keys_map)
     + scrape: the Prometheus scrape config (scrape_config)
     + tls: the PEM of HTTPS on the gateway's ports (tls_pem), None: plain HTTP (the PEM removed)
 
@@ -563,12 +605,13 @@ def gateway(config: str, client_keys: str, engine_keys: str, scrape: str, tls: s
     .. code:: python
 
         gateway.gateway(name="Gateway: HAProxy", config=cfg, client_keys=keys,
-                        engine_keys=engine, scrape=scrape, tls=None)
+                        engine_keys=engine, metrics_keys=metrics, scrape=scrape, tls=None)
     """
     # (path, text, mode, masked view for --diff or None: pyinfra's own diff)
     managed = [
         (GATEWAY_KEYS_MAP, client_keys, "600", lambda t, b=None: masked_map(t, 0, b)),
         (GATEWAY_ENGINE_KEY_MAP, engine_keys, "600", lambda t, b=None: masked_map(t, 1, b)),
+        (GATEWAY_METRICS_KEYS_MAP, metrics_keys, "600", lambda t, b=None: masked_map(t, 0, b)),
         *([(GATEWAY_TLS_PEM, tls, "600", masked_pem)] if tls is not None else []),
         (GATEWAY_SCRAPE_CONFIG, scrape, "644", None),
     ]

@@ -235,9 +235,11 @@ class HostLayout:
 # Hosts of this inventory group run the gateway; every host with `runs_engine` is a backend.
 GATEWAY_GROUP = "gateway"
 GATEWAY_CONFIG = "/etc/haproxy/haproxy.cfg"
-# 0600 root: HAProxy reads both while still root (at start and on every reload).
+# 0600 root: HAProxy reads them while still root (at start and on every reload).
 GATEWAY_KEYS_MAP = "/etc/haproxy/freetoken-gateway-keys.map"  # client key -> client label
 GATEWAY_ENGINE_KEY_MAP = "/etc/haproxy/freetoken-engine-key.map"  # the fleet's engine key
+# /metrics and /stats only (the scrape key): a client key opens neither, a metrics key no /v1.
+GATEWAY_METRICS_KEYS_MAP = "/etc/haproxy/freetoken-metrics-keys.map"  # metrics key -> label
 # The runtime API (drain / ready / status), root only.
 GATEWAY_RUNTIME_SOCKET = "/run/haproxy/admin.sock"
 # Drain, maintenance and health states survive a reload: dumped here before each one.

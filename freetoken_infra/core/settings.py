@@ -304,9 +304,11 @@ class Settings(BaseModel):
     gateway_port: int = Field(8080, ge=1, le=65535)
     """Port of the fleet's one OpenAI base URL on the gateway host."""
     gateway_stats_port: int = Field(8404, ge=1, le=65535)
-    """Port of the gateway's Prometheus `/metrics` and `/stats` (a gateway key required)."""
+    """Port of the gateway's Prometheus `/metrics` and `/stats` (a metrics key required)."""
     gateway_keys_source: str | None = None
     """Clients' gateway keys on the controller: `file:/path` or `env:VAR` (one key per line, optionally a label)."""
+    gateway_metrics_keys_source: str | None = None
+    """Keys of the gateway's `/metrics` and `/stats` only (Prometheus' scrape key), like `gateway_keys_source`; none may be a client key, none opens `/v1`; unset: both answer 401 to every request."""
     gateway_tls_cert_file: str | None = None
     """PEM on the controller (certificate chain, then its unencrypted key): HTTPS on both gateway ports; unset: plain HTTP."""
     gateway_queue_timeout_s: int = Field(60, ge=1, le=3600)
@@ -445,7 +447,7 @@ class Settings(BaseModel):
             "'file:/path/on/controller' or 'env:VARIABLE' (on the controller)"
         )
 
-    @field_validator("gateway_keys_source")
+    @field_validator("gateway_keys_source", "gateway_metrics_keys_source")
     @classmethod
     def _gateway_keys(cls, v: str | None) -> str | None:
         # fullmatch: `$` also accepted a trailing newline (issue 20 item 12).

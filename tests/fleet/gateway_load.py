@@ -25,18 +25,21 @@ ROOT = Path(__file__).resolve().parents[2]
 PORT, STATS_PORT = 8080, 8404
 ENGINE_KEY = "sim-engine-key-7f3a9c2e5b1d4a60"
 CLIENT_KEY = "sim-client-key-alice-0123456789"
+METRICS_KEY = "sim-metrics-key-prom-0123456789"  # /metrics and /stats only
 
 
 def write_keys(directory: Path) -> dict[str, Path]:
-    """The fleet's engine key and the gateway's client keys, as files on the controller (0600)."""
+    """The fleet's engine key, the gateway's client keys and its metrics key, as files on the
+    controller (0600)."""
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
-    engine, clients = directory / "engine.key", directory / "gateway-keys"
+    engine, clients, metrics = directory / "engine.key", directory / "gateway-keys", directory / "metrics-keys"
     engine.write_text(ENGINE_KEY + "\n")
     clients.write_text(f"# the simulated fleet's clients\n{CLIENT_KEY} alice\n")
-    for f in (engine, clients):
+    metrics.write_text(f"{METRICS_KEY} prometheus\n")
+    for f in (engine, clients, metrics):
         f.chmod(0o600)
-    return {"engine": engine, "clients": clients}
+    return {"engine": engine, "clients": clients, "metrics": metrics}
 
 
 def data_args(keys: dict[str, Path]) -> list[str]:
@@ -48,6 +51,8 @@ def data_args(keys: dict[str, Path]) -> list[str]:
         f"api_key_source=file:{keys['engine']}",
         "--data",
         f"gateway_keys_source=file:{keys['clients']}",
+        "--data",
+        f"gateway_metrics_keys_source=file:{keys['metrics']}",
     ]
 
 

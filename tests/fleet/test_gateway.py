@@ -12,7 +12,8 @@ settings, as the other test modules expect them.
 Issue 20's attacks on the gateway's LAN (items 4, 6, 14): a key taken from ws1 opens no other
 engine (the workstations' firewall admits the engine port from the gateway and loopback only),
 node_exporter answers the gateway only, a keyless engine on the LAN is refused, HTTPS on the
-client side, and `--dry --diff` of the gateway prints no key."""
+client side, and `--dry --diff` of the gateway prints no key. Issue 35 item 7: the scrape key
+opens the metrics only, a client key no metrics."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tests.fleet import client, harness
 from tests.fleet.gateway_load import (
     CLIENT_KEY,
     ENGINE_KEY,
+    METRICS_KEY,
     PORT,
     STATS_PORT,
     Load,
@@ -120,7 +122,11 @@ def test_the_gateway_converges_validated_and_a_second_run_changes_nothing(gatewa
     assert gateway["first"].returncode == 0
     assert fleet.run(GATEWAY_NAME, "haproxy -c -q -f /etc/haproxy/haproxy.cfg").returncode == 0
     assert fleet.run(GATEWAY_NAME, "systemctl is-active haproxy").stdout.strip() == "active"
-    for path in ("/etc/haproxy/freetoken-gateway-keys.map", "/etc/haproxy/freetoken-engine-key.map"):
+    for path in (
+        "/etc/haproxy/freetoken-gateway-keys.map",
+        "/etc/haproxy/freetoken-engine-key.map",
+        "/etc/haproxy/freetoken-metrics-keys.map",
+    ):
         assert fleet.run(GATEWAY_NAME, f"stat -c '%a %U' {path}").stdout.split() == ["600", "root"]
     before = fleet.snapshot(GATEWAY_NAME)
     again = deploy_gateway(keys)
@@ -172,7 +178,7 @@ def test_the_generated_scrape_config_targets_serve_the_guards_metrics_and_a_reru
 
 def test_a_real_prometheus_scrapes_the_generated_config_every_serving_target_up(gateway):
     """Issue 23 item 7: Debian's Prometheus on the gateway host, given the scrape config the deploy
-    wrote (merged into its prometheus.yml as the README says, a client key in the credentials
+    wrote (merged into its prometheus.yml as the README says, the metrics key in the credentials
     file): the gateway's exporter and every serving host's guard are up, HAProxy's and the
     guard's series are there. ws3 never converged (refused at preflight): its target is down."""
     import base64
@@ -195,7 +201,7 @@ def test_a_real_prometheus_scrapes_the_generated_config_every_serving_target_up(
         fleet.run(
             GATEWAY_NAME,
             "install -m 600 -o prometheus -g prometheus /dev/null /etc/prometheus/freetoken-gateway.key "
-            f"&& printf %s {CLIENT_KEY} > /etc/prometheus/freetoken-gateway.key "
+            f"&& printf %s {METRICS_KEY} > /etc/prometheus/freetoken-gateway.key "
             f"&& echo {text} | base64 -d > /etc/prometheus/prometheus.yml "
             "&& promtool check config /etc/prometheus/prometheus.yml && systemctl restart prometheus",
             check=True,
@@ -321,7 +327,7 @@ def test_a_wrong_or_missing_key_is_refused(gateway):
     assert _get(base + "/health") == 200  # like the engines' own /health
 
 
-def test_the_stats_page_is_not_reachable_from_another_host_without_a_key(gateway):
+def test_the_stats_page_is_not_reachable_from_another_host_without_a_metrics_key(gateway):
     fleet = gateway["fleet"]
     script = (
         "import sys,urllib.request,urllib.error\n"
@@ -334,7 +340,7 @@ def test_the_stats_page_is_not_reachable_from_another_host_without_a_key(gateway
     )
     r = subprocess.run(
         fleet.ssh_argv("ws1") + ["python3", "-c", shlex.quote(script)],
-        input=CLIENT_KEY + "\n",
+        input=METRICS_KEY + "\n",
         capture_output=True,
         text=True,
         timeout=60,
@@ -346,24 +352,24 @@ def test_the_engine_key_is_in_no_argv_log_or_stats_page(gateway):
     # Compared on the gateway host, the key on stdin (never in an argument).
     script = (
         "import sys,os,subprocess,urllib.request\n"
-        "key=sys.stdin.readline().strip();client=sys.stdin.readline().strip()\n"
+        "key=sys.stdin.readline().strip();client=sys.stdin.readline().strip();m=sys.stdin.readline().strip()\n"
         "argv=[open(f'/proc/{p}/cmdline','rb').read() for p in os.listdir('/proc') if p.isdigit()"
         " and os.path.exists(f'/proc/{p}/cmdline')]\n"
         "journal=subprocess.run(['journalctl','--no-pager','-o','cat'],capture_output=True).stdout\n"
         "req=urllib.request.Request('http://127.0.0.1:8404/stats;csv',\n"
-        "  headers={'Authorization':'Bearer '+client})\n"
+        "  headers={'Authorization':'Bearer '+m})\n"
         "stats=urllib.request.urlopen(req,timeout=10).read()\n"
-        "k=key.encode();c=client.encode()\n"
-        "print(any(k in a for a in argv), k in journal, k in stats, c in journal)\n"
+        "k=key.encode();c=client.encode();m=m.encode()\n"
+        "print(any(k in a for a in argv), k in journal, k in stats, c in journal, any(m in a for a in argv), m in journal)\n"
     )
     r = subprocess.run(
         gateway["fleet"].ssh_argv(GATEWAY_NAME) + ["python3", "-c", shlex.quote(script)],
-        input=f"{ENGINE_KEY}\n{CLIENT_KEY}\n",
+        input=f"{ENGINE_KEY}\n{CLIENT_KEY}\n{METRICS_KEY}\n",
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert r.stdout.split() == ["False", "False", "False", "False"], r.stderr
+    assert r.stdout.split() == ["False"] * 6, r.stderr
 
 
 # A GET from another host of the fleet, its key on stdin: the HTTP status, or "unreachable"
@@ -433,6 +439,18 @@ def test_a_flushed_firewall_is_noticed_by_the_fast_check_and_loaded_again(gatewa
     assert probe(fleet, "ws1", ws2, ENGINE_KEY).startswith("unreachable")
 
 
+def test_the_scrape_key_buys_metrics_only_and_a_client_key_no_metrics(gateway):
+    """Issue 35 item 7: both frontends read one key map, so the scrape credential in a file on
+    the Prometheus host was a full inference key. From another host of the fleet: the scrape key
+    gets 401 on the API and 200 on /metrics, a client key 401 on /metrics."""
+    fleet = gateway["fleet"]
+    api, metrics = f"http://{GATEWAY_ADDRESS}:{PORT}/v1/models", f"http://{GATEWAY_ADDRESS}:{STATS_PORT}/metrics"
+    assert probe(fleet, "ws1", api, METRICS_KEY) == "401"
+    assert probe(fleet, "ws1", metrics, METRICS_KEY) == "200"
+    assert probe(fleet, "ws1", metrics, CLIENT_KEY) == "401"
+    assert probe(fleet, "ws1", api, CLIENT_KEY) == "200"  # the client key is still one
+
+
 def test_node_exporter_answers_the_gateway_and_no_other_host(gateway):
     """Issue 20 item 14: with the engines on every address, node_exporter answered /metrics to
     anyone on the LAN without a key."""
@@ -484,6 +502,8 @@ def test_dry_diff_of_the_gateway_shows_changed_keys_masked_and_prints_none(gatew
             f"api_key_source=file:{tmp_path / 'engine.key'}",
             "--data",
             f"gateway_keys_source=file:{tmp_path / 'clients'}",
+            "--data",
+            f"gateway_metrics_keys_source=file:{keys['metrics']}",
             "inventories/sim.py",
             "deploys/gateway.py",
             "--limit",
@@ -500,7 +520,7 @@ def test_dry_diff_of_the_gateway_shows_changed_keys_masked_and_prints_none(gatew
     print(out[-12000:])
     assert run.returncode == 0
     assert "******** alice (changed)" in out and "engine ******** (changed)" in out
-    for key in (ENGINE_KEY, new_engine, CLIENT_KEY, new_client):
+    for key in (ENGINE_KEY, new_engine, CLIENT_KEY, new_client, METRICS_KEY):
         assert key not in out
     assert harness.snapshot_diff(before, fleet.snapshot(GATEWAY_NAME)) == []
 
@@ -526,9 +546,9 @@ def test_https_on_the_client_side_with_gateway_tls_cert_file(gateway, keys, tmp_
     def https_status(port: int) -> int | None:
         conn = http.client.HTTPSConnection(GATEWAY_ADDRESS, port, timeout=10, context=context)
         try:
-            conn.request(
-                "GET", "/v1/models" if port == PORT else "/metrics", headers={"Authorization": f"Bearer {CLIENT_KEY}"}
-            )
+            api = port == PORT
+            key = CLIENT_KEY if api else METRICS_KEY
+            conn.request("GET", "/v1/models" if api else "/metrics", headers={"Authorization": f"Bearer {key}"})
             return conn.getresponse().status
         except (OSError, http.client.HTTPException):
             return None

@@ -7,7 +7,12 @@ import re
 import pytest
 
 from freetoken_infra import fleet
-from freetoken_infra.core.layout import GATEWAY_ENGINE_KEY_MAP, GATEWAY_KEYS_MAP, SESSION_HEADER
+from freetoken_infra.core.layout import (
+    GATEWAY_ENGINE_KEY_MAP,
+    GATEWAY_KEYS_MAP,
+    GATEWAY_METRICS_KEYS_MAP,
+    SESSION_HEADER,
+)
 from freetoken_infra.core.records import HostRow
 from freetoken_infra.core.settings import Settings, SettingsError, build_settings
 from operations import gateway as gw
@@ -178,10 +183,65 @@ def test_stats_and_metrics_need_a_key_and_the_runtime_api_is_root_only():
     refuse = next(i for i, line in enumerate(lines) if "return status 401" in line)
     served = [i for i, line in enumerate(lines) if "prometheus-exporter" in line or line == "stats enable"]
     assert served and all(refuse < i for i in served)
+    assert f"map_str({GATEWAY_METRICS_KEYS_MAP}) -m found" in stats
     assert "stats admin" not in text
     assert re.search(r"stats socket \S+ mode 600 level admin", section(text, "global"))
     assert "server-state-file" in section(text, "global")
     assert "load-server-state-from-file global" in section(text, "defaults")
+
+
+def key_maps(frontend: str) -> set[str]:
+    """Every key map a frontend's rules read."""
+    return set(re.findall(r"map_str\(([^)]+)\)", frontend))
+
+
+def test_an_inference_key_opens_no_metrics_and_a_metrics_key_no_api():
+    """Issue 35 item 7: both frontends read one key map, so Prometheus' scrape credential (a file
+    on the Prometheus host) was a full inference key. Each frontend now checks its own map only:
+    the clients' on /v1, the metrics keys on /metrics and /stats; every request of the stats
+    frontend whose key is not in its map gets the 401 before anything is served."""
+    text = config()
+    api, stats = section(text, "frontend freetoken_api"), section(text, "frontend freetoken_stats")
+    assert key_maps(api) == {GATEWAY_KEYS_MAP, GATEWAY_ENGINE_KEY_MAP}  # the engine map is sent, not checked
+    assert [line for line in api.splitlines() if line.startswith("acl key_ok")] == [
+        f"acl key_ok var(txn.api_key),map_str({GATEWAY_KEYS_MAP}) -m found"
+    ]
+    assert key_maps(stats) == {GATEWAY_METRICS_KEYS_MAP}
+    assert [line for line in stats.splitlines() if line.startswith("acl key_ok")] == [
+        f"acl key_ok var(txn.api_key),map_str({GATEWAY_METRICS_KEYS_MAP}) -m found"
+    ]
+    assert GATEWAY_METRICS_KEYS_MAP != GATEWAY_KEYS_MAP
+    clients = gw.keys_map("alice-key-0123456789 alice\n")
+    metrics = gw.metrics_keys_map("scrape-key-0123456789 prometheus\n", clients)
+    assert gw.map_keys(clients) == {"alice-key-0123456789"} and gw.map_keys(metrics) == {"scrape-key-0123456789"}
+    assert metrics.splitlines()[1:] == ["scrape-key-0123456789 prometheus"]
+
+
+def test_a_metrics_key_that_is_also_a_client_key_is_refused_and_unset_opens_no_metrics():
+    clients = gw.keys_map("alice-key-0123456789 alice\nbob-key-0123456789abc bob\n")
+    with pytest.raises(
+        GatewayError, match=r"^gateway_metrics_keys_source, line 2: this key is also a client key"
+    ) as err:
+        gw.metrics_keys_map("scrape-key-0123456789\nbob-key-0123456789abc prometheus\n", clients)
+    assert "bob-key" not in str(err.value)
+    with pytest.raises(GatewayError, match="^gateway_metrics_keys_source, line 1: expected") as err:
+        gw.metrics_keys_map("short\n", clients)
+    assert "short" not in str(err.value)
+    with pytest.raises(GatewayError, match="^gateway_metrics_keys_source: no key"):
+        gw.metrics_keys_map("# none yet\n", clients)
+    # Unset: the map holds no key at all (comments only), so /metrics and /stats answer 401.
+    closed = gw.metrics_keys_map(None, clients)
+    assert gw.map_keys(closed) == set() and all(line.startswith("#") for line in closed.splitlines())
+    assert gw.masked_map(closed, 0) == closed.splitlines(keepends=True)
+
+
+def test_the_metrics_keys_source_is_validated_like_the_clients():
+    s = build_settings("gw", {"gateway_metrics_keys_source": "env:GW_METRICS"})
+    assert s.gateway_metrics_keys_source == "env:GW_METRICS"
+    assert Settings().gateway_metrics_keys_source is None
+    for bad in ("generate", "none", "env:GW_METRICS\n", "file:/keys\n", "file:relative"):
+        with pytest.raises(SettingsError, match="host gw: setting 'gateway_metrics_keys_source'"):
+            build_settings("gw", {"gateway_metrics_keys_source": bad})
 
 
 def test_the_log_names_the_client_by_label_never_the_key():
@@ -550,10 +610,12 @@ def test_dry_diff_of_the_gateway_shows_the_key_maps_masked(caplog):
     """Item 4: `--dry --diff` printed the clients' keys and the engine key, old and new."""
     old_client, new_client = "alice-key-0123456789", "alice-key-9876543210"
     old_engine, new_engine = "old-engine-key-0123456789", ENGINE_KEY
+    old_scrape, new_scrape = "scrape-key-0123456789", "scrape-key-9876543210"
     host = FakeHost(
         files={
             GATEWAY_KEYS_MAP: (gw.keys_map(f"{old_client} alice\n"), 600),
             GATEWAY_ENGINE_KEY_MAP: (gw.engine_key_map(old_engine), 600),
+            GATEWAY_METRICS_KEYS_MAP: (gw.keys_map(f"{old_scrape} prometheus\n"), 600),
         },
         running={"haproxy"},
         enabled={"haproxy"},
@@ -565,12 +627,15 @@ def test_dry_diff_of_the_gateway_shows_the_key_maps_masked(caplog):
         config="global\n",
         client_keys=gw.keys_map(f"{new_client} alice\n"),
         engine_keys=gw.engine_key_map(new_engine),
+        metrics_keys=gw.keys_map(f"{new_scrape} prometheus\n"),
         scrape="scrape_configs: []\n",
     )
     out = caplog.text
     assert f"Will modify {GATEWAY_KEYS_MAP}" in out and f"Will modify {GATEWAY_ENGINE_KEY_MAP}" in out
+    assert f"Will modify {GATEWAY_METRICS_KEYS_MAP}" in out
     assert "******** alice (changed)" in out and "engine ******** (changed)" in out
-    for key in (old_client, new_client, old_engine, new_engine):
+    assert "******** prometheus (changed)" in out
+    for key in (old_client, new_client, old_engine, new_engine, old_scrape, new_scrape):
         assert key not in out
     assert host.state is not None and host.state.config.DIFF  # pyinfra's own diff held off only while our puts ran
 

@@ -37,6 +37,7 @@ from freetoken_infra.core.layout import (
     GATEWAY_CONFIG,
     GATEWAY_ENGINE_KEY_MAP,
     GATEWAY_KEYS_MAP,
+    GATEWAY_METRICS_KEYS_MAP,
     GATEWAY_SCRAPE_CONFIG,
     GATEWAY_TLS_PEM,
     GPU_FREE_SCRIPT,
@@ -191,12 +192,14 @@ GATEWAY_FILES = {
     GATEWAY_CONFIG: "global\n",
     GATEWAY_KEYS_MAP: "k alice\n",
     GATEWAY_ENGINE_KEY_MAP: "engine e\n",
+    GATEWAY_METRICS_KEYS_MAP: "m prometheus\n",
     GATEWAY_SCRAPE_CONFIG: "scrape_configs: []\n",
 }
 GATEWAY_ARGS = {
     "config": "global\n",
     "client_keys": "k alice\n",
     "engine_keys": "engine e\n",
+    "metrics_keys": "m prometheus\n",
     "scrape": "scrape_configs: []\n",
 }
 

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -582,9 +583,13 @@ def test_catch_up_selects_the_hosts_of_an_earlier_report(tmp_path, monkeypatch):
         ]
     }
     path = tmp_path / "r.json"
-    rollout_mod.write_report(path, doc)
+    stamp = rollout_mod.write_report(path, doc)
     loaded_path, loaded = load_report(str(path))
-    assert loaded_path == path and {k: v for k, v in loaded.items() if k != "signature"} == json.loads(json.dumps(doc))
+    assert loaded_path == path
+    assert {k: v for k, v in loaded.items() if k not in ("signature", "run_id", "created_utc")} == json.loads(
+        json.dumps(doc)
+    )
+    assert (loaded["run_id"], loaded["created_utc"]) == (stamp.run_id, stamp.created_utc)
     hosts = ["ws1", "ws2", "ws3", "ws4", "ws5"]
     assert select_hosts(loaded, parse_only("parked,failed"), hosts, "r.json") == ["ws2", "ws4"]
     assert select_hosts(loaded, parse_only("parked, not-run"), hosts, "r.json") == ["ws2", "ws5"]
@@ -635,6 +640,10 @@ def test_the_gateway_weighs_hosts_by_the_newest_signed_measurement_only(tmp_path
     for i, path in enumerate((old, new, forged)):
         os.utime(path, (i + 1, i + 1))
     # ws1: the newer measurement; ws2: its failed row measures nothing, the older ok row counts
+    assert rollout_mod.measured_decode_tps() == {"ws1": 61.5, "ws2": ok2.tokens_per_s}
+    # The older report touched to look newest (issue 35 item 8): weighed by its signed time, it
+    # stays behind the newer one.
+    os.utime(old, (99, 99))
     assert rollout_mod.measured_decode_tps() == {"ws1": 61.5, "ws2": ok2.tokens_per_s}
 
 
@@ -702,6 +711,128 @@ def test_a_signed_report_still_replays_only_settings(tmp_path, monkeypatch, data
     _, doc = load_report(str(path))
     with pytest.raises(RolloutError, match="not a setting of this deploy"):
         rollout_mod.replayed_options(doc, str(path))
+
+
+# ---------------------------------------------------------------------------- replayed reports (issue 35, item 8)
+def _two_reports(tmp_path, monkeypatch) -> tuple[Path, Path, object, object]:
+    """An older and a newer report of this controller, both signed with its key."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    old, new = (rollout_mod.default_report_path(now=t) for t in (0, 60))
+    parked = [_row("ws2", "parked").to_dict()]
+    old_stamp = rollout_mod.write_report(old, {"hosts": parked, "batches_spec": "1", "data": ["engine_version=0.2.0"]})
+    new_stamp = rollout_mod.write_report(new, {"hosts": parked, "batches_spec": "1", "data": ["engine_version=0.2.2"]})
+    return old, new, old_stamp, new_stamp
+
+
+def test_an_older_signed_report_put_in_front_is_refused_naming_it_and_both_times(tmp_path, monkeypatch, capsys):
+    """The signature proves who wrote a report, not that it is the newest: an older report of
+    this controller, its signature valid, touched to look newest (mtime), would replay its --data
+    over a later rollout's. Refused in one line naming the report, its time and the newest's."""
+    old, new, old_stamp, new_stamp = _two_reports(tmp_path, monkeypatch)
+    assert old_stamp.created < new_stamp.created
+    future = new.stat().st_mtime + 3600
+    os.utime(old, (future, future))  # put in front
+    assert rollout_mod.newest_report() == old
+    ran = []
+    monkeypatch.setattr(rollout_mod, "load_hosts", lambda *a, **k: ran.append(a) or ["ws2"])
+    monkeypatch.setattr(rollout_mod, "parse_data", lambda items: {})  # (the real one patches in gevent)
+    monkeypatch.setattr(rollout_mod, "gateway_of", lambda *a: None)
+    monkeypatch.setattr(rollout_mod, "run_batch", lambda i, h, *a, **k: ran.append(h) or BatchRun(h, 0, []))
+    for source in ("last", str(old)):
+        status = rollout_mod.main(["inv.py", "--from", source])
+        captured = capsys.readouterr()
+        assert status == rollout_mod.EXIT_USAGE and not ran
+        err = captured.err
+        assert len(err.strip().splitlines()) == 1, err
+        assert err.startswith(
+            f"rollout: --from {source}: {old} (run {old_stamp.run_id}, created {old_stamp.created_utc})"
+        )
+        assert f"is older than the newest report this controller applied, {new} " in err
+        assert f"(run {new_stamp.run_id}, created {new_stamp.created_utc})" in err and "nothing was run" in err
+        assert "0.2.0" not in captured.out  # nothing of it was replayed or printed
+    # The same file copied to another name (a backup put back) is the same older report.
+    copy = tmp_path / "state" / "freetoken-infra" / "rollouts" / "rollout-29991231T000000Z.json"
+    copy.write_bytes(old.read_bytes())
+    with pytest.raises(RolloutError, match="is older than the newest report this controller applied"):
+        load_report(str(copy))
+
+
+def test_a_fresh_report_is_taken_and_what_it_replays_is_printed_before_anything_runs(tmp_path, monkeypatch, capsys):
+    old, new, _, new_stamp = _two_reports(tmp_path, monkeypatch)
+    assert load_report("last") == (new, json.loads(new.read_text()))
+    doc = json.loads(new.read_text())
+    doc["data"].append("pip_index_url=http://mirror:s3cret-word@pypi.lan/simple")
+    path = tmp_path / "r.json"
+    key = rollout_mod.report_key(create=True)
+    body = {k: v for k, v in doc.items() if k != "signature"}
+    path.write_text(json.dumps({**body, "signature": rollout_mod.report_signature(body, key)}))
+
+    def hosts(*a, **k):
+        print("LOADING THE INVENTORY")
+        return ["ws2"]
+
+    monkeypatch.setattr(rollout_mod, "load_hosts", hosts)
+    # (the real parse_data imports pyinfra's CLI, which patches this process with gevent)
+    monkeypatch.setattr(rollout_mod, "parse_data", lambda items: {})
+    monkeypatch.setattr(rollout_mod, "gateway_of", lambda *a: None)
+    monkeypatch.setattr(rollout_mod, "run_batch", lambda i, h, *a, **k: BatchRun(h, 0, [_row(x, "ok") for x in h]))
+    assert rollout_mod.main(["inv.py", "--from", str(path)]) == rollout_mod.EXIT_OK
+    out = capsys.readouterr().out
+    line = (
+        f"--> replaying {path} (run {new_stamp.run_id}, created {new_stamp.created_utc}): --batches 1 "
+        "--data engine_version=0.2.2 --data 'pip_index_url=http://mirror:********@pypi.lan/simple'"
+    )
+    assert line in out and out.index(line) < out.index("LOADING THE INVENTORY") < out.index("--> rollout plan")
+    assert "s3cret-word" not in out
+    # The catch-up's own report is the newest applied now: the one it replayed is older.
+    applied = rollout_mod.newest_applied()
+    assert applied is not None and applied.stamp.created > new_stamp.created and applied.report != str(new)
+    with pytest.raises(RolloutError, match="is older than the newest report"):
+        load_report(str(new))
+
+
+def test_a_tampered_time_or_run_id_fails_the_signature(tmp_path, monkeypatch):
+    """The run id and the time are signed content: moving a report's time forward breaks it."""
+    old, new, old_stamp, new_stamp = _two_reports(tmp_path, monkeypatch)
+    for field, value in (("created_utc", "2999-01-01T00:00:00.000000Z"), ("run_id", new_stamp.run_id)):
+        doc = json.loads(old.read_text())
+        doc[field] = value
+        old.write_text(json.dumps(doc))
+        with pytest.raises(RolloutError, match="is not a report this controller's rollout wrote"):
+            load_report(str(old))
+    # A report signed before the stamp existed cannot be told fresh: refused, saying so.
+    key = rollout_mod.report_key(create=True)
+    bare = {"hosts": [_row("ws2", "parked").to_dict()], "batches_spec": "1", "data": []}
+    old.write_text(json.dumps({**bare, "signature": rollout_mod.report_signature(bare, key)}))
+    with pytest.raises(RolloutError, match="carries no signed run id and creation time"):
+        load_report(str(old))
+
+
+def test_the_applied_record_is_the_users_alone_and_never_moves_back(tmp_path, monkeypatch):
+    old, new, old_stamp, new_stamp = _two_reports(tmp_path, monkeypatch)
+    record = rollout_mod.reports_dir() / rollout_mod.APPLIED_NAME
+    assert record.stat().st_mode & 0o777 == 0o600
+    applied = rollout_mod.newest_applied()
+    assert applied == rollout_mod.Applied(new_stamp, str(new.absolute()))
+    rollout_mod.note_applied(old_stamp, old)  # an older stamp never moves it back
+    assert rollout_mod.newest_applied() == applied
+
+    # A clock set back: the next report is still stamped after the newest applied one.
+    class SetBack(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return old_stamp.created
+
+    monkeypatch.setattr(rollout_mod, "datetime", SetBack)
+    later = rollout_mod.write_report(tmp_path / "later.json", {"hosts": []})
+    assert later.created > new_stamp.created
+    record.chmod(0o644)
+    with pytest.raises(RolloutError, match="is not this user's alone"):
+        load_report(str(tmp_path / "later.json"))
+    record.chmod(0o600)
+    record.write_text("{")
+    with pytest.raises(RolloutError, match="is damaged; remove it"):
+        rollout_mod.newest_applied()
 
 
 def test_data_given_to_the_rollout_is_settings_only():
@@ -949,7 +1080,8 @@ def test_a_report_written_in_todays_format_still_reads(tmp_path, monkeypatch):
     doc = json.loads(TODAYS_REPORT.read_text())
     path = tmp_path / "r.json"
     key = rollout_mod.report_key(create=True)
-    path.write_text(json.dumps({**doc, "signature": rollout_mod.report_signature(doc, key)}, indent=1))
+    stamped = {**doc, "run_id": "0f" * 16, "created_utc": "2026-12-03T08:15:02.000000Z"}  # signed since issue 35
+    path.write_text(json.dumps({**stamped, "signature": rollout_mod.report_signature(stamped, key)}, indent=1))
     _, loaded = load_report(str(path))
     rows = rollout_mod.report_rows(loaded, "r.json")
     # the same table, byte for byte, and the same JSON keys, in the same order, written back
