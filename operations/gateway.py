@@ -361,6 +361,8 @@ def _key_rules(keys: str) -> list[str]:
 
 # Conversations are spread over this many buckets; each bucket has one preferred host.
 AFFINITY_BUCKETS = 64
+# Buckets in one `use-server` line: with its 20 other words, within HAProxy's 64 a line.
+BUCKETS_PER_LINE = 32
 
 
 def affinity_buckets(backends: Sequence[GatewayBackend]) -> dict[str, list[int]]:
@@ -412,12 +414,14 @@ def haproxy_config(
     # A bucket's host takes it while that host is in service (not drained) with a free slot;
     # else the request goes where any request goes.
     placed = affinity_buckets(backends)
+    # HAProxy 2.6 reads at most 64 words a line: a host's buckets go in lines of BUCKETS_PER_LINE.
     prefer = "\n".join(
-        f"    use-server {b.name} if {{ var(txn.bucket) -m int {' '.join(map(str, buckets))} }} "
+        f"    use-server {b.name} if {{ var(txn.bucket) -m int {' '.join(map(str, chunk))} }} "
         f"{{ srv_conn_free({GATEWAY_BACKEND}/{b.name}) gt 0 }} {{ srv_weight({GATEWAY_BACKEND}/{b.name}) gt 0 }} "
         f"{{ srv_is_up({GATEWAY_BACKEND}/{b.name}) }}"
         for b in backends
-        if (buckets := placed[b.name])
+        for buckets in [placed[b.name]]
+        for chunk in (buckets[i : i + BUCKETS_PER_LINE] for i in range(0, len(buckets), BUCKETS_PER_LINE))
     )
     engine_auth = (
         f'http-request set-header Authorization "Bearer %[str(engine),map_str({GATEWAY_ENGINE_KEY_MAP})]"'

@@ -63,12 +63,12 @@ def test_a_conversation_keeps_its_host_only_while_that_host_has_a_free_slot_and_
     ) in front
     assert "req.body" not in front  # prefix affinity is opt-in
     rules = [line for line in section(text, "backend freetoken").splitlines() if line.startswith("use-server")]
-    assert len(rules) == 2
     placed = gw.affinity_buckets(BACKENDS)
-    for rule, b in zip(rules, BACKENDS, strict=True):
-        assert rule.startswith(
-            f"use-server {b.name} if {{ var(txn.bucket) -m int {' '.join(map(str, placed[b.name]))} }}"
-        )
+    for b in BACKENDS:
+        mine = [rule for rule in rules if rule.startswith(f"use-server {b.name} if ")]
+        got = [w for rule in mine for w in rule.split("-m int ", 1)[1].split(" }", 1)[0].split()]
+        assert got == [str(n) for n in placed[b.name]], mine
+    for rule, b in [(rule, b) for b in BACKENDS for rule in rules if rule.startswith(f"use-server {b.name} if ")]:
         # never onto a full, drained or failed host: then it is placed like any request
         for cond in (
             f"srv_conn_free(freetoken/{b.name}) gt 0",
@@ -647,3 +647,21 @@ def test_each_server_with_a_host_agent_is_read_by_agent_check():
     text = gw.haproxy_config(Settings(), backends, engine_key=True)
     assert "    server ws1 10.0.0.11:8000 maxconn 1 weight 24 agent-check agent-port 8010 agent-inter 2s\n" in text
     assert "    server ws2 10.0.0.12:8000 maxconn 1 weight 24\n" in text
+
+
+@pytest.mark.parametrize("weights", [[24], [24, 256], [24, 60, 24]])
+def test_no_line_of_haproxy_cfg_passes_haproxy_s_64_words(weights):
+    """HAProxy 2.6 truncates a line after its 64th word ("too many words, truncating after word
+    64", and `haproxy -c` fails): with one host its affinity rule held all 64 buckets in one
+    `use-server` line, 85 words, and the gateway deploy failed. A host's buckets now take as many
+    lines as they need, and every bucket is still placed exactly once."""
+    backends = [GatewayBackend(f"ws{i}", f"10.0.0.{10 + i}", 8000, 1, w) for i, w in enumerate(weights, 1)]
+    text = gw.haproxy_config(Settings(), backends, engine_key=True)
+    too_long = [line for line in text.splitlines() if len(line.split()) > 64]
+    assert too_long == []
+    placed = []
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["use-server"] and "var(txn.bucket)" in line:
+            placed += [int(w) for w in words[words.index("int") + 1 : words.index("}")]]
+    assert sorted(placed) == list(range(gw.AFFINITY_BUCKETS))
