@@ -287,6 +287,7 @@ def cache_host(settings: Settings, bind: str, installed=True, **changed) -> Fake
         packages={"nginx"} if installed else set(),
         running={CACHE_UNIT},
         enabled={CACHE_UNIT},
+        accounts={settings.cache_user: "/nonexistent"},  # the workers' own account
     )
 
 
@@ -635,9 +636,19 @@ NOOP_FACTS = {
     # the unit's own mode too (one File): a unit any user could edit is a way into root
     "service.unit": {"Directory": 2, "File": 4, "FileText": 2, "Sha1File": 2},
     "guard": {"Directory": 5, "File": 4, "Sha1File": 4, "SystemdEnabled": 1, "SystemdStatus": 1},
-    "firewall": {"DebPackages": 1, "Directory": 2, "File": 2, "Sha1File": 2, "SystemdEnabled": 1, "SystemdStatus": 1},
+    # The live table: a flush leaves the unit `active` (FirewallTable, one read).
+    "firewall": {
+        "DebPackages": 1,
+        "Directory": 2,
+        "File": 2,
+        "FirewallTable": 1,
+        "Sha1File": 2,
+        "SystemdEnabled": 1,
+        "SystemdStatus": 1,
+    },
     "model_fetcher": {"Account": 1, "DirOwnership": 2, "Directory": 6, "File": 7, "Sha1File": 6},
     "model_cache": {
+        "Account": 1,  # the workers' own account (cache_user)
         "DebPackages": 1,
         "Directory": 3,
         "File": 3,

@@ -106,7 +106,7 @@ def test_the_report_takes_the_preflights_record_without_reading_the_host(tmp_pat
         gate_record=last_gate,
         restart_pending=["/etc/wsl.conf"],
     )
-    monkeypatch.setattr(preflight, "observe", lambda host, settings: obs)
+    monkeypatch.setattr(preflight, "observe", lambda host, settings, **kwargs: obs)
     state = run_state(["ws1"])
     pre, ok = preflight.run_preflight(state, NoFactsHost())
     assert ok and pre.observations is obs and RunRecords.of(state).preflight == {"ws1": pre}
