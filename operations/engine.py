@@ -91,13 +91,14 @@ def environment(settings: Settings, version: str | None = None, activate: bool =
     requirement = f"{settings.engine_package}{extras}=={version}"
     installed = host.get_fact(EngineInstall, base_dir=settings.engine_base_dir)
     marker = layout.engine_complete_marker(version)
-    built = (
-        bool(host.get_fact(File, path=marker))
-        and installed.versions.get(version) == version
-        and bool(host.get_fact(File, path=f"{venv}/bin/ninja"))
-    )
+    marked = bool(host.get_fact(File, path=marker)) and installed.versions.get(version) == version
+    has_ninja = bool(host.get_fact(File, path=f"{venv}/bin/ninja"))
+    built = marked and has_ninja
+    # Whole but for ninja's program (removed by hand): pip, finding ninja's dist-info, would call
+    # it installed, so it is installed again by itself (the engine is not rebuilt).
+    ninja_only = marked and not has_ninja
 
-    if not built:
+    if not built and not ninja_only:
         yield from files.directory._inner(path=settings.engine_base_dir, mode="755")
         # Also on an existing folder: it repairs a venv whose creation was cut off.
         yield f"python3 -m venv {shlex.quote(venv)}"
@@ -110,7 +111,9 @@ def environment(settings: Settings, version: str | None = None, activate: bool =
         )
     else:
         yield from files.file._inner(path=conf, user="root", group="root", mode=PIP_CONF_MODE)
-    if not built:
+    if ninja_only:
+        yield f"{shlex.quote(venv)}/bin/pip install --progress-bar off --force-reinstall --no-deps ninja"
+    elif not built:
         # pip reads <venv>/pip.conf, so mirrors apply without arguments; the marker comes last.
         yield (
             f"rm -f {shlex.quote(marker)} && {shlex.quote(venv)}/bin/pip install --progress-bar off "

@@ -186,6 +186,19 @@ def test_environment_converged_then_unbuilt_then_inactive():
     assert engine_host(s, active=False).commands(engine.environment, s, activate=False) == []
 
 
+def test_an_environment_missing_only_bin_ninja_gets_ninja_again_not_a_rebuild():
+    """bin/ninja removed by hand: a rebuild's `pip install ... ninja` found ninja's dist-info
+    ('already satisfied'), restored nothing and wrote the marker again, so every later run rebuilt.
+    Now ninja alone is installed again, and the engine is not rebuilt."""
+    s = Settings()
+    venv = f"{s.engine_base_dir}/{s.engine_version}"
+    host = engine_host(s)
+    del host.files[f"{venv}/bin/ninja"]
+    assert host.commands(engine.environment, s) == [
+        f"{venv}/bin/pip install --progress-bar off --force-reinstall --no-deps ninja"
+    ]
+
+
 # --------------------------------------------------------------------------- gateway
 
 GATEWAY_FILES = {
