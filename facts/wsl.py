@@ -337,7 +337,9 @@ class InteropAsService(FactBase[InteropProbe]):
             "else echo '@@ft:svc'; "
             f"{{ cd {quote(drive_path(drive_root))} 2>/dev/null; timeout -k 2 {INTEROP_TIMEOUT_S} systemd-run --quiet "
             f"--wait --pipe --collect --service-type=exec -p RuntimeMaxSec={limit} "
-            f"{quote(cmd)} /c echo {PROBE_WORD} 2>&1 </dev/null; printf '\\n@@rc:%s' \"$?\"; }} | base64; "
+            # Through bash: an exec that fails says why (systemd's own exec would only exit 203).
+            f"/bin/bash -c 'exec \"$0\" /c echo {PROBE_WORD}' {quote(cmd)} 2>&1 </dev/null; "
+            "printf '\\n@@rc:%s' \"$?\"; } | base64; "
             "fi; true"
         )
 

@@ -406,7 +406,11 @@ def test_the_agent_without_interop_keeps_deciding_on_vram_and_says_so_once(tmp_p
         f'case "$1" in\n  is-active) test "$(cat {sim}/active)" = active ;;\n'
         f"  stop) echo inactive > {sim}/active ;;\n  start) echo active > {sim}/active ;;\nesac\n",
     )
-    win = _system32(tmp_path, _no_format)
+    # System32 is a link, switched at once when interop works again: the agent never sees half
+    # of its programs restored (a line of its own that the test would count).
+    broken = _system32(tmp_path / "broken", _no_format)
+    win = tmp_path / "System32"
+    win.symlink_to(broken)
     port, state_file = _free_port(), tmp_path / "state.json"
     script = os.path.join(os.path.dirname(owner_agent.__file__), "owner_agent.py")
     argv = [sys.executable, script, "serve", "--unit", "freetoken.service", "--engine-url", "http://127.0.0.1:9"]
@@ -433,11 +437,12 @@ def test_the_agent_without_interop_keeps_deciding_on_vram_and_says_so_once(tmp_p
         assert _wait(lambda: _ask(port) == f"drain 0% up #yielded (game); {BROKEN}\n".encode())
         assert owner.load_state(state_file.read_text()).mode in (YIELDED, YIELDING)
         # interop works again (tasklist finds nothing of the list, no reboot, no full screen)
-        for tool in TOOLS:
-            (win / tool).unlink()
-        _script(win / "tasklist.exe", f"cat '{REAL / 'tasklist-csv-nh-de.crlf'}'\n")
-        _script(win / "reg.exe", "echo 'ERROR: no such key' >&2\nexit 1\n")
-        _script(win / "WindowsPowerShell/v1.0/powershell.exe", "printf '1\\r\\n'\n")
+        fixed = tmp_path / "fixed" / "c" / "Windows" / "System32"
+        _script(fixed / "tasklist.exe", f"cat '{REAL / 'tasklist-csv-nh-de.crlf'}'\n")
+        _script(fixed / "reg.exe", "echo 'ERROR: no such key' >&2\nexit 1\n")
+        _script(fixed / "WindowsPowerShell/v1.0/powershell.exe", "printf '1\\r\\n'\n")
+        (tmp_path / "System32.new").symlink_to(fixed)
+        os.replace(tmp_path / "System32.new", win)
         assert _wait(lambda: _ask(port) == b"drain 0% up #yielded (game)\n")
         assert _wait(lambda: owner.load_state(state_file.read_text()).signals == ALL)
     finally:
