@@ -7,6 +7,7 @@ still yields."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from freetoken_infra import fleet
 from freetoken_infra.core import owner
 from freetoken_infra.core.owner import SERVING, YIELDED, YIELDING, AgentState, Observation, Policy
 from operations.scripts import owner_agent
+from tests.unit import test_owner_windows
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 ENGINE_MIB = 6042
@@ -382,13 +384,8 @@ def _ask(port: int) -> bytes:
         return b""
 
 
-def _wait(check, timeout: float = 20) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
+# The owner tests' poll, with room for the agent's first look at Windows.
+_wait = functools.partial(test_owner_windows._wait, timeout=20)
 
 
 def test_the_agent_without_interop_keeps_deciding_on_vram_and_says_so_once(tmp_path):
