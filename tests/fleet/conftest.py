@@ -14,6 +14,8 @@ import pytest
 from tests.fleet import client, harness
 from tests.fleet.profiles import PROFILES
 
+FIRST_MODULE = "test_converge.py"
+
 
 @pytest.fixture(scope="session")
 def sim_fleet():
@@ -39,7 +41,14 @@ def sim_fleet():
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `slow` (tests/fleet/test_scale.py) bring up a 12-host fleet of their own:
     they run after every other test, so the session's fleet serves all the others first."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: order kept
+    # tests/fleet/test_converge.py is the main job's first converge: it needs hosts no other module
+    # has deployed to, so it runs first (test_agent_port.py, say, sorts before it and converges ws1).
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("slow") is not None,
+            item.get_closest_marker("fleet") is not None and item.path.name != FIRST_MODULE,
+        )
+    )  # stable: order kept otherwise
     # `pytest -m "not fleet"` must start no fleet: a test that asks for the fleet without the
     # marker would boot it in a run that deselected the fleet.
     unmarked = [
