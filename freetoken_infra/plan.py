@@ -26,7 +26,9 @@ from freetoken_infra.core.addresses import Address, AddressError, Lookup, fleet_
 from freetoken_infra.core.gate_record import Gated, GateResult
 from freetoken_infra.core.launch import LaunchPlan, engine_command
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, GATEWAY_GROUP, RESTART_MESSAGE, WSL_CONF, WSLCONFIG_NAME
+from freetoken_infra.core.records import Refusal, Unchanged
 from freetoken_infra.core.settings import Settings
+from freetoken_infra.core.text import printable
 from freetoken_infra.rules import SYSTEMD_ON, Finding, HostPreflight, plan_for, primary_gpu
 
 # The step a connection lost while the lock was taken is reported in.
@@ -176,36 +178,26 @@ class Converge:
 
 
 @dataclass(frozen=True)
-class Unchanged:
-    """The host's converge record stood (operations/host_lock.py): every input of every fact its
-    last converge read reads as it did then, and the controller's fingerprint is the same.
-    ``refused``: the record is of a run the preflight refused, by these standing blockers."""
-
-    host_name: str
-    inputs: int
-    refused: tuple[Finding, ...] = ()
-
-
-@dataclass(frozen=True)
 class ConvergePlan:
     host_name: str
     stop: Stop | None = None  # the host stops here, before any change
     windows: WindowsSide | None = None  # the Windows-side merges (None: not touched)
     converge: Converge | None = None  # None: the host does not converge this run
     unchanged: Unchanged | None = None  # nothing to do: read from its converge record
+    # What the run prints for this host before any step (report.announce), and how its record
+    # answered, for the gate table (None: the host was read in full).
+    notices: tuple[str, ...] = ()
+    answered: str | None = None
+    # The record the lock's release writes when the run has a fingerprint and every operation
+    # succeeded: () a converge's, blockers a refusal's that stands until the next boot; None none.
+    record: tuple[Refusal, ...] | None = None
 
 
 # --------------------------------------------------------------------------- the one function
 def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find: Lookup = lookup) -> ConvergePlan:
     """Every decision of one converge on one host, in the order the deploy acts on them."""
     if isinstance(seen, Unchanged):
-        if seen.refused:
-            reason = (
-                f"preflight blockers: {', '.join(f.check for f in seen.refused)} (unchanged since its last full read)"
-            )
-            advice = "the remedies above; once they are done, the next run reads every fact"
-            return ConvergePlan(seen.host_name, stop=Stop(reason, advice=advice, standing=seen.refused), unchanged=seen)
-        return ConvergePlan(seen.host_name, unchanged=seen)
+        return unchanged_plan(seen)
     if isinstance(seen, LockRefused):
         if seen.connection_lost:  # one line, as for a connection lost in a step
             stop = Stop("connection lost", lost_in=FACTS_STEP, advice="re-run to finish")
@@ -220,9 +212,11 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
         side = windows_side(settings, pre, seen.windows_files, seen.windows_refused)
         pending = ", ".join(side.changing) or "systemd not yet PID 1"
         notice = f"{name}: {RESTART_MESSAGE} ({pending}); every later step waits for it"
-        return ConvergePlan(name, windows=WindowsSide(side.targets, notice=notice, waits=True))
+        return ConvergePlan(name, windows=WindowsSide(side.targets, notice=notice, waits=True), notices=(notice,))
     if pre.blocked:
-        return ConvergePlan(name, stop=Stop(pre.stop_reason, standing=tuple(pre.standing)))
+        standing = tuple(pre.standing)
+        record = tuple((f.check, f.evidence, f.remedy) for f in standing) if standing else None
+        return ConvergePlan(name, stop=Stop(pre.stop_reason, standing=standing), record=record)
 
     if seen.engine is None:  # gathered on every host the preflight lets on
         return ConvergePlan(name, stop=Stop("the engine's state was not read"))
@@ -275,9 +269,18 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
         serves_cache=serves_cache,
         cache_bind=cache_bind,
     )
+    owner_holds = engine.owner if not engine.running else None
+    notices: tuple[str, ...] = (side.notice,) if side.notice else ()
+    if owner_holds:
+        notices += (
+            f"the engine stays stopped: {owner_holds} (the host agent starts it when its owner is done); "
+            "no restart, no gate",
+        )
     return ConvergePlan(
         name,
         windows=side,
+        notices=notices,
+        record=(),
         converge=Converge(
             settings=settings,
             launch=launch,
@@ -291,7 +294,7 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
                 held=bool(engine.owner and not engine.running),
             ),
             restart_if_running=engine.running,
-            owner_holds=engine.owner if not engine.running else None,
+            owner_holds=owner_holds,
             firewall_present=firewall,
             gateways=tuple(gateways),
             node_exporter_bind=exporter_bind,
@@ -301,6 +304,37 @@ def converge_plan(seen: Seen | LockRefused | Unchanged, render: Renderers, find:
 
 
 # --------------------------------------------------------------------------- the Windows side
+def unchanged_plan(seen: Unchanged) -> ConvergePlan:
+    """A host whose record stood: nothing is read or changed; a refusal's record stops it again
+    with the blockers that record names."""
+    if not seen.refused:
+        return ConvergePlan(
+            seen.host_name,
+            unchanged=seen,
+            notices=(
+                f"unchanged since its last converge ({seen.inputs} inputs of its facts checked in one read): "
+                "nothing to do",
+            ),
+            answered="unchanged since its last converge (its record answered; nothing read)",
+        )
+    standing = tuple(
+        Finding(check, "block", evidence, remedy, standing=True) for check, evidence, remedy in seen.refused
+    )
+    reason = f"preflight blockers: {', '.join(f.check for f in standing)} (unchanged since its last full read)"
+    advice = "the remedies above; once they are done, the next run reads every fact"
+    return ConvergePlan(
+        seen.host_name,
+        stop=Stop(reason, advice=advice, standing=standing),
+        unchanged=seen,
+        notices=tuple(
+            f"refused, unchanged since its last full read ({seen.inputs} inputs of its facts checked in one read): "
+            f"{f.check}: {printable(f.evidence)} -> {printable(f.remedy)}"
+            for f in standing
+        ),
+        answered="refused at preflight (unchanged since its last full read)",
+    )
+
+
 def windows_targets(settings: Settings, pre: HostPreflight) -> list[tuple[str, str, Mapping[str, str]]]:
     """The Windows-side files the deploy merges: ``.wslconfig [wsl2]`` (when the Windows profile
     is known) and ``/etc/wsl.conf [boot] systemd=true``, as (path, section, values)."""

@@ -46,7 +46,7 @@ from freetoken_infra.core.layout import (
     HostLayout,
 )
 from freetoken_infra.core.pyinfra_internals import connection_lost, reached_host_names
-from freetoken_infra.core.records import RECORD_ENV, RunRecords
+from freetoken_infra.core.records import RECORD_ENV, RunRecords, Unchanged
 from freetoken_infra.core.settings import Settings, SettingsError, controller_key, validate_inventory
 from freetoken_infra.core.text import printable
 from freetoken_infra.core.wsl_ini import drive_root
@@ -311,6 +311,12 @@ def fingerprint(state, host) -> str:
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
+def fast_check_fingerprint(state, host) -> str | None:
+    """This run's ``fingerprint`` for ``host`` when the run may answer it from its record
+    (``fast_check``), else None."""
+    return fingerprint(state, host) if fast_check(fleet_settings(state)[host.name]) else None
+
+
 def fast_check(settings: Settings) -> bool:
     """Whether this run may answer a host from its converge record: the ``fast_check`` setting,
     and not under a rollout (``$FREETOKEN_RUN_RECORD``: its fleet report wants every host's
@@ -334,27 +340,21 @@ def owner_hold(text: str | None) -> str | None:
 
 
 def gather(
-    state,
-    host,
-    lock_refused: str | None,
-    pre: rules.HostPreflight | None,
-    unchanged: int | None = None,
-    refused: tuple[tuple[str, str, str], ...] = (),
-) -> plan.Seen | plan.LockRefused | plan.Unchanged:
+    state, host, lock_refused: str | None, unchanged: Unchanged | None = None
+) -> plan.Seen | plan.LockRefused | Unchanged:
     """What the deploy's plan reads beyond the preflight's record, read before any change (a
     step that asks the same fact later gets pyinfra's cached answer): the lock's outcome, the
     Windows-side files (on a host that converges or only waits for the WSL restart), and on a
     host the preflight lets on whether the engine runs, the model manifest's hash (when the gate
     may be skipped) and the distro's name (a blocked host may have no systemd to ask).
-    ``unchanged``: the host's record stood (its number of inputs): nothing is read; ``refused``:
-    the standing blockers (check, evidence, remedy) that record names, when it is a refusal's."""
+    ``unchanged``: the host's record stood (the lock's answer): nothing is read. On a host whose
+    lock is held, the preflight runs first (its findings printed; ``run_preflight``)."""
     if unchanged is not None:
-        standing = tuple(
-            rules.Finding(check, "block", evidence, remedy, standing=True) for check, evidence, remedy in refused
-        )
-        return plan.Unchanged(host.name, unchanged, standing)
-    if lock_refused or pre is None:
-        return plan.LockRefused(host.name, lock_refused or "not locked", connection_lost=connection_lost(host))
+        return unchanged
+    pre = None if lock_refused else run_preflight(state, host, stop_blocked=False)[0]
+    cut = batch.cut_short(state, host)  # a fact batch cut at its deadline (the preflight's own, say)
+    if lock_refused or pre is None or cut:
+        return plan.LockRefused(host.name, lock_refused or cut or "not locked", connection_lost=connection_lost(host))
     fleet = fleet_of(state.inventory)
     if pre.blocked:
         targets = plan.windows_targets(pre.settings, pre) if pre.restart_only else []

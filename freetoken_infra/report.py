@@ -94,6 +94,15 @@ class GateRow:
     stopped: str | None = None
 
 
+def announce(state, host_name: str, notices: Sequence[str], answered: str | None) -> None:
+    """What a run says of a host before any step: its plan's notices, a line each; and how its
+    record answered (the fast check), for the gate table of a run in which other hosts gate."""
+    if answered is not None:
+        RunRecords.of(state).answered[host_name] = answered
+    for notice in notices:
+        click.echo(f"    [{host_name}] {notice}", err=True)
+
+
 def print_gate_report(run: RunRecords, state) -> None:
     """The health gate table, printed when every host of the run is done (pyinfra disconnects
     from each host last, failed ones included)."""

@@ -45,6 +45,7 @@ from freetoken_infra.core.pyinfra_internals import (
     operations_ran,
     use_upload_dir,
 )
+from freetoken_infra.core.records import Refusal, Unchanged
 from freetoken_infra.core.redact import mask_text, redact_command
 
 SCRIPT_SOURCE = Path(__file__).resolve().parent / "scripts" / "host_lock.py"
@@ -94,10 +95,6 @@ def describe(holder: Mapping[str, Any] | None) -> str:
         f"{holder.get('user', '?')}@{holder.get('controller', '?')} (pid {holder.get('pid', '?')}) "
         f"since {holder.get('started', '?')}: {_shown_command(holder.get('command', '?'))}"
     )
-
-
-# A blocker of the preflight as the record keeps it: (check, evidence, remedy), plain text.
-Refusal = tuple[str, str, str]
 
 
 @dataclass(frozen=True)
@@ -206,10 +203,13 @@ class HostLockKeeper(BaseStateCallback):
                 )
                 return
 
-    def record_at_release(self, host, fingerprint: str, refused: tuple[Refusal, ...] = ()) -> None:
+    def record_at_release(self, host, fingerprint: str | None, refused: tuple[Refusal, ...] | None = ()) -> None:
         """Write the converge record when this host's lock is released, if its run executed its
         operations and none failed (``converge_record``); ``refused``: the host stops here, refused
-        by these blockers until its next boot, and the record says so (``refusal_record``)."""
+        by these blockers until its next boot, and the record says so (``refusal_record``). No
+        fingerprint (a run without the fast check) or ``refused`` None: no record."""
+        if fingerprint is None or refused is None:
+            return
         self.fingerprints[host.name] = fingerprint
         if refused:
             self.refusals[host.name] = tuple(refused)
@@ -285,15 +285,6 @@ def _record(state, host, fingerprint: str, refused: tuple[Refusal, ...] = ()) ->
     return Record(fingerprint, inputs.to_json(), refused)
 
 
-@dataclass(frozen=True)
-class Unchanged:
-    """The host's converge record stands: nothing it lists changed since its last converge, or
-    since the run that refused it (``refused``: the blockers, as that run's release wrote them)."""
-
-    inputs: int
-    refused: tuple[Refusal, ...] = ()
-
-
 REFUSAL_MAX = 8  # blockers in a record's refusal, and characters in each of their texts:
 REFUSAL_TEXT_MAX = 2000  # beyond, or not of this shape, the record is not taken at its word
 
@@ -365,7 +356,7 @@ def take(
             refused = refusal_of(doc.get("outcome"))
             if refused is not None:
                 batch.set_expects_record(host, True)
-                return Unchanged(doc["inputs"], refused)
+                return Unchanged(host.name, doc["inputs"], refused)
             # A record this controller would not write: read every fact (nothing was taken).
             click.echo(
                 f"    [{host.name}] reading every fact: its record's outcome is not one this deploy writes", err=True
@@ -400,6 +391,51 @@ def take(
             click.echo(f"    [{host.name}] waiting for the host lock, held by {who} (up to {timeout_s:g} s)", err=True)
             announced = who
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+@dataclass(frozen=True)
+class Round:
+    """The deploy's first round trip on a host (``first_round``): the lock is held and the facts
+    read (both None), the host's record stood (``unchanged``: nothing read, nothing taken), or
+    the one line that says why the host stops (``refused``)."""
+
+    refused: str | None = None
+    unchanged: Unchanged | None = None
+
+
+def first_round(state, host, timeout_s: float, fingerprint: str | None) -> Round:
+    """The host lock and, in the same round trip, the no-op fast check and every fact this host's
+    last run read (facts/batch.py). ``fingerprint``: this run's (None: no fast check). When the
+    host's last run left a record the lock's command goes alone (the check most likely answers,
+    and the facts would only cost their text on the wire); the facts then follow in one more
+    round trip. Operations need root: a workstation user's run goes through sudo, which the
+    lock's first try finds out (``take``)."""
+    alone = fingerprint is not None and batch.expects_record(host)
+
+    def run(command: str, script: str, elevation: Mapping[str, Any]) -> tuple[bool, list[str]] | None:
+        if elevation.get("_sudo"):
+            host.data._sudo = True
+        if not alone:
+            return batch.prefetch(state, host, first=(command, script))
+        ok, output = host.run_shell_command(command, _stdin=script, print_output=False, print_input=False, **elevation)
+        return ok, list(output.output_lines)
+
+    elevation = {"_sudo": True} if host.data.get("_sudo") else {}
+    taken = take(state, host, timeout_s, elevation, run=run, unchanged_if=fingerprint)
+    if isinstance(taken, Unchanged):
+        return Round(unchanged=taken)
+    if taken is not None:
+        return Round(refused=taken)
+    if alone:
+        batch.prefetch(state, host)  # the lock is held: every fact the last run read, in one command
+    # A fact batch cut at its deadline: the host stops with the line naming the fact that hung;
+    # the lock it holds is released at disconnect.
+    cut = batch.cut_short(state, host)
+    if cut:
+        return Round(refused=cut)
+    if alone and connection_lost(host):  # as when it drops in the lock's own round trip: one line
+        return Round(refused="connection lost")
+    return Round()
 
 
 def private_uploads(state, host) -> None:

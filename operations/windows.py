@@ -19,7 +19,7 @@ from typing import Any
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.api.exceptions import OperationError
-from pyinfra.operations import server
+from pyinfra.operations import python, server
 
 from facts.files import FileBytes
 from facts.windows import WindowsFile, dialect_of, interop, interop_timed_out, system32, windows_exe
@@ -131,6 +131,16 @@ def ini_values(path: str, section: str, values: Mapping[str, str]):
 # What WSL accepts as a distribution name (`wsl --import`); the name is read from the host, so
 # nothing else reaches the command line that creates the task.
 DISTRO_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def wait_for_restart(message: str) -> None:
+    """Every later step of this host waits for WSL's restart: the run stops it here, with
+    ``message`` (the restart the Windows side needs; nothing after it can work before)."""
+
+    def stop():
+        raise OperationError(message)
+
+    python.call(name="Wait for the WSL restart", function=stop)
 
 
 @operation()

@@ -35,6 +35,21 @@ from freetoken_infra.core.pyinfra_internals import changed_operations, connectio
 RECORD_ENV = "FREETOKEN_RUN_RECORD"
 
 
+# A blocker of the preflight as a host's record keeps it: (check, evidence, remedy), plain text.
+Refusal = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class Unchanged:
+    """The host's converge record stood (operations/host_lock.py): every input of every fact its
+    last converge read reads as it did then, and the controller's fingerprint is the same.
+    ``refused``: the record is of a run the preflight refused, by these standing blockers."""
+
+    host_name: str
+    inputs: int
+    refused: tuple[Refusal, ...] = ()
+
+
 class RunRecordError(ValueError):
     """A run record line that is not one the deploy writes."""
 

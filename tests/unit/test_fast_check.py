@@ -441,7 +441,7 @@ def test_inputs_of_the_deploys_facts():
 # --------------------------------------------------------------------------- plan
 def test_the_plan_of_an_unchanged_host_does_nothing():
     p = plan.converge_plan(plan.Unchanged("ws1", 140), render=None)  # type: ignore[arg-type]
-    assert p == plan.ConvergePlan("ws1", unchanged=plan.Unchanged("ws1", 140))
+    assert p.unchanged == plan.Unchanged("ws1", 140)
     assert p.stop is None and p.windows is None and p.converge is None
 
 

@@ -435,10 +435,61 @@ def test_only_blockers_that_change_with_a_boot_stand_until_it():
 
 def test_a_refused_hosts_record_stops_it_again_with_its_blockers_and_reads_nothing():
     standing = (rules.Finding("wsl_version", "block", "WSL 2.6.1 < 2.7.13", "wsl.exe --update", standing=True),)
-    p = plan.converge_plan(plan.Unchanged("ws3", 97, standing), RENDER)
+    p = plan.converge_plan(
+        plan.Unchanged("ws3", 97, (("wsl_version", "WSL 2.6.1 < 2.7.13", "wsl.exe --update"),)), RENDER
+    )
     assert p.stop == plan.Stop(
         "preflight blockers: wsl_version (unchanged since its last full read)",
         advice="the remedies above; once they are done, the next run reads every fact",
         standing=standing,
     )
     assert p.unchanged is not None and p.converge is None and p.windows is None
+
+
+# --------------------------------------------------------------------------- the fast check's outcomes
+# What the deploy prints for a host before any step, how its record answered (the gate table)
+# and which record the lock's release writes: fields of the plan, one outcome each.
+def test_fast_check_an_unchanged_host_says_so_writes_no_record_and_does_nothing():
+    p = plan.converge_plan(plan.Unchanged("ws1", 140), RENDER)
+    assert (p.stop, p.windows, p.converge, p.record) == (None, None, None, None)
+    assert p.notices == (
+        "unchanged since its last converge (140 inputs of its facts checked in one read): nothing to do",
+    )
+    assert p.answered == "unchanged since its last converge (its record answered; nothing read)"
+
+
+def test_fast_check_a_refused_hosts_record_prints_each_blocker_and_keeps_its_record():
+    refused = (("wsl_version", "WSL 2.6.1\x1b[2J < 2.7.13", "wsl.exe --update"), ("gpu_memory", "locked", "restart"))
+    p = plan.converge_plan(plan.Unchanged("ws3", 97, refused), RENDER)
+    assert p.record is None  # the record that answered stands; the release writes none
+    assert [f.check for f in p.stop.standing] == ["wsl_version", "gpu_memory"]
+    assert all(f.standing and f.status == "block" for f in p.stop.standing)
+    assert p.answered == "refused at preflight (unchanged since its last full read)"
+    assert len(p.notices) == 2 and p.notices[1].endswith("gpu_memory: locked -> restart")
+    assert "\x1b" not in p.notices[0]  # the record's text is the host's: printed as text only
+
+
+def test_fast_check_a_lock_held_elsewhere_or_lost_writes_no_record_and_says_nothing_more():
+    for seen_ in (plan.LockRefused("ws1", "held by run 42"), plan.LockRefused("ws1", "x", connection_lost=True)):
+        p = plan.converge_plan(seen_, RENDER)
+        assert p.stop is not None and (p.record, p.notices, p.answered) == (None, (), None)
+
+
+def test_fast_check_a_full_read_records_a_converge_or_a_refusal_that_stands():
+    assert planned().record == () and planned().answered is None
+    old_wsl = planned(obs=healthy(wsl=WslVersionInfo("ok", (2, 6, 1), "wslinfo", "2.6.1")))
+    assert old_wsl.stop is not None and old_wsl.record is not None
+    assert [check for check, _, _ in old_wsl.record] == [f.check for f in old_wsl.stop.standing] != []
+    # A blocker that a boot does not clear (a full disk) is re-read every run: no record.
+    full = planned(obs=healthy(resources=replace(healthy().resources, disk_free_bytes=1)))
+    assert full.stop is not None and full.record is None
+    # A host that waits for WSL's restart writes none either; it says why it waits.
+    obs = healthy(init=InitInfo("init", None), wslconf=IniFileInfo("/etc/wsl.conf", False))
+    waits = planned(obs=obs, files={WSLCONFIG: WSLCONFIG_OK, "/etc/wsl.conf": None})
+    assert waits.windows is not None and waits.windows.waits and waits.record is None
+    assert waits.notices == (waits.windows.notice,)
+
+
+def test_fast_check_an_engine_held_for_its_owner_is_said_in_the_plans_notices():
+    p = planned(running=False, owner="yielded (game)")
+    assert p.record == () and any("the engine stays stopped: yielded (game)" in n for n in p.notices)
