@@ -791,7 +791,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--batches",
         default=DEFAULT_BATCHES,
         help="batch sizes, counts or percentages of all hosts; the first batch is the canary, "
-        f"the last size repeats (default {DEFAULT_BATCHES})",
+        # argparse formats help with %: a literal one is doubled
+        f"the last size repeats (default {DEFAULT_BATCHES.replace('%', '%%')})",
     )
     ap.add_argument("--canary", default="", help="comma-separated hosts forming the canary batch")
     ap.add_argument(
