@@ -294,9 +294,13 @@ class Fleet:
         return format_status(self.servers(), self.gate_tps())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+PROG = "python -m freetoken_infra.fleet"
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The command line of ``main``; ``freetoken fleet`` (freetoken_infra/cli.py) shows the same."""
     ap = argparse.ArgumentParser(
-        prog="python -m freetoken_infra.fleet", description="Drain, ready and list the fleet's hosts at its gateway."
+        prog=prog, description="Drain, ready, list, add and remove the fleet's hosts (at its gateway)."
     )
     ap.add_argument(
         "-i",
@@ -331,7 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_remove.add_argument("name")
     p_remove.add_argument("--wait", type=float, default=60, metavar="S", help="wait up to S s for its streams")
     p_remove.add_argument("--no-gateway", action="store_true", help="the inventory has no gateway: do not drain")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
     if args.cmd in ("add", "remove"):
         return _enrolment(args)
     try:

@@ -210,10 +210,14 @@ def load_hosts(inventory: str, data: dict, limit: Sequence[str] = ()) -> list[st
 
 
 # --------------------------------------------------------------------------- running
-def pyinfra_argv(inventory: str, deploy: str, hosts: Sequence[str], data: Sequence[str]) -> list[str]:
+def pyinfra_executable() -> str:
+    """The pyinfra beside this Python (the venv's, as the README runs it), else the one on PATH."""
     exe = Path(sys.executable).with_name("pyinfra")
-    base = [str(exe)] if exe.exists() else [shutil.which("pyinfra") or "pyinfra"]
-    argv = base + ["-y"]
+    return str(exe) if exe.exists() else shutil.which("pyinfra") or "pyinfra"
+
+
+def pyinfra_argv(inventory: str, deploy: str, hosts: Sequence[str], data: Sequence[str]) -> list[str]:
+    argv = [pyinfra_executable(), "-y"]
     for item in data:
         argv += ["--data", item]
     argv += [inventory, deploy]
@@ -780,9 +784,13 @@ def gateway_of(inventory: str, data: dict) -> Fleet | None:
     return gateway
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+PROG = "python -m freetoken_infra.rollout"
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The command line of ``main``; ``freetoken rollout`` (freetoken_infra/cli.py) shows the same."""
     ap = argparse.ArgumentParser(
-        prog="python -m freetoken_infra.rollout",
+        prog=prog,
         description="Converge a fleet canary first, then in batches, each gated on the health gate; "
         "print the fleet report.",
     )
@@ -791,7 +799,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--batches",
         default=DEFAULT_BATCHES,
         help="batch sizes, counts or percentages of all hosts; the first batch is the canary, "
-        f"the last size repeats (default {DEFAULT_BATCHES})",
+        # argparse formats help with %: a literal one is doubled
+        f"the last size repeats (default {DEFAULT_BATCHES.replace('%', '%%')})",
     )
     ap.add_argument("--canary", default="", help="comma-separated hosts forming the canary batch")
     ap.add_argument(
@@ -829,12 +838,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"with --from: the results to catch up (default {DEFAULT_ONLY}; any of "
         f"{', '.join(r.replace(' ', '-') for r in RESULTS)})",
     )
-    # option -> (its default, its key in a report): a catch-up reuses the report's
-    defaults = {
-        "batches": (DEFAULT_BATCHES, "batches_spec"),
-        "max_fail_pct": (0.0, "max_fail_pct"),
-        "data": ([], "data"),
-    }
     ap.set_defaults(batches=None, max_fail_pct=None, data=None)
     ap.add_argument(
         "--drain-timeout",
@@ -844,7 +847,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"behind a gateway (group '{GATEWAY_GROUP}'): wait up to S seconds for a drained "
         "batch's streams to finish (default 300)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
+    # option -> (its default, its key in a report): a catch-up reuses the report's
+    defaults = {
+        "batches": (DEFAULT_BATCHES, "batches_spec"),
+        "max_fail_pct": (0.0, "max_fail_pct"),
+        "data": ([], "data"),
+    }
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
     source: Path | None = None
     try:

@@ -982,10 +982,9 @@ def bundle() -> str:
     return me
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="enrol.py", description="Make this WSL distro manageable by the fleet's controller."
-    )
+def build_parser(prog: str = "enrol.py") -> argparse.ArgumentParser:
+    """The command line of ``main``; the controller's ``freetoken enrol`` shows the same."""
+    ap = argparse.ArgumentParser(prog=prog, description="Make this WSL distro manageable by the fleet's controller.")
     ap.add_argument("--key", help="the controller's public key (one line: TYPE BASE64 [COMMENT])")
     ap.add_argument("--key-file", help="or a file holding it")
     ap.add_argument("--name", help="the host's name in the inventory (default: this distro's host name)")
@@ -1002,7 +1001,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--port", type=int, default=2222, help="sshd's port (default 2222)")
     ap.add_argument("--bundle", action="store_true", help="print a single-file copy of this script and exit")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None, *, prog: str = "enrol.py") -> int:
+    args = build_parser(prog).parse_args(argv)
     if args.bundle:
         sys.stdout.write(bundle())
         return 0
