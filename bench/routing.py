@@ -141,9 +141,7 @@ def leastconn_without_slots(config: str) -> str:
     default = f"    default_backend {GATEWAY_BACKEND}\n"
     if text.count(default) != 1:
         raise UnexpectedConfig(f"not one `{default.strip()}` line")
-    text = text.replace(
-        default, f"    use_backend {SESSIONS_BACKEND} if {{ req.hdr({session}) -m found }}\n{default}"
-    )
+    text = text.replace(default, f"    use_backend {SESSIONS_BACKEND} if {{ req.hdr({session}) -m found }}\n{default}")
     retry = re.search(r"^    retry-on .*\n    retries .*\n    option redispatch .*\n", text, re.M)
     if retry is None:
         raise UnexpectedConfig("no `retry-on`, `retries`, `option redispatch` lines in a row")
