@@ -68,3 +68,14 @@ def test_the_fleet_benchs_memory_readings():
         "MemAvailable dropped 512 MiB per host (1.00 GiB in all)"
     )
     assert fleet_up.format_memory("idle", {}, None) == "memory per host, idle: no host running"
+
+
+def test_the_agent_check_bench_runs_on_the_stand_ins(capsys):
+    from bench import agent_check
+
+    assert agent_check.main(["--asks", "5", "--flooders", "2", "--half-open", "4"]) == 0
+    out = capsys.readouterr().out
+    for phase in ("idle", "under flood", "after"):
+        assert any(line.startswith(phase) and "(5 answered, 0 not)" in line for line in out.splitlines()), out
+    assert agent_check.line("idle", [], 3) == "idle           no answer (3 asks)"
+    assert agent_check.pct([3.0, 1.0, 2.0], 50) == 2.0

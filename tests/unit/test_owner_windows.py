@@ -6,6 +6,7 @@ like something else; and the agent-check port under attack."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -392,11 +393,19 @@ def _wait(check, timeout: float = 15) -> bool:
 
 @pytest.fixture
 def agent_host(tmp_path):
+    """The agent as a process on a host of stand-ins (``agent_on_standins``)."""
+    with agent_on_standins(tmp_path) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def agent_on_standins(tmp_path: Path):
     """The agent as a process on a host of stand-ins: nvidia-smi and systemctl on PATH (as in
     test_owner.py), no engine (its /health unanswered), and a Windows System32 under a fake C:
     drive: tasklist.exe (the processes in a file), reg.exe (one file per pending key) and
     powershell.exe (the notification state in a file), each call logged with its arguments and
-    folder."""
+    folder. Yields (process, agent-check port, state folder, state file, System32); also
+    bench/agent_check.py's."""
     bin_dir, win = tmp_path / "bin", tmp_path / "c" / "Windows" / "System32"
     (win / "WindowsPowerShell" / "v1.0").mkdir(parents=True)
     bin_dir.mkdir()
