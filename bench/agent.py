@@ -1,6 +1,6 @@
 """What the host agent costs its owner on the simulated fleet (tests/fleet): CPU seconds per
 second and resident memory of `freetoken-agent.service` on each workstation, while it serves
-and while it has yielded to a game; figures, not assertions (issue 35 item 2; targets: at most
+and while it has yielded to a game; figures, not assertions (targets: at most
 0.005 CPU-s per second, 0.5 % of a core, and 40 MiB).
 
     sudo .venv/bin/python bench/agent.py [--seconds 60] [--reuse] [--keep-up]

@@ -645,7 +645,7 @@ def print_noop(noop: dict[int, list[Run]], n: int) -> None:
             f"while every simulated host shares them (on real PCs each host's share runs on its own CPU)"
         )
         base = med(r.cpu_controller for r in ones)
-        for size in (50, 100):  # linear in the measured per-host step (issue 21 item 3)
+        for size in (50, 100):  # linear in the measured per-host step
             controller = base + (size - 1) * controller_step
             print(
                 f"projected at {size} hosts: the controller {controller:.1f} CPU-s per no-op run "

@@ -5,8 +5,8 @@ simulated fleet (tests/fleet): figures, not assertions.
 
 1. Added latency: the same small request (`GET /v1/models`, no generation) sent from the
    controller straight to ws1's engine and through the gateway to ws1 (ws2 drained meanwhile),
-   interleaved, on kept-alive connections; p50 and p99 of each and of the difference (issue 14
-   targets: p50 <= 1 ms, p99 <= 5 ms added).
+   interleaved, on kept-alive connections; p50 and p99 of each and of the difference (targets:
+   p50 <= 1 ms, p99 <= 5 ms added).
 2. Failover: ws1's engine killed (`kill -9` of its main process) and ws1 powered off, each
    --failovers times; the time until the gateway takes ws1 out of service, read from HAProxy's
    own state on the gateway host every 50 ms (target: <= 5 s), and the time back in service.

@@ -2,8 +2,7 @@
 
     sudo .venv/bin/python bench/model_cache.py [--clients 500] [--hold-s 40] [--reuse] [--keep-up]
 
-The cache is Debian's nginx as ``freetoken-model-cache.service`` on ws1 (``model_cache_host=ws1``;
-issue 20, item 7). From ws2, at ws1's fleet address only, ``--clients`` connections are held for
+The cache is Debian's nginx as ``freetoken-model-cache.service`` on ws1 (``model_cache_host=ws1``). From ws2, at ws1's fleet address only, ``--clients`` connections are held for
 ``--hold-s`` seconds (bounded: the load stops by itself), half idle and half sending a request a
 byte a second that never ends (each one the server closes is opened again at once:
 tests/fleet/cache_load.py). Meanwhile a real client asks every 2 s for ``/health`` and for 1 KiB

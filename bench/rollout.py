@@ -37,6 +37,22 @@ REPORT_LINE = "== fleet report =="
 MAX_FAIL_PCT = "50"
 
 
+def mark(line: str) -> str | None:
+    """What a line of the rollout's output starts: a batch (its hosts, as the line lists them),
+    the fleet report ("report"), or nothing (None)."""
+    m = BATCH_LINE.search(line)
+    if m:
+        return m.group(2).strip()
+    return "report" if REPORT_LINE in line else None
+
+
+def batch_times(marks: list[tuple[str, float]], wall: float) -> list[tuple[str, float]]:
+    """[(a batch's hosts, seconds from its line to the next mark or the end)] from the marks in
+    the order seen, with the times they were seen at."""
+    marks = [*marks, ("end", wall)]
+    return [(hosts, marks[i + 1][1] - at) for i, (hosts, at) in enumerate(marks[:-1]) if hosts != "report"]
+
+
 def rollout(batches: str) -> tuple[float, int, list[tuple[str, float]], dict]:
     """Run the rollout CLI; (wall s, exit status, [(batch hosts, seconds)], its JSON report)."""
     fd, report = tempfile.mkstemp(prefix="rollout-bench-", suffix=".json")
@@ -71,11 +87,9 @@ def rollout(batches: str) -> tuple[float, int, list[tuple[str, float]], dict]:
     tail: list[str] = []
     for line in proc.stdout:
         tail = (tail + [line])[-60:]
-        m = BATCH_LINE.search(line)
-        if m:
-            marks.append((m.group(2).strip(), time.monotonic() - t0))
-        elif REPORT_LINE in line:
-            marks.append(("report", time.monotonic() - t0))
+        what = mark(line)
+        if what is not None:
+            marks.append((what, time.monotonic() - t0))
     rc = proc.wait()
     wall = time.monotonic() - t0
     try:
@@ -86,11 +100,7 @@ def rollout(batches: str) -> tuple[float, int, list[tuple[str, float]], dict]:
         os.unlink(report)
     if not doc:
         print("".join(tail))
-    marks.append(("end", wall))
-    batches_timed = [
-        (hosts, marks[i + 1][1] - at) for i, (hosts, at) in enumerate(marks[:-1]) if hosts not in ("report", "end")
-    ]
-    return wall, rc, batches_timed, doc
+    return wall, rc, batch_times(marks, wall), doc
 
 
 def upstream_ratio(fleet: harness.Fleet) -> float:
@@ -101,11 +111,18 @@ def upstream_ratio(fleet: harness.Fleet) -> float:
     return sum(hub(fleet, "/_standin/stats")["by_file"].values()) / size
 
 
-def show(label: str, result: tuple[float, int, list[tuple[str, float]], dict], ratio: float) -> None:
-    wall, rc, batches, doc = result
+def results(doc: dict) -> tuple[Counter, int]:
+    """The rollout's JSON report: how many hosts had each result, and how many of the ok ones
+    changed nothing."""
     rows = doc.get("hosts", [])
     counts = Counter(str(row.get("result", "?")) for row in rows)
     unchanged = sum(1 for row in rows if row.get("result") == "ok" and row.get("reason") == "no change")
+    return counts, unchanged
+
+
+def show(label: str, result: tuple[float, int, list[tuple[str, float]], dict], ratio: float) -> None:
+    wall, rc, batches, doc = result
+    counts, unchanged = results(doc)
     print(
         f"\n{label}: {wall:.1f} s, exit status {rc}; results: "
         + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))

@@ -1,6 +1,7 @@
 """How the gateway places requests (deploys/gateway.py, HAProxy) under a saturating load on hosts
-of different speeds, on the simulated fleet (tests/fleet): the placement before issue 23 against
-today's, side by side in one run; figures, not assertions.
+of different speeds, on the simulated fleet (tests/fleet): least connections with no slot limit
+(the placement the gateway had before its slots and weights) against today's slots and weights,
+side by side in one run; figures, not assertions.
 
     sudo .venv/bin/python bench/routing.py [--seconds 40] [--tokens 24] [--reuse] [--keep-up] [--plots DIR]
 
@@ -9,9 +10,10 @@ ws2 (32 GB: 2 slots, 60 tok/s), so the fleet's capacity is 1 x 23.5 + 2 x 60 = 1
 load is twice the fleet's slots: 6 clients sending streamed chat completions back to back, 3 of
 them conversations (`X-Session-Id`, one each), 3 without a session.
 
-Each configuration is the gateway's own haproxy.cfg as the deploy wrote it, or rewritten into the
-placement before issue 23 ("before": least connections with no limit per host, so the rest queue
-inside the engines; conversations on a second, consistently hashed backend), installed on the
+Each configuration is the gateway's own haproxy.cfg as the deploy wrote it, or rewritten by
+`leastconn_without_slots` (least connections with no limit per host, so the rest queue inside the
+engines; conversations on a second, consistently hashed backend; everything else, health and
+agent checks included, as deployed), installed on the
 gateway host (validated with `haproxy -c`, reloaded) and loaded for --seconds. Per configuration:
 fleet tok/s (completion tokens received per second) over the capacity (goal: at least 0.9), p50
 and p99 time to first token, the 5xx answers (goal: none while any slot is free), and the share
@@ -39,13 +41,14 @@ sys.path.insert(0, str(ROOT))
 
 from freetoken_infra.core.hardware import HARDWARE_PROFILES  # noqa: E402
 from freetoken_infra.core.launch import running_requests  # noqa: E402
-from freetoken_infra.core.layout import GATEWAY_CONFIG, SERVED_BY_HEADER, SESSION_HEADER  # noqa: E402
+from freetoken_infra.core.layout import GATEWAY_BACKEND, GATEWAY_CONFIG, SERVED_BY_HEADER, SESSION_HEADER  # noqa: E402
 from freetoken_infra.fleet import parse_stat, runtime_command  # noqa: E402
 from tests.fleet import harness  # noqa: E402
 from tests.fleet.gateway_load import CLIENT_KEY, MODEL, PORT, converge_behind_gateway, write_keys  # noqa: E402
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME, PROFILES  # noqa: E402
 
 HOSTS = ("ws1", "ws2")
+SESSIONS_BACKEND = "freetoken_sessions"
 
 
 @dataclass
@@ -111,23 +114,42 @@ def load(seconds: float, max_tokens: int, clients: int = 6) -> tuple[list[Turn],
     return turns, time.time() - start
 
 
-def before_issue_23(config: str) -> str:
-    """Today's haproxy.cfg rewritten into the placement before issue 23."""
+# A server line as operations/gateway.py writes it: name, address, its slots and weight, then
+# options of its own (the host agent's check) that the placement leaves alone.
+SERVER = re.compile(r"^    server (?P<name>\S+) (?P<address>\S+) maxconn \d+ weight \d+(?P<rest>(?: .*)?)$", re.M)
+
+
+class UnexpectedConfig(ValueError):
+    """The deployed haproxy.cfg lacks a part the rewrite relies on (the gateway's code changed)."""
+
+
+def leastconn_without_slots(config: str) -> str:
+    """The deployed haproxy.cfg with the placement the gateway had before its slots and weights:
+    no `maxconn`/`weight` per host (least connections, the rest queued inside the engines), no
+    conversation buckets (`use-server`, `set-var(txn.bucket)`), conversations on a second,
+    consistently hashed backend whose servers track the first's. Raises UnexpectedConfig naming
+    what it did not find."""
     session = SESSION_HEADER.lower()
-    servers = re.findall(r"^    server (\S+) (\S+) maxconn \d+ weight \d+$", config, re.M)
-    text = re.sub(r" maxconn \d+ weight \d+$", "", config, flags=re.M)
+    servers = [(m["name"], m["address"]) for m in SERVER.finditer(config)]
+    if not servers:
+        raise UnexpectedConfig("no `server NAME ADDRESS maxconn N weight W` line")
+    if len(servers) != len(re.findall(r"^    server ", config, re.M)):
+        raise UnexpectedConfig("a server line without `maxconn N weight W` after its address")
+    text = SERVER.sub(lambda m: f"    server {m['name']} {m['address']}{m['rest']}", config)
     text = re.sub(r"^    use-server .*\n", "", text, flags=re.M)
     text = re.sub(r"^    http-request set-var\(txn\.bucket\).*\n", "", text, flags=re.M)
-    text = text.replace(
-        "    default_backend freetoken\n",
-        f"    use_backend freetoken_sessions if {{ req.hdr({session}) -m found }}\n    default_backend freetoken\n",
-    )
+    default = f"    default_backend {GATEWAY_BACKEND}\n"
+    if text.count(default) != 1:
+        raise UnexpectedConfig(f"not one `{default.strip()}` line")
+    text = text.replace(default, f"    use_backend {SESSIONS_BACKEND} if {{ req.hdr({session}) -m found }}\n{default}")
     retry = re.search(r"^    retry-on .*\n    retries .*\n    option redispatch .*\n", text, re.M)
-    assert retry and servers, "unexpected haproxy.cfg"
-    tracking = "".join(f"    server {n} {a} track freetoken/{n}\n" for n, a in servers)
+    if retry is None:
+        raise UnexpectedConfig("no `retry-on`, `retries`, `option redispatch` lines in a row")
+    tracking = "".join(f"    server {n} {a} track {GATEWAY_BACKEND}/{n}\n" for n, a in servers)
     return (
         text
-        + f"\nbackend freetoken_sessions\n    balance hdr({session})\n    hash-type consistent\n{retry.group(0)}{tracking}"
+        + f"\nbackend {SESSIONS_BACKEND}\n    balance hdr({session})\n    hash-type consistent\n"
+        + f"{retry.group(0)}{tracking}"
     )
 
 
@@ -233,7 +255,7 @@ def main() -> int:
                         print("converge failed", file=sys.stderr)
                         return 1
             deployed = fleet.run(GATEWAY_NAME, f"cat {GATEWAY_CONFIG}", check=True).stdout
-            configs = {"before (leastconn)": before_issue_23(deployed), "slots + weights": deployed}
+            configs = {"leastconn, no slots": leastconn_without_slots(deployed), "slots + weights": deployed}
             print(
                 f"fleet: {', '.join(f'{h} {slots[h]} slot(s) x {PROFILES[h].tokens_per_s} tok/s' for h in HOSTS)}; "
                 f"capacity {capacity:.1f} tok/s; 6 clients (3 conversations), {args.tokens} tokens a turn, "

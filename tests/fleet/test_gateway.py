@@ -299,8 +299,9 @@ def test_no_engine_gets_more_streams_than_its_slots_and_the_rest_wait_at_the_gat
         refused = [o for o in burst if not o.ok]
         print([(o.ok, o.host, o.error, round(o.t1 - o.t0, 2)) for o in burst])
         assert len(burst) == 7 and len([o for o in burst if o.ok]) >= 4  # 3 slots and 1 queued
+        # "busy" is the full-queue rule's answer, given before queueing (a request that waited in
+        # the queue and ran out of time gets "no engine slot became free in time" instead)
         assert refused and all(o.error.startswith("HTTP 503 (Retry-After 5)") and "busy" in o.error for o in refused)
-        assert all(o.t1 - o.t0 < 1.0 for o in refused)
     finally:
         assert deploy_gateway(keys).returncode == 0
 
@@ -355,12 +356,13 @@ def test_the_engine_key_is_in_no_argv_log_or_stats_page(gateway):
         "key=sys.stdin.readline().strip();client=sys.stdin.readline().strip();m=sys.stdin.readline().strip()\n"
         "argv=[open(f'/proc/{p}/cmdline','rb').read() for p in os.listdir('/proc') if p.isdigit()"
         " and os.path.exists(f'/proc/{p}/cmdline')]\n"
-        "journal=subprocess.run(['journalctl','--no-pager','-o','cat'],capture_output=True).stdout\n"
+        "j=subprocess.run(['journalctl','--no-pager','-o','cat'],capture_output=True);journal=j.stdout\n"
         "req=urllib.request.Request('http://127.0.0.1:8404/stats;csv',\n"
         "  headers={'Authorization':'Bearer '+m})\n"
         "stats=urllib.request.urlopen(req,timeout=10).read()\n"
         "k=key.encode();c=client.encode();m=m.encode()\n"
         "print(any(k in a for a in argv), k in journal, k in stats, c in journal, any(m in a for a in argv), m in journal)\n"
+        "print('journalctl', j.returncode, len(journal.splitlines()) > 10 and b'-- No entries --' not in journal)\n"
     )
     r = subprocess.run(
         gateway["fleet"].ssh_argv(GATEWAY_NAME) + ["python3", "-c", shlex.quote(script)],
@@ -369,7 +371,8 @@ def test_the_engine_key_is_in_no_argv_log_or_stats_page(gateway):
         text=True,
         timeout=60,
     )
-    assert r.stdout.split() == ["False"] * 6, r.stderr
+    # the journal was read (a failed journalctl would hide the key by reading nothing)
+    assert r.stdout.split() == ["False"] * 6 + ["journalctl", "0", "True"], (r.stdout, r.stderr)
 
 
 # A GET from another host of the fleet, its key on stdin: the HTTP status, or "unreachable"

@@ -153,7 +153,6 @@ def test_a_queue_wakes_the_sleeping_host_and_it_serves(fleet):
         f"cut while streaming {len(result['failed_while_streaming'])}"
     )
     assert name == "ws2" and booted is not None
-    assert packet_at - queue <= 3 + 5, "the waker took too long to send the packet"
     assert [m for _, m, _ in listener.packets] == [mac], "one packet, for ws2 alone"
     assert result["failed_while_streaming"] == []
     assert "waking ws2" in waker_journal(fleet)

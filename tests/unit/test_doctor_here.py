@@ -66,6 +66,19 @@ def controller_env(tmp_path: Path) -> dict:
     return {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg-cache"), "PIP_CACHE_DIR": pip_cache}
 
 
+def _index_unreachable(out: str) -> bool:
+    """pip found no distribution because it could not connect to the index (not for any other
+    reason: a requirement the index lacks still fails the test)."""
+    return "No matching distribution found" in out and any(
+        why in out
+        for why in (
+            "Failed to establish a new connection",
+            "Temporary failure in name resolution",
+            "Network is unreachable",
+        )
+    )
+
+
 @pytest.mark.parametrize("case", ["doctor", "main-command"])
 def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path, first_local_run):
     if case == "doctor":
@@ -87,6 +100,10 @@ def test_refuses_a_machine_that_is_not_a_wsl2_workstation(case, tmp_path, first_
     )
     after = snapshot()
     out = run.stdout + run.stderr
+    if case == "main-command" and _index_unreachable(out):
+        # the README's first line installs the project from the package index: offline (the
+        # suite without the fleet and the contract runs offline) there is nothing to test
+        pytest.skip("the README's first command needs the package index, unreachable here")
     assert run.returncode != 0, out
     assert "Traceback" not in out
     for check in ("wsl2", "wsl_version", "gpu"):

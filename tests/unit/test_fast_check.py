@@ -348,7 +348,10 @@ def test_the_engines_health_counts_by_status_version_and_model_only(tmp_path):
 
 def test_an_engine_that_drips_its_health_answer_holds_the_check_at_most_its_timeout(tmp_path):
     """The engine's user runs what answers /health: an answer sent a byte at a time must not hold
-    the lock's mutex (every run on the host waits for it) longer than HEALTH_TIMEOUT_S."""
+    the lock's mutex (every run on the host waits for it) longer than HEALTH_TIMEOUT_S. The drip
+    never ends and each byte comes well within the per-read timeout, so only the answer's total
+    deadline can end the read: the release returning at all (lock() bounds a hang), with the
+    read recorded as timed out, shows that deadline."""
     import socket
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -368,10 +371,8 @@ def test_an_engine_that_drips_its_health_answer_holds_the_check_at_most_its_time
     try:
         url = f"http://127.0.0.1:{listener.getsockname()[1]}/health"
         assert take(tmp_path)[0] == 0
-        started = time.monotonic()
         rc, doc = release(tmp_path, {"health": [url]})
         assert rc == 0 and doc["recorded"] == 2
-        assert time.monotonic() - started < 5
         record = marshal.loads((tmp_path / "record.json").read_bytes())
         assert record["digest"][f"health {url}"] == "unreachable TimeoutError"
     finally:

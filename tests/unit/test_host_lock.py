@@ -49,6 +49,7 @@ def lock(tmp_path: Path, *args: str) -> tuple[int, dict]:
         ],
         capture_output=True,
         text=True,
+        timeout=120,  # bounds a hang only: the script answers in well under a second
     )
     return proc.returncode, json.loads(proc.stdout.splitlines()[-1])
 
@@ -58,10 +59,13 @@ def b64(doc: dict) -> str:
 
 
 def test_take_hold_release(tmp_path):
+    before = time.time()
     rc, doc = lock(tmp_path, "take", "--holder", b64(holder("A")), "--lease", "60")
+    after = time.time()
     assert (rc, doc["taken"], doc["took_over"]) == (0, True, None)
     written = json.loads((tmp_path / "run.lock").read_text())
-    assert written["token"] == "A" and written["expires"] > time.time() + 50
+    # the lease ends 60 s after the script took it, whenever that was between the two readings
+    assert written["token"] == "A" and before + 60 <= written["expires"] <= after + 60
     # the session is a live process (here: no sshd above the script, so this test process or none)
     rc, doc = lock(tmp_path, "take", "--holder", b64(holder("B")), "--lease", "60")
     assert rc == host_lock.HELD_EXIT and doc["taken"] is False and doc["holder"]["token"] == "A"
@@ -135,8 +139,11 @@ def test_the_fact_reads_a_held_a_gone_and_no_lock(tmp_path):
         out = subprocess.run(HostLock().command(str(path)), shell=True, capture_output=True, text=True)
         return parse_host_lock_output(out.stdout.splitlines())
 
-    held = fact({**holder("A", command="pyinfra\n@@ft:lock forged"), "session": me, "expires": time.time() + 100})
-    assert held.held and held.holder_alive is True and 90 < held.lease_left_s <= 100
+    written = time.time()
+    held = fact({**holder("A", command="pyinfra\n@@ft:lock forged"), "session": me, "expires": written + 100})
+    read = time.time()
+    # the fact's own clock read the lease between the write and now: what is left lies in between
+    assert held.held and held.holder_alive is True and written + 100 - read <= held.lease_left_s <= 100
     assert held.holder["command"] == "pyinfra\n@@ft:lock forged"  # crossed encoded
     gone = fact({**holder("A"), "session": {**me, "start": me["start"] + 1}, "expires": time.time() + 100})
     assert gone.holder_alive is False and not gone.held
@@ -292,7 +299,10 @@ def test_the_lease_is_renewed_while_the_run_works(tmp_path, monkeypatch):
     state, host = _State(), LocalHost("ws1", tmp_path)
     assert host_lock.take(state, host, timeout_s=1, lease_s=0.8) is None
     first = json.loads((tmp_path / "run.lock").read_text())["expires"]
-    gevent.sleep(1.0)  # four renewals' worth
+    # a renewal every 0.2 s: wait for one to move the lease (the deadline bounds a hang only)
+    deadline = time.monotonic() + 60
+    while json.loads((tmp_path / "run.lock").read_text())["expires"] <= first and time.monotonic() < deadline:
+        gevent.sleep(0.05)
     assert json.loads((tmp_path / "run.lock").read_text())["expires"] > first
     assert any(" renew " in c for c in host.commands)
     state.callback_handlers[0].host_disconnect(state, host)

@@ -370,12 +370,15 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
         assert wait(lambda: owner.load_state(state_file.read_text()).mode == "serving")  # written after
         # every request that needed it carried the key in a header; /health none needed
         assert "Bearer sekret-key-1234" in seen_keys
-        assert "sekret" not in " ".join(proc.args)
     finally:
         proc.terminate()
         out = proc.communicate(timeout=10)[0]
         server.shutdown()
     assert "serving -> yielding" in out and "engine stopped" in out and "engine started" in out, out
+    # the key it read from its file went only into those headers: not into a command it ran
+    # (each logged with its arguments), its log, or its state file
+    assert "sekret" not in calls.read_text() and "sekret" not in out
+    assert "sekret" not in state_file.read_text()
 
 
 def test_an_idle_engine_that_reports_no_vram_yet_is_weighed_by_what_it_took_at_its_start():

@@ -101,8 +101,22 @@ def test_malformed_setting_gives_one_clear_error_naming_host_and_field(data, fie
     assert "nothing was changed" in str(exc.value)
 
 
-def test_malformed_table_has_at_least_eight_cases():
-    assert len(MALFORMED) >= 8
+def test_every_malformed_setting_of_a_host_is_reported_at_once():
+    """The table's single-field cases together in one host's data: one line for each field,
+    each naming it, not only the first found (the cross-field cases each need the others right)."""
+    first: dict[str, dict] = {}
+    for data, field, _ in MALFORMED:
+        if field != "model_expert_ram_gb":
+            first.setdefault(field, data)  # one value per field
+    single = list(first.items())
+    together = {k: v for _, data in single for k, v in data.items()}
+    assert len(together) == len(single) >= 8, "each case sets its own field alone"
+    with pytest.raises(SettingsError) as exc:
+        build_settings("ws7", {**group_data("all"), **together})
+    problems = exc.value.problems
+    assert len(problems) == len(single), problems
+    for field, _ in single:
+        assert sum(1 for line in problems if f"'{field}'" in line.split(" = ", 1)[0]) == 1, (field, problems)
 
 
 def test_an_error_line_echoes_no_secret_it_was_given():
