@@ -26,7 +26,7 @@ MAIN_COMMAND = (
 )
 TEST_COMMAND = "bash tests/run.sh"
 
-FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*$", re.M | re.S)
 CODE_SPAN = re.compile(r"(`+).*?\1", re.S)
 LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
