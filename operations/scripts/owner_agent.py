@@ -19,7 +19,7 @@ textfile folder (``--textfile``, root's, beside the guard's), and the owner's co
 root's state folder (``--override-file``, ``/var/lib/freetoken-deploy``); the agent reads
 the engine's key from root's 0600 file and sends it in a header (never an argument), runs only
 fixed argument lists (``systemctl``, ``nvidia-smi``, ``nft``), and takes nothing from the engine's
-answers but a status word and two numbers, each checked for its type.
+answers but a status word and a few numbers, each checked for its type.
 
 Windows (issue 22 items 2 and 3), through interop, from a thread every ``--windows-interval-s``
 (each interop start costs about half a second): ``tasklist.exe /fo csv /nh`` when ``--app``
@@ -137,11 +137,10 @@ def gpu_used_mib() -> int | None:
 
 
 class GpuReading(NamedTuple):
-    """One read of the first GPU: bytes, watts; None where the source does not say."""
+    """One read of the first GPU's memory, in bytes; the total None where the source does not say."""
 
     used_bytes: int
     total_bytes: int | None = None
-    power_watts: float | None = None
 
 
 class _NvmlMemory(ctypes.Structure):
@@ -188,18 +187,22 @@ class Nvml:
             raise OSError(f"nvmlDeviceGetHandleByIndex_v2 returned {rc}")
         self.lib, self.handle = lib, handle
 
-    def read(self, power: bool = False) -> GpuReading | None:
-        """Used and total memory; with ``power``, the draw (``nvmlDeviceGetPowerUsage``:
-        milliwatts; None where the card or driver does not report it)."""
+    def read(self) -> GpuReading | None:
+        """Used and total memory."""
         memory = _NvmlMemory()
         if self.lib.nvmlDeviceGetMemoryInfo(self.handle, ctypes.byref(memory)) != 0:
             return None
-        watts = None
-        if power and self.power_usage is not None:
-            milliwatts = ctypes.c_uint()
-            if self.power_usage(self.handle, ctypes.byref(milliwatts)) == 0:
-                watts = milliwatts.value / 1000.0
-        return GpuReading(memory.used, memory.total, watts)
+        return GpuReading(memory.used, memory.total)
+
+    def power_watts(self) -> float | None:
+        """The draw (``nvmlDeviceGetPowerUsage``: milliwatts), or None where the card or driver
+        does not report it."""
+        if self.power_usage is None:
+            return None
+        milliwatts = ctypes.c_uint()
+        if self.power_usage(self.handle, ctypes.byref(milliwatts)) != 0:
+            return None
+        return milliwatts.value / 1000.0
 
     def used_mib(self) -> int | None:
         reading = self.read()
@@ -213,10 +216,10 @@ class GpuMemory:
     """The card's used memory (MiB): NVML in-process (``Nvml``), else the ``nvidia-smi`` process
     (``gpu_used_mib``) when the library is missing or errs; NVML is tried again every
     ``NVML_RETRY_S``. Each change of source is logged once. ``reading``: the last read whole
-    (total and, with ``power``, the draw: through NVML only), for the agent's metrics."""
+    (the total through NVML only), and ``power_watts``, for the agent's metrics."""
 
-    def __init__(self, paths: tuple[str, ...] = NVML_LIBS, fallback=None, clock=time.monotonic, power=False):
-        self.paths, self.clock, self.power = paths, clock, power
+    def __init__(self, paths: tuple[str, ...] = NVML_LIBS, fallback=None, clock=time.monotonic):
+        self.paths, self.clock = paths, clock
         self.fallback = fallback if fallback is not None else gpu_used_mib
         self.nvml: Nvml | None = None
         self.tried: float | None = None
@@ -237,7 +240,7 @@ class GpuMemory:
             except OSError as exc:
                 self._say(f"from nvidia-smi (NVML: {exc})")
         if self.nvml is not None:
-            reading = self.nvml.read(self.power)
+            reading = self.nvml.read()
             if reading is not None:
                 self._say("through NVML")
                 self.reading = reading
@@ -248,6 +251,11 @@ class GpuMemory:
         used = self.fallback()
         self.reading = GpuReading(used * 2**20) if isinstance(used, int) else None
         return used
+
+    def power_watts(self) -> float | None:
+        """The card's draw through NVML, read only when asked (the metrics' writes); None without
+        NVML."""
+        return self.nvml.power_watts() if self.nvml is not None else None
 
 
 def engine_active(unit: str) -> bool:
@@ -839,6 +847,7 @@ class Agent:
         gpu=None,
         clock=time.time,
         readings=None,
+        power=None,
     ):
         apps = tuple(args.app or ())
         bad = [a for a in apps if not owner.app_name_ok(a)]
@@ -864,8 +873,9 @@ class Agent:
         self.written: bytes | None = None
         self.signals = ""
         # The samples for node_exporter (--textfile): the GPU's last read whole (GpuMemory.reading;
-        # else the used memory alone), the engine's last fresh answer, the firewall's table.
-        self.readings = readings
+        # else the used memory alone) and its draw (read only for a write), the engine's last
+        # fresh answer, the firewall's table.
+        self.readings, self.power = readings, power
         self.answer: EngineAnswer | None = None
         self.firewall = FirewallCheck(args.firewall_record) if args.firewall_record else None
         self.exported: agent_metrics.AgentSample | None = None
@@ -947,7 +957,7 @@ class Agent:
             last_loop=now,
             engine_requests=answer.requests if answer is not None else None,
             engine_generated_tokens=answer.generated_tokens if answer is not None else None,
-            gpu_power_watts=reading.power_watts if reading is not None else None,
+            gpu_power_watts=None,  # read by export, only for a write
             gpu_memory_used_bytes=reading.used_bytes if reading is not None else None,
             gpu_memory_total_bytes=reading.total_bytes if reading is not None else None,
             firewall_loaded=self.firewall.check(now) if self.firewall is not None else None,
@@ -966,6 +976,8 @@ class Agent:
         sample = self.sample(now, obs)
         if not due and (self.export_problem is not None or not agent_metrics.changed(self.exported, sample)):
             return
+        if self.power is not None and sample.gpu_memory_used_bytes is not None:
+            sample = replace(sample, gpu_power_watts=self.power())
         problem = None
         try:
             hostio.write_atomic(self.args.textfile, agent_metrics.render(sample).encode())
@@ -998,8 +1010,8 @@ def serve(args: argparse.Namespace) -> int:
         threading.Thread(target=watch.serve, daemon=True).start()
     port = AgentPort(args.bind, args.port)
     nvml = NVML_LIBS if args.nvml_lib is None else tuple(p for p in [args.nvml_lib] if p)
-    gpu = GpuMemory(nvml, power=bool(args.textfile))
-    agent = Agent(args, watch, port, gpu=gpu.used_mib, readings=lambda: gpu.reading)
+    gpu = GpuMemory(nvml)
+    agent = Agent(args, watch, port, gpu=gpu.used_mib, readings=lambda: gpu.reading, power=gpu.power_watts)
     port.set(owner.agent_word(agent.state, time.time()))
     threading.Thread(target=port.serve, daemon=True).start()
     threading.Thread(target=agent.reader.serve, daemon=True).start()

@@ -227,7 +227,7 @@ def test_a_value_outside_the_vocabulary_or_its_type_is_refused(bad):
         agent_metrics.render(replace(sample(owner.AgentState()), **bad))
 
 
-def _export_agent(tmp_path: Path) -> owner_agent.Agent:
+def _export_agent(tmp_path: Path, power=None) -> owner_agent.Agent:
     argv = ["serve", "--unit", "freetoken.service", "--engine-url", "http://127.0.0.1:9", "--key-file", "/none"]
     argv += ["--bind", "127.0.0.1", "--port", "0", "--vram-threshold-gb", "4", "--quiet-s", "30"]
     argv += ["--drain-timeout-s", "2", "--state-file", str(tmp_path / "state.json")]
@@ -236,7 +236,7 @@ def _export_agent(tmp_path: Path) -> owner_agent.Agent:
     watch = owner_agent.WindowsWatch(None, (), False, False, 5.0)
     port = owner_agent.AgentPort("127.0.0.1", 0)
     port.sock.close()
-    return owner_agent.Agent(args, watch, port, gpu=lambda: 853)
+    return owner_agent.Agent(args, watch, port, gpu=lambda: 853, power=power)
 
 
 OBS = owner.Observation(now=0.0, gpu_used_mib=853, engine_active=False, engine_vram_mib=None, health_ok=False)
@@ -324,3 +324,27 @@ def test_signals_are_fixed_labels_of_the_configured_windows_reads():
         watch.broken = {owner.SIG_FULLSCREEN: owner.EXEC_FORMAT}
     assert watch.signal_states() == (("apps", True), ("full_screen", False))
     assert set(owner.SIGNAL_LABELS.values()) == {"gpu", "apps", "full_screen", "reboot"}
+
+
+def test_the_cards_draw_is_read_only_for_a_write(tmp_path):
+    draws: list[float] = []
+
+    def power() -> float:
+        draws.append(6.12)
+        return 6.12
+
+    agent = _export_agent(tmp_path, power)
+    (tmp_path / "m").mkdir()
+    for now in (1000.0, 1001.0, 1002.0, 1003.0, 1004.0, 1005.0):
+        agent.export(now, OBS)
+    assert len(draws) == 2  # written at 1000 and 1005, not every round
+    samples = parse((tmp_path / "m" / "agent.prom").read_text())[1]
+    assert samples["freetoken_gpu_power_watts"] == {"": 6.12}
+    assert samples["freetoken_gpu_memory_used_bytes"] == {"": 853 * 2**20}
+    assert "freetoken_gpu_memory_total_bytes" not in samples  # nvidia-smi's figure alone: no total
+    # the card unread: neither its memory nor its draw
+    agent.export(1010.0, replace(OBS, gpu_used_mib=None))
+    samples = parse((tmp_path / "m" / "agent.prom").read_text())[1]
+    assert "freetoken_gpu_power_watts" not in samples and "freetoken_gpu_memory_used_bytes" not in samples
+    assert samples["freetoken_agent_signal_up"] == {'{signal="gpu"}': 0}
+    assert len(draws) == 2

@@ -320,21 +320,22 @@ def test_the_agents_metrics_read_the_cards_total_and_power_through_nvml(standin_
     (sim / "profile.json").write_text(json.dumps(profile.to_dict()))
     (sim / "gpu.conf").write_text(harness.gpu_conf_text(profile))
     monkeypatch.setenv("FREETOKEN_SIM_DIR", str(sim))
-    gpu = owner_agent.GpuMemory((str(standin_nvml),), fallback=lambda: None, power=True)
+    gpu = owner_agent.GpuMemory((str(standin_nvml),), fallback=lambda: None)
+    assert gpu.power_watts() is None  # not opened yet: no read
+    draws = []
     for game in (None, profile.gpu.memory_total_mib - 1024):
         if game is not None:
             (sim / "gpu-memory-used-mib").write_text(f"{game}\n")
         used = gpu.used_mib()
         total, smi_used, watts = _smi_query(sim, "memory.total,memory.used,power.draw")
-        assert gpu.reading == owner_agent.GpuReading(used * 2**20, int(total) * 2**20, float(watts))
         assert used == int(smi_used)
-    assert gpu.reading is not None and gpu.reading.power_watts == 142.31  # the game's draw
-    # without power asked for (no metrics), the draw is never read
-    quiet = owner_agent.GpuMemory((str(standin_nvml),), fallback=lambda: None)
-    assert quiet.used_mib() is not None and quiet.reading is not None and quiet.reading.power_watts is None
-    # nvidia-smi's fallback: the used memory only
-    smi = owner_agent.GpuMemory((), fallback=lambda: 853, power=True)
+        assert gpu.reading == owner_agent.GpuReading(used * 2**20, int(total) * 2**20)
+        assert gpu.power_watts() == float(watts)
+        draws.append(float(watts))
+    assert draws == [6.12, 142.31]  # idle, then the game's draw
+    # nvidia-smi's fallback: the used memory only, no draw
+    smi = owner_agent.GpuMemory((), fallback=lambda: 853)
     assert smi.used_mib() == 853 and smi.reading == owner_agent.GpuReading(853 * 2**20)
-    for g in (gpu, quiet):
-        assert g.nvml is not None
-        g.nvml.close()
+    assert smi.power_watts() is None
+    assert gpu.nvml is not None
+    gpu.nvml.close()
