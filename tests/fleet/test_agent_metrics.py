@@ -69,11 +69,12 @@ def prometheus(sim_fleet, tmp_path_factory):
 
 
 def query(fleet, promql: str) -> dict[str, float]:
-    """An instant query's samples: each series' labels (less __name__, job, instance) -> value."""
+    """An instant query's samples: each series' host and the agent's own labels -> value (the
+    scrape config's other labels, job and instance left out)."""
     r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(API + "query?query=" + urllib.parse.quote(promql)), check=True)
     out = {}
     for m in json.loads(r.stdout)["data"]["result"]:
-        labels = {k: v for k, v in m["metric"].items() if k not in ("__name__", "job", "instance")}
+        labels = {k: v for k, v in m["metric"].items() if k in ("host", "mode", "reason", "signal")}
         out[",".join(f"{k}={v}" for k, v in sorted(labels.items()))] = float(m["value"][1])
     return out
 
