@@ -147,7 +147,11 @@ if plan.converge is not None:
         )
     guard.guard(name="Guard: timer", settings=settings, drive_root=c.drive_root)
     # The gateway's agent-check and the yield to the owner (README, "The owner comes first").
-    owner.agent(name="Host agent: agent-check for the gateway, yield to the owner", settings=settings)
+    owner.agent(
+        name="Host agent: agent-check for the gateway, yield to the owner",
+        settings=settings,
+        firewall=c.firewall_present,
+    )
     # The guard's samples for the fleet's scrape (README, "One endpoint for the fleet": Metrics).
     node_exporter.node_exporter(
         name="Metrics: node_exporter (Debian) reading the guard's samples",

@@ -23,7 +23,7 @@ import re
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.facts.files import File
-from pyinfra.operations import systemd
+from pyinfra.operations import files, systemd
 
 from facts.windows import (
     RESUME_SHORTCUT,
@@ -34,8 +34,9 @@ from facts.windows import (
     WslConfFile,
     system32,
 )
-from freetoken_infra.core import hostio, owner, wsl_ini
+from freetoken_infra.core import agent_metrics, hostio, owner, wsl_ini
 from freetoken_infra.core.layout import (
+    AGENT_METRICS_MODULE,
     AGENT_RUN_DIR_NAME,
     AGENT_SCRIPT,
     AGENT_SOCKET,
@@ -43,6 +44,7 @@ from freetoken_infra.core.layout import (
     AGENT_UNIT,
     DEFAULT_DRIVE_ROOT,
     ENGINE_UNIT,
+    FIREWALL_LOADED,
     HOSTIO_MODULE,
     OWNER_COMMAND,
     OWNER_MODULE,
@@ -70,9 +72,12 @@ def engine_url(settings: Settings) -> str:
     return f"http://{host}:{settings.listen_port}"
 
 
-def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32) -> str:
+def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32, firewall: bool = False) -> str:
     """The unit; ``system32``: ``C:\\Windows\\System32`` under the drive root the distro mounts
-    (the agent runs Windows' tasklist.exe, reg.exe and PowerShell from there, never from PATH)."""
+    (the agent runs Windows' tasklist.exe, reg.exe and PowerShell from there, never from PATH).
+    With node_exporter the agent writes its samples into the textfile collector's folder (its
+    one other writable folder); ``firewall``: the deploy keeps the firewall, whose table the
+    agent reports live or not."""
     args = [
         "/usr/bin/python3",
         AGENT_SCRIPT,
@@ -115,6 +120,11 @@ def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32) -> str:
         args.append("--reboot-drain")
     if settings.serve_hours:
         args += ["--serve-hours", settings.serve_hours]
+    layout = HostLayout.of(settings)
+    if settings.node_exporter_enabled:
+        args += ["--textfile", layout.agent_textfile]
+    if firewall:
+        args += ["--firewall-record", FIREWALL_LOADED]
     about = Section(
         "Unit",
         (
@@ -142,6 +152,9 @@ def agent_unit(settings: Settings, system32: str = WINDOWS_SYSTEM32) -> str:
             ("RuntimeDirectory", AGENT_RUN_DIR_NAME),
             ("RuntimeDirectoryMode", "0755"),
             ("RuntimeDirectoryPreserve", "yes"),
+            # node_exporter's textfile folder (root's 0755, made before the unit starts; "-": a folder
+            # removed since is no failed start): its samples.
+            *((("ReadWritePaths", f"-{layout.guard_textfile_dir}"),) if settings.node_exporter_enabled else ()),
         ),
     )
     install = Section("Install", (("WantedBy", "multi-user.target"),))
@@ -250,13 +263,17 @@ def desktop_shortcuts(settings: Settings, root: str):
 
 
 @operation()
-def agent(settings: Settings):
+def agent(settings: Settings, firewall: bool = False):
     """
-    Install the host agent: its script and module, ``freetoken-agent.service`` (as root, enabled
+    Install the host agent: its script and modules, ``freetoken-agent.service`` (as root, enabled
     and running, restarted when they change) and ``freetoken-owner``. With
-    ``settings.agent_enabled`` False the service is stopped and disabled.
+    ``settings.agent_enabled`` False the service is stopped and disabled. With node_exporter
+    (``node_exporter_enabled``) it writes its samples (``core.agent_metrics``) for the textfile
+    collector, whose folder is made here first.
 
     + settings: the host's ``Settings`` (``agent_*``, ``owner_*``, ``listen_host``, ``listen_port``)
+    + firewall: the deploy keeps the host's firewall (the plan's ``firewall_present``): the agent
+      reports whether its table is live
 
     **Example:**
 
@@ -273,12 +290,19 @@ def agent(settings: Settings):
         return
     wslconf = host.get_fact(WslConfFile)
     root = wsl_ini.drive_root(wslconf.ini) if wslconf.ini is not None else DEFAULT_DRIVE_ROOT
+    if settings.node_exporter_enabled:
+        # The unit's ReadWritePaths= must exist before it starts (the guard and node_exporter
+        # make it too, with the same owner and mode).
+        yield from files.directory._inner(
+            path=HostLayout.of(settings).guard_textfile_dir, user="root", group="root", mode="755"
+        )
     changed = yield from managed.put(
         ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
         ManagedFile(OWNER_MODULE, local=owner.__file__),
+        ManagedFile(AGENT_METRICS_MODULE, local=agent_metrics.__file__),
         ManagedFile(AGENT_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
         ManagedFile(OWNER_COMMAND, text=owner_command(), mode="755"),
-        ManagedFile(UNIT_PATH, text=agent_unit(settings, system32(root)), unit=True),
+        ManagedFile(UNIT_PATH, text=agent_unit(settings, system32(root), firewall), unit=True),
     )
     socket_changed = yield from managed.put(ManagedFile(SOCKET_PATH, text=agent_socket_unit(settings), unit=True))
     if socket_changed:

@@ -60,6 +60,7 @@ GPU_ROOM_MODULE = f"{LIB_DIR}/gpu_room.py"  # gpu_free.py imports it from its ow
 HOST_LOCK_SCRIPT = f"{LIB_DIR}/host_lock.py"
 AGENT_SCRIPT = f"{LIB_DIR}/owner_agent.py"
 OWNER_MODULE = f"{LIB_DIR}/owner.py"  # owner_agent.py imports it from its own folder
+AGENT_METRICS_MODULE = f"{LIB_DIR}/agent_metrics.py"  # and this one (its samples for node_exporter)
 # The owner's command on the host: freetoken-owner snooze 2h | resume | status.
 OWNER_COMMAND = "/usr/local/bin/freetoken-owner"
 OWN_DIR_SCRIPT = f"{LIB_DIR}/own_dir.py"  # root makes and re-owns folders without following links
@@ -213,6 +214,12 @@ class HostLayout:
     def guard_textfile_dir(self) -> str:
         """node_exporter's ``--collector.textfile.directory``: the folder of ``guard_textfile``."""
         return self.guard_textfile.rsplit("/", 1)[0]
+
+    @property
+    def agent_textfile(self) -> str:
+        """The host agent's samples (``core.agent_metrics``) beside the guard's, written by the
+        agent (root)."""
+        return f"{self.guard_textfile_dir}/freetoken_agent.prom"
 
     # --- under state_dir, owned by the download's user: root touches these only as that user --
 

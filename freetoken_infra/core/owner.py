@@ -472,6 +472,29 @@ def note_from_last_agt(last_agt: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+# The claim behind a status word as a fixed label (the agent's metrics, core/agent_metrics.py):
+# every app is `app`, never its name. `game` is the VRAM claim, shown as `yielded (game)`.
+YIELD_REASONS = ("game", "app", "full_screen", "snoozed", "off_schedule", "reboot_pending")
+_WORD_REASONS = {
+    "yielded (game)": "game",
+    "yielded (full-screen)": "full_screen",
+    "snoozed": "snoozed",
+    "off schedule": "off_schedule",
+    "reboot pending": "reboot_pending",
+}
+
+
+def yield_reason(state: AgentState) -> str | None:
+    """Why the owner holds the GPU now, one of ``YIELD_REASONS``; None while serving or starting
+    (no claim), or when the word is none of ours."""
+    if state.mode in (SERVING, STARTING):
+        return None
+    word = fleet_word(state.word)
+    if word is None:
+        return None
+    return _WORD_REASONS.get(word, "app")  # fleet_word's only other words: `yielded (app NAME)`
+
+
 def word_from_last_agt(last_agt: str) -> str | None:
     """The status word in ``last_agt`` (``via agent : up (yielded (app x.exe))``), or None."""
     return note_from_last_agt(last_agt)[0]
@@ -736,6 +759,10 @@ _SIGNALS = re.compile(
 # HAProxy 2.6 keeps a check's description in `char desc[HCHK_DESC_LEN]` (128, include/haproxy/
 # defaults.h), `via agent : up (NOTE)` included: a note of at most 100 characters fits.
 NOTE_MAX = 100
+
+
+# Each owner signal as a fixed label (the agent's metrics): VRAM is read from the card.
+SIGNAL_LABELS = {SIG_VRAM: "gpu", SIG_APPS: "apps", SIG_FULLSCREEN: "full_screen", SIG_REBOOT: "reboot"}
 
 
 def signals_line(configured: tuple[str, ...], broken: dict[str, str]) -> str:

@@ -14,11 +14,12 @@ The agent-check port (HAProxy's ``agent-check``) answers one of three fixed line
 .agent_word``) to every connection and closes it: it reads nothing a client sends.
 
 Trust: root, because it stops and starts the engine (like the guard). It writes only its own
-runtime folder (``--state-file``, ``/run/freetoken-agent``) and the owner's command writes only
+runtime folder (``--state-file``, ``/run/freetoken-agent``) and its samples in node_exporter's
+textfile folder (``--textfile``, root's, beside the guard's), and the owner's command writes only
 root's state folder (``--override-file``, ``/var/lib/freetoken-deploy``); the agent reads
 the engine's key from root's 0600 file and sends it in a header (never an argument), runs only
-fixed argument lists (``systemctl``, ``nvidia-smi``), and takes nothing from the engine's
-answers but a status word and two numbers, each checked for its type.
+fixed argument lists (``systemctl``, ``nvidia-smi``, ``nft``), and takes nothing from the engine's
+answers but a status word and a few numbers, each checked for its type.
 
 Windows (issue 22 items 2 and 3), through interop, from a thread every ``--windows-interval-s``
 (each interop start costs about half a second): ``tasklist.exe /fo csv /nh`` when ``--app``
@@ -28,6 +29,12 @@ names are set, PowerShell's call of shell32's ``SHQueryUserNotificationState`` w
 under the drive root the deploy read from wsl.conf), with fixed arguments, never from PATH; what
 they print is parsed strictly (``owner.parse_tasklist``, ``parse_notification_state``,
 ``reboot_flag``) and only compared: an app counts when its image name equals a listed one.
+
+Metrics (``--textfile``, node_exporter's textfile collector folder): after each round the agent's
+mode, the owner's reason, its signals, the engine's counters from ``/v1/stats``, the card's power
+and memory (NVML) and whether the firewall's table is live (``nft``, once a minute), rendered by
+``agent_metrics.render`` (uploaded beside this script) and written atomically: at once when the
+mode, reason, a signal or the firewall changes, else every ``METRICS_EVERY_S``.
 
 ``owner snooze 2h | resume | status``: the owner's override (snooze and resume as root).
 
@@ -55,14 +62,15 @@ from typing import TYPE_CHECKING, NamedTuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 if TYPE_CHECKING:  # the same modules, as the type checker finds them in the checkout
-    from freetoken_infra.core import hostio, owner
+    from freetoken_infra.core import agent_metrics, hostio, owner
 else:
     try:  # uploaded beside this script on the target
+        import agent_metrics
         import hostio
         import owner
     except ImportError:  # run from a checkout of the project
         sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-        from freetoken_infra.core import hostio, owner
+        from freetoken_infra.core import agent_metrics, hostio, owner
 
 PREFIX = "freetoken-agent:"
 # nvidia-smi is not on systemd's PATH inside WSL: the Windows driver provides it here.
@@ -87,6 +95,14 @@ ENGINE_FRESH_S = 3.0
 ANSWER_MAX = 65536
 # The engine unit's state is read with systemctl at least this often (UnitState).
 UNIT_EVERY_S = 10.0
+# The samples for node_exporter (--textfile) are written at once when the mode, the reason, a
+# signal or the firewall changes, else this often (the loop's time, counters, power and memory):
+# a render and an atomic write every few seconds, not every round.
+METRICS_EVERY_S = 5.0
+# The live firewall table is listed (`nft`, a process start) this often.
+FIREWALL_EVERY_S = 60.0
+FIREWALL_TABLE = ("inet", "freetoken")  # layout.FIREWALL_TABLE, as operations/firewall.py loads it
+FIREWALL_TIMEOUT_S = 5.0
 
 
 def log(message: str) -> None:
@@ -120,6 +136,13 @@ def gpu_used_mib() -> int | None:
         return None
 
 
+class GpuReading(NamedTuple):
+    """One read of the first GPU's memory, in bytes; the total None where the source does not say."""
+
+    used_bytes: int
+    total_bytes: int | None = None
+
+
 class _NvmlMemory(ctypes.Structure):
     """nvml.h's nvmlMemory_t: bytes."""
 
@@ -151,6 +174,11 @@ class Nvml:
             lib.nvmlShutdown.restype = ctypes.c_int
         except AttributeError as exc:  # not NVML
             raise OSError(f"not NVML: {exc}") from None
+        # The power draw is only a metric: a library without it still reads memory.
+        self.power_usage = getattr(lib, "nvmlDeviceGetPowerUsage", None)
+        if self.power_usage is not None:
+            self.power_usage.restype = ctypes.c_int
+            self.power_usage.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint)]
         if (rc := lib.nvmlInit_v2()) != 0:
             raise OSError(f"nvmlInit_v2 returned {rc}")
         handle = ctypes.c_void_p()
@@ -159,11 +187,26 @@ class Nvml:
             raise OSError(f"nvmlDeviceGetHandleByIndex_v2 returned {rc}")
         self.lib, self.handle = lib, handle
 
-    def used_mib(self) -> int | None:
+    def read(self) -> GpuReading | None:
+        """Used and total memory."""
         memory = _NvmlMemory()
         if self.lib.nvmlDeviceGetMemoryInfo(self.handle, ctypes.byref(memory)) != 0:
             return None
-        return memory.used // 2**20
+        return GpuReading(memory.used, memory.total)
+
+    def power_watts(self) -> float | None:
+        """The draw (``nvmlDeviceGetPowerUsage``: milliwatts), or None where the card or driver
+        does not report it."""
+        if self.power_usage is None:
+            return None
+        milliwatts = ctypes.c_uint()
+        if self.power_usage(self.handle, ctypes.byref(milliwatts)) != 0:
+            return None
+        return milliwatts.value / 1000.0
+
+    def used_mib(self) -> int | None:
+        reading = self.read()
+        return None if reading is None else reading.used_bytes // 2**20
 
     def close(self) -> None:
         self.lib.nvmlShutdown()
@@ -172,7 +215,8 @@ class Nvml:
 class GpuMemory:
     """The card's used memory (MiB): NVML in-process (``Nvml``), else the ``nvidia-smi`` process
     (``gpu_used_mib``) when the library is missing or errs; NVML is tried again every
-    ``NVML_RETRY_S``. Each change of source is logged once."""
+    ``NVML_RETRY_S``. Each change of source is logged once. ``reading``: the last read whole
+    (the total through NVML only), and ``power_watts``, for the agent's metrics."""
 
     def __init__(self, paths: tuple[str, ...] = NVML_LIBS, fallback=None, clock=time.monotonic):
         self.paths, self.clock = paths, clock
@@ -180,6 +224,7 @@ class GpuMemory:
         self.nvml: Nvml | None = None
         self.tried: float | None = None
         self.source = ""
+        self.reading: GpuReading | None = None
 
     def _say(self, source: str) -> None:
         if source != self.source:
@@ -195,14 +240,22 @@ class GpuMemory:
             except OSError as exc:
                 self._say(f"from nvidia-smi (NVML: {exc})")
         if self.nvml is not None:
-            used = self.nvml.used_mib()
-            if used is not None:
+            reading = self.nvml.read()
+            if reading is not None:
                 self._say("through NVML")
-                return used
+                self.reading = reading
+                return reading.used_bytes // 2**20
             self.nvml.close()
             self.nvml = None
             self._say("from nvidia-smi (NVML: nvmlDeviceGetMemoryInfo failed)")
-        return self.fallback()
+        used = self.fallback()
+        self.reading = GpuReading(used * 2**20) if isinstance(used, int) else None
+        return used
+
+    def power_watts(self) -> float | None:
+        """The card's draw through NVML, read only when asked (the metrics' writes); None without
+        NVML."""
+        return self.nvml.power_watts() if self.nvml is not None else None
 
 
 def engine_active(unit: str) -> bool:
@@ -350,11 +403,27 @@ def vram_from_stats(doc: dict | None) -> int | None:
     return vram // 2**20
 
 
+def counters_from_stats(doc: dict | None) -> tuple[int | None, int | None]:
+    """``/v1/stats``' ``requests.completed`` and ``requests.completion_tokens_total`` (FreeToken
+    0.2.1's ``build_stats``), each None unless a non-negative integer: only metrics, never a
+    decision."""
+    requests = doc.get("requests") if doc else None
+    if not isinstance(requests, dict):
+        return None, None
+
+    def count(value: object) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+    return count(requests.get("completed")), count(requests.get("completion_tokens_total"))
+
+
 class EngineAnswer(NamedTuple):
     at: float  # the reader's clock when the reads ended
     answered: bool  # /health answered at all (the engine's port is open and speaks HTTP)
     health_ok: bool  # /health said "status": "ok"
     vram_mib: int | None  # /v1/stats (vram_from_stats)
+    requests: int | None = None  # /v1/stats (counters_from_stats): the agent's metrics only
+    generated_tokens: int | None = None
 
 
 class EngineReader:
@@ -383,7 +452,7 @@ class EngineReader:
         if health is not None:
             stats = http_json(f"{self.base}/v1/stats", read_key(self.key_file), None, self.deadline_s, self.clock)
         ok = health is not None and health.get("status") == "ok"
-        return EngineAnswer(self.clock(), health is not None, ok, vram_from_stats(stats))
+        return EngineAnswer(self.clock(), health is not None, ok, vram_from_stats(stats), *counters_from_stats(stats))
 
     def serve(self) -> None:
         while True:
@@ -635,10 +704,55 @@ class WindowsWatch:
         with self.lock:
             return self.apps_running, self.fullscreen, self.reboot_pending
 
+    def signal_states(self) -> tuple[tuple[str, bool], ...]:
+        """Each configured Windows signal (``owner.SIGNAL_LABELS``) and whether its last read
+        worked; none until the first read is done."""
+        with self.lock:
+            if not self.read_yet:
+                return ()
+            return tuple((owner.SIGNAL_LABELS[s], s not in self.broken) for s in self.configured)
+
 
 def local_now(now: float) -> tuple[int, int]:
     t = time.localtime(now)
     return t.tm_wday, t.tm_hour * 60 + t.tm_min
+
+
+# --------------------------------------------------------------------------- the firewall
+def nft_table() -> str | None:
+    """What ``nft list table inet freetoken`` prints now (as ``host_lock.py`` lists it), or None:
+    no such table, no nft, or no answer within ``FIREWALL_TIMEOUT_S``."""
+    try:
+        run = subprocess.run(
+            ["nft", "list", "table", *FIREWALL_TABLE],
+            capture_output=True,
+            text=True,
+            timeout=FIREWALL_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return run.stdout if run.returncode == 0 and run.stdout.strip() else None
+
+
+class FirewallCheck:
+    """Whether the deploy's nftables table is live as its unit loaded it: ``nft list table inet
+    freetoken`` now equals the listing the unit recorded right after loading it (``record``,
+    root's file in /run), as the deploy's ``FirewallTable`` fact judges it (``intact``). A
+    flushed ruleset (``nft flush ruleset``, Debian's nftables.service) or a table changed by hand
+    reads False. Listed every ``every_s`` only (a process start)."""
+
+    def __init__(self, record: str, every_s: float = FIREWALL_EVERY_S, listing=nft_table):
+        self.record, self.every_s, self.listing = record, every_s, listing
+        self.loaded = False
+        self.read_at: float | None = None
+
+    def check(self, now: float) -> bool:
+        if self.read_at is None or not 0 <= now - self.read_at < self.every_s:
+            self.read_at = now
+            live = self.listing()
+            self.loaded = live is not None and live == read_text(self.record)
+        return self.loaded
 
 
 # --------------------------------------------------------------------------- acting
@@ -725,7 +839,16 @@ class Agent:
     (``act``), the state file. Nothing in a round waits on the engine: its answers come from
     the ``EngineReader`` thread, taken only while fresh."""
 
-    def __init__(self, args: argparse.Namespace, watch: WindowsWatch, port: AgentPort, gpu=None, clock=time.time):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        watch: WindowsWatch,
+        port: AgentPort,
+        gpu=None,
+        clock=time.time,
+        readings=None,
+        power=None,
+    ):
         apps = tuple(args.app or ())
         bad = [a for a in apps if not owner.app_name_ok(a)]
         if bad:
@@ -749,11 +872,21 @@ class Agent:
         self.state = owner.load_state(text) if text else owner.AgentState(since=clock())
         self.written: bytes | None = None
         self.signals = ""
+        # The samples for node_exporter (--textfile): the GPU's last read whole (GpuMemory.reading;
+        # else the used memory alone) and its draw (read only for a write), the engine's last
+        # fresh answer, the firewall's table.
+        self.readings, self.power = readings, power
+        self.answer: EngineAnswer | None = None
+        self.firewall = FirewallCheck(args.firewall_record) if args.firewall_record else None
+        self.exported: agent_metrics.AgentSample | None = None
+        self.exported_at: float | None = None
+        self.export_problem: str | None = None
 
     def look(self, now: float) -> owner.Observation:
         answer = self.reader.fresh(self.reader.clock(), self.fresh_s)  # None: no fresh answer, unknown
         active = self.unit.active(self.reader.clock(), None if answer is None else answer.answered)
         seen = self.watch.seen()
+        self.answer = answer if active else None
         return owner.Observation(
             now=now,
             gpu_used_mib=self.gpu(),
@@ -807,11 +940,61 @@ class Agent:
             hostio.write_atomic(self.args.state_file, owner.dump_state(state, now))
             self.written = record
 
+    def sample(self, now: float, obs: owner.Observation) -> agent_metrics.AgentSample:
+        """The round's samples for node_exporter (``core.agent_metrics``)."""
+        reading = self.readings() if self.readings is not None else None
+        if obs.gpu_used_mib is None:
+            reading = None
+        elif reading is None:
+            reading = GpuReading(obs.gpu_used_mib * 2**20)
+        answer = self.answer
+        return agent_metrics.AgentSample(
+            modes=owner.MODES,
+            mode=self.state.mode,
+            reasons=owner.YIELD_REASONS,
+            reason=owner.yield_reason(self.state),
+            signals=((owner.SIGNAL_LABELS[owner.SIG_VRAM], obs.gpu_used_mib is not None), *self.watch.signal_states()),
+            last_loop=now,
+            engine_requests=answer.requests if answer is not None else None,
+            engine_generated_tokens=answer.generated_tokens if answer is not None else None,
+            gpu_power_watts=None,  # read by export, only for a write
+            gpu_memory_used_bytes=reading.used_bytes if reading is not None else None,
+            gpu_memory_total_bytes=reading.total_bytes if reading is not None else None,
+            firewall_loaded=self.firewall.check(now) if self.firewall is not None else None,
+        )
+
+    def export(self, now: float, obs: owner.Observation) -> None:
+        """The samples written for node_exporter's textfile collector (``--textfile``, atomically:
+        the collector never reads half a file): at once when the mode, the reason, a signal or
+        the firewall changed, else every ``METRICS_EVERY_S``. A folder that is not there (no
+        node_exporter) or a write that fails is logged once per change and tried again every
+        ``METRICS_EVERY_S``; the loop goes on."""
+        if not self.args.textfile:
+            return
+        at = self.exported_at
+        due = at is None or not 0 <= now - at < METRICS_EVERY_S
+        sample = self.sample(now, obs)
+        if not due and (self.export_problem is not None or not agent_metrics.changed(self.exported, sample)):
+            return
+        if self.power is not None and sample.gpu_memory_used_bytes is not None:
+            sample = replace(sample, gpu_power_watts=self.power())
+        problem = None
+        try:
+            hostio.write_atomic(self.args.textfile, agent_metrics.render(sample).encode())
+            self.exported = sample  # what the file holds
+        except (OSError, ValueError) as exc:
+            problem = f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
+        self.exported_at = now
+        if problem != self.export_problem:
+            log(f"metrics not written to {self.args.textfile} ({problem})" if problem else "metrics written")
+            self.export_problem = problem
+
     def round(self) -> None:
         now = self.clock()
         obs, action = self.decide(now)
         self.act(obs, action)
         self.record(now)
+        self.export(self.clock(), obs)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -827,7 +1010,8 @@ def serve(args: argparse.Namespace) -> int:
         threading.Thread(target=watch.serve, daemon=True).start()
     port = AgentPort(args.bind, args.port)
     nvml = NVML_LIBS if args.nvml_lib is None else tuple(p for p in [args.nvml_lib] if p)
-    agent = Agent(args, watch, port, gpu=GpuMemory(nvml).used_mib)
+    gpu = GpuMemory(nvml)
+    agent = Agent(args, watch, port, gpu=gpu.used_mib, readings=lambda: gpu.reading, power=gpu.power_watts)
     port.set(owner.agent_word(agent.state, time.time()))
     threading.Thread(target=port.serve, daemon=True).start()
     threading.Thread(target=agent.reader.serve, daemon=True).start()
@@ -893,6 +1077,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--state-file", required=True)
     s.add_argument("--override-file", required=True)
     s.add_argument("--nvml-lib", help="NVML's library (default: WSL's, then the loader's); '': nvidia-smi only")
+    s.add_argument("--textfile", help="node_exporter's textfile collector file for the agent's samples (unset: none)")
+    s.add_argument("--firewall-record", help="the firewall unit's listing of its table: report whether it is live")
     o = sub.add_parser("owner")
     o.add_argument("--state-file", required=True)
     o.add_argument("--override-file", required=True)

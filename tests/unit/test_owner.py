@@ -194,8 +194,12 @@ def test_the_agent_unit_runs_the_uploaded_script_as_root_confined():
         "http://127.0.0.1:8000 --key-file /etc/freetoken/api-key.env --bind 0.0.0.0 --port 8020 "
         "--vram-threshold-gb 4 --quiet-s 5 --drain-timeout-s 10 "
         f"--state-file {AGENT_STATE_FILE} --override-file {OWNER_OVERRIDE_FILE} "
-        "--system32 /mnt/c/Windows/System32 --windows-interval-s 5 --reboot-interval-s 60 --reboot-drain\n"
+        "--system32 /mnt/c/Windows/System32 --windows-interval-s 5 --reboot-interval-s 60 --reboot-drain "
+        "--textfile /var/lib/freetoken-deploy/metrics/freetoken_agent.prom\n"
     ) in text
+    # its samples beside the guard's, in node_exporter's textfile folder: its one other writable one
+    assert "ReadWritePaths=-/var/lib/freetoken-deploy/metrics\n" in text
+    assert text.count("ReadWritePaths") == 1
     # The owner's apps, full screen and hours, each one argument (systemd's quoting), moved drives.
     text = owner_op.agent_unit(
         Settings(
@@ -208,11 +212,15 @@ def test_the_agent_unit_runs_the_uploaded_script_as_root_confined():
     )
     assert (
         '--system32 /c/Windows/System32 --windows-interval-s 5 --reboot-interval-s 60 --app eldenring.exe --app "Among Us.exe" '
-        '--fullscreen --serve-hours "Mon-Fri 18:00-08:00"\n'
+        '--fullscreen --serve-hours "Mon-Fri 18:00-08:00" --textfile '
     ) in text
     for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "RuntimeDirectory=freetoken-agent"):
         assert line + "\n" in text
-    assert "ReadWritePaths" not in text  # it writes its runtime folder only
+    # without node_exporter it writes its runtime folder only; with the deploy's firewall it
+    # reports whether the table is live as its unit recorded it
+    text = owner_op.agent_unit(Settings(node_exporter_enabled=False), firewall=True)
+    assert "ReadWritePaths" not in text and "--textfile" not in text
+    assert "--reboot-drain --firewall-record /run/freetoken-firewall.loaded\n" in text
     assert "User=" not in text  # root: it stops and starts the engine and reads its key
     assert "Environment" not in text and "FREETOKEN_API_KEY" not in text  # the key's file, never the key
     assert owner_op.engine_url(Settings(listen_host="::")) == "http://[::1]:8000"
@@ -266,7 +274,9 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
     systemctl (the engine's state in a file, each call logged) and a stand-in engine on loopback
     (/health, /v1/stats, prepare-stop, each request's key logged). A game appears: `drain 0%`,
     prepare-stop with the key in a header, `systemctl stop`, the reason in the state file; the
-    game ends: `systemctl start` after the quiet time, `ready 100%` once /health is ok."""
+    game ends: `systemctl start` after the quiet time, `ready 100%` once /health is ok. Its samples
+    for node_exporter follow: the mode and the reason, the engine's counters while it serves (left
+    out once it is stopped), the card's memory, the firewall's table (a stand-in nft)."""
     import http.server
     import os
     import subprocess
@@ -286,6 +296,10 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
         f"  start) echo active > {active} ;;\n"
         "esac\n"
     )
+    listing = "table inet freetoken {\n}\n"
+    (bin_dir / "nft").write_text(f'#!/bin/sh\n[ "$*" = "list table inet freetoken" ] && printf "{listing}"\n')
+    record = tmp_path / "freetoken-firewall.loaded"
+    record.write_text(listing)  # what the firewall's unit recorded when it loaded the table
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     key_file = tmp_path / "api-key.env"
@@ -308,7 +322,9 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
             seen_keys.append(self.headers.get("authorization") or "")
             if self.path == "/health":
                 return self._json({"status": "ok"})
-            return self._json({"vram_bytes": 6042 * 2**20})
+            return self._json(
+                {"vram_bytes": 6042 * 2**20, "requests": {"completed": 5, "completion_tokens_total": 640}}
+            )
 
         def do_POST(self):
             seen_keys.append(self.headers.get("authorization") or "")
@@ -327,6 +343,9 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
     argv += ["--bind", "127.0.0.1", "--port", str(agent_port), "--vram-threshold-gb", "4", "--quiet-s", "1"]
     argv += ["--drain-timeout-s", "2", "--interval-s", "0.1"]
     argv += ["--state-file", str(state_file), "--override-file", str(override), "--nvml-lib", ""]
+    textfile = tmp_path / "metrics" / "freetoken_agent.prom"
+    textfile.parent.mkdir()
+    argv += ["--textfile", str(textfile), "--firewall-record", str(record)]
     proc = subprocess.Popen(
         argv,
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
@@ -342,6 +361,10 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
         except OSError:
             return b""
 
+    def metrics() -> dict[str, float]:
+        lines = textfile.read_text().splitlines()
+        return {k: float(v) for k, _, v in (x.rpartition(" ") for x in lines if not x.startswith("#"))}
+
     def wait(check, timeout: float = 20):
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -355,6 +378,13 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
 
     try:
         assert wait(lambda: word() == b"up\n")
+        assert wait(lambda: metrics().get("freetoken_engine_requests_total") == 5)
+        serving = metrics()
+        assert serving['freetoken_agent_mode{mode="serving"}'] == 1 and serving["freetoken_firewall_table_loaded"] == 1
+        assert serving['freetoken_agent_yield_reason{reason="game"}'] == 0
+        assert serving["freetoken_engine_generated_tokens_total"] == 640
+        assert serving["freetoken_gpu_memory_used_bytes"] == 6895 * 2**20  # nvidia-smi: no total, no power
+        assert serving['freetoken_agent_signal_up{signal="gpu"}'] == 1
         used.write_text(str(6895 + 12 * 1024) + "\n")  # the game
         assert wait(lambda: word() == b"drain 0% up #yielded (game)\n")  # read by "the gateway": the stop may go on
         assert wait(lambda: "stop freetoken.service" in calls.read_text())
@@ -364,10 +394,22 @@ def test_the_agent_yields_and_rejoins_on_a_host_of_stand_ins(tmp_path):
         state = owner.load_state(state_file.read_text())
         assert state.mode == "yielded" and "held by other processes" in state.reason
         assert oct(state_file.stat().st_mode & 0o777) == "0o644"
+        # the stopped engine's counters are left out, never 0 (the stand-in still answers)
+        assert wait(lambda: "freetoken_engine_requests_total" not in metrics())
+        yielded = metrics()
+        assert (
+            yielded['freetoken_agent_mode{mode="yielded"}'] == 1
+            and yielded['freetoken_agent_mode{mode="serving"}'] == 0
+        )
+        assert yielded['freetoken_agent_yield_reason{reason="game"}'] == 1
+        assert yielded["freetoken_gpu_memory_used_bytes"] == (6895 + 12 * 1024) * 2**20
+        assert sorted(os.listdir(textfile.parent)) == [textfile.name]  # no temporary file left
         used.write_text("853\n")  # the game ends
         assert wait(lambda: "start freetoken.service" in calls.read_text())
         assert wait(lambda: word() == b"ready 100%\n")
         assert wait(lambda: owner.load_state(state_file.read_text()).mode == "serving")  # written after
+        assert wait(lambda: metrics().get('freetoken_agent_mode{mode="serving"}') == 1)
+        assert metrics()['freetoken_agent_yield_reason{reason="game"}'] == 0
         # every request that needed it carried the key in a header; /health none needed
         assert "Bearer sekret-key-1234" in seen_keys
     finally:
@@ -459,3 +501,40 @@ def test_the_engines_share_is_bounded_by_the_card_before_its_growth_is_learnt():
     # an honest figure below the card's growth is taken as it is
     assert owner.engine_share_mib(seen(0, engine_vram_mib=5000), ENGINE_MIB, 853) == 5000
     assert others_mib(seen(0, used=CARD_IDLE_MIB + GAME_MIB, engine_vram_mib=2**30), ENGINE_MIB, 853) == 853 + GAME_MIB
+
+
+def test_the_agent_operation_makes_the_textfile_folder_and_uploads_the_metrics_module():
+    """With node_exporter the metrics folder exists before the unit (its ReadWritePaths=) starts,
+    and ``agent_metrics.py`` lies beside the script; a converged host gets nothing."""
+    from facts.windows import WslConfFile
+    from freetoken_infra.core import agent_metrics, hostio
+    from freetoken_infra.core.layout import AGENT_METRICS_MODULE, AGENT_SOCKET, AGENT_UNIT, HOSTIO_MODULE, OWNER_MODULE
+    from tests.unit.fakehost import FakeHost
+
+    settings = Settings(owner_shortcuts=False)
+    facts = {"WslConfFile": WslConfFile.default()}
+    cmds = FakeHost(facts=facts).commands(owner_op.agent, settings, firewall=True)
+    folder = "/var/lib/freetoken-deploy/metrics"
+    assert f"mkdir -p {folder}" in cmds and f"upload {AGENT_METRICS_MODULE}" in cmds
+    assert cmds.index(f"mkdir -p {folder}") < cmds.index(f"upload {owner_op.UNIT_PATH}")
+    assert cmds.index(f"upload {AGENT_METRICS_MODULE}") < cmds.index(f"systemctl start {AGENT_UNIT}")
+    unit = owner_op.agent_unit(settings, firewall=True)
+    converged = FakeHost(
+        files={
+            HOSTIO_MODULE: open(hostio.__file__).read(),
+            OWNER_MODULE: open(owner.__file__).read(),
+            AGENT_METRICS_MODULE: open(agent_metrics.__file__).read(),
+            AGENT_SCRIPT: (open(owner_agent.__file__).read(), 755),
+            owner_op.OWNER_COMMAND: (owner_op.owner_command(), 755),
+            owner_op.UNIT_PATH: unit,
+            owner_op.SOCKET_PATH: owner_op.agent_socket_unit(settings),
+        },
+        dirs={folder},
+        running={AGENT_UNIT, AGENT_SOCKET},
+        enabled={AGENT_UNIT, AGENT_SOCKET},
+        facts=facts,
+    )
+    assert converged.commands(owner_op.agent, settings, firewall=True) == []
+    # without node_exporter: no folder made, none written
+    cmds = FakeHost(facts=facts).commands(owner_op.agent, Settings(owner_shortcuts=False, node_exporter_enabled=False))
+    assert not any(folder in c for c in cmds)

@@ -291,3 +291,51 @@ def test_without_nvml_the_agent_reads_nvidia_smi(standin_nvml, tmp_path, monkeyp
     assert owner_agent.GpuMemory((str(standin_nvml),), fallback=lambda: 42).used_mib() == 42
     assert owner_agent.GpuMemory((str(tmp_path / "none.so"),), fallback=lambda: 43).used_mib() == 43
     assert owner_agent.GpuMemory((), fallback=lambda: 44).used_mib() == 44
+
+
+def _smi_query(sim: Path, fields: str) -> list[str]:
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(STANDINS / "bin" / "nvidia-smi"),
+            f"--query-gpu={fields}",
+            "--format=csv,noheader,nounits",
+        ],
+        env={**os.environ, "FREETOKEN_SIM_DIR": str(sim)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [v.strip() for v in run.stdout.strip().split(",")]
+
+
+def test_the_agents_metrics_read_the_cards_total_and_power_through_nvml(standin_nvml, tmp_path, monkeypatch):
+    """nvmlDeviceGetPowerUsage (milliwatts) as watts, and the total memory, for the agent's
+    samples: what nvidia-smi's power.draw and memory.total say of the same card."""
+    from tests.fleet import harness, profiles
+
+    profile = profiles.profile_for("ws1")
+    sim = tmp_path / "sim"
+    sim.mkdir()
+    (sim / "profile.json").write_text(json.dumps(profile.to_dict()))
+    (sim / "gpu.conf").write_text(harness.gpu_conf_text(profile))
+    monkeypatch.setenv("FREETOKEN_SIM_DIR", str(sim))
+    gpu = owner_agent.GpuMemory((str(standin_nvml),), fallback=lambda: None)
+    assert gpu.power_watts() is None  # not opened yet: no read
+    draws = []
+    for game in (None, profile.gpu.memory_total_mib - 1024):
+        if game is not None:
+            (sim / "gpu-memory-used-mib").write_text(f"{game}\n")
+        used = gpu.used_mib()
+        total, smi_used, watts = _smi_query(sim, "memory.total,memory.used,power.draw")
+        assert used == int(smi_used)
+        assert gpu.reading == owner_agent.GpuReading(used * 2**20, int(total) * 2**20)
+        assert gpu.power_watts() == float(watts)
+        draws.append(float(watts))
+    assert draws == [6.12, 142.31]  # idle, then the game's draw
+    # nvidia-smi's fallback: the used memory only, no draw
+    smi = owner_agent.GpuMemory((), fallback=lambda: 853)
+    assert smi.used_mib() == 853 and smi.reading == owner_agent.GpuReading(853 * 2**20)
+    assert smi.power_watts() is None
+    assert gpu.nvml is not None
+    gpu.nvml.close()

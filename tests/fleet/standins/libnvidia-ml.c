@@ -4,13 +4,15 @@
  * error strings of NVIDIA's nvml.h:
  *   nvmlInit_v2 (and nvmlInit), nvmlShutdown, nvmlDeviceGetCount_v2,
  *   nvmlDeviceGetHandleByIndex_v2 (and nvmlDeviceGetHandleByIndex), nvmlDeviceGetMemoryInfo
- *   (nvmlMemory_t: unsigned long long total, free, used, in bytes), nvmlDeviceGetName,
- *   nvmlErrorString.
+ *   (nvmlMemory_t: unsigned long long total, free, used, in bytes), nvmlDeviceGetPowerUsage
+ *   (unsigned int, milliwatts), nvmlDeviceGetName, nvmlErrorString.
  * The device is the simulated host's GPU as the other stand-ins read it: memory_total_mib and
  * memory_used_mib from $FREETOKEN_SIM_DIR/gpu.conf (default /.sim/gpu.conf, written by
  * tests/fleet/harness.py from the host profile, as libcuda.c reads it), and the used memory
  * from $FREETOKEN_SIM_DIR/gpu-memory-used-mib when that file holds a number (the owner's game,
- * as bin/nvidia-smi reads it), read again at every nvmlDeviceGetMemoryInfo. No GPU is involved. */
+ * as bin/nvidia-smi reads it), read again at every nvmlDeviceGetMemoryInfo. The power draw is
+ * bin/nvidia-smi's power.draw: 142.31 W while more than 2 GiB is used, else 6.12 W. No GPU is
+ * involved. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,6 +124,17 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
     memory->total = total * MIB;
     memory->used = used * MIB; /* as nvidia-smi's memory.used, even above the total */
     memory->free = used < total ? (total - used) * MIB : 0;
+    return NVML_SUCCESS;
+}
+
+/* nvml.h: "power usage for this GPU in milliwatts and its associated circuitry (e.g. memory)". */
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
+    unsigned long long total, used;
+    if (init_count <= 0) return NVML_ERROR_UNINITIALIZED;
+    if (device != &the_device || !power) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!load_config(&total, &used)) return NVML_ERROR_UNKNOWN;
+    load_used_override(&used);
+    *power = used > 2048 ? 142310 : 6120; /* as bin/nvidia-smi's power.draw */
     return NVML_SUCCESS;
 }
 

@@ -1,0 +1,122 @@
+"""The host agent's state in Prometheus: ws1 converged behind the gateway host (its engine on
+every address, so its firewall is kept), Debian's Prometheus on the gateway scraping the scrape
+config the gateway deploy wrote (as tests/fleet/test_gateway.py installs it). Read from
+Prometheus's HTTP API: ws1 serving, with its engine's counters, its card's memory and power and
+its firewall's table; then the owner's game (the GPU stand-ins' /.sim/gpu-memory-used-mib, as
+tests/fleet/test_owner.py sets it): ws1 yielded for `game`, its stopped engine's counters gone;
+the game's end: ws1 serving again.
+At the end the gateway host is removed and ws1 converges back to the defaults."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+import time
+import urllib.parse
+
+import pytest
+import yaml
+
+from freetoken_infra.core.layout import GATEWAY_SCRAPE_CONFIG
+from tests.fleet import client, harness
+from tests.fleet.gateway_load import METRICS_KEY, data_args, pyinfra, write_keys
+from tests.fleet.profiles import GATEWAY_NAME, PROFILES
+
+pytestmark = pytest.mark.fleet
+
+GAME = "/.sim/gpu-memory-used-mib"
+QUIET_S = 5  # the game's end to the engine's start: short, so that ws1 serves again before the teardown
+API = "http://127.0.0.1:9090/api/v1/"
+# From the gateway host, with its own python3 (the base image has no curl): the body of a GET.
+FETCH = "python3 -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=10).read().decode())' "
+
+
+@pytest.fixture(scope="module")
+def prometheus(sim_fleet, tmp_path_factory):
+    """ws1 behind the gateway, and Prometheus on the gateway scraping every 2 s."""
+    keys = write_keys(tmp_path_factory.mktemp("agent-metrics") / "keys")
+    harness.start_gateway()
+    try:
+        quiet = ["--data", f"owner_quiet_s={QUIET_S}"]
+        ws1 = pyinfra(*data_args(keys), *quiet, "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1")
+        assert ws1.returncode == 0, "ws1 did not converge behind the gateway"
+        gateway = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
+        assert gateway.returncode == 0, "the gateway did not converge"
+        install = sim_fleet.run(
+            GATEWAY_NAME,
+            "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus",
+            timeout=900,
+        )
+        assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+        config = yaml.safe_load(sim_fleet.run(GATEWAY_NAME, f"cat {GATEWAY_SCRAPE_CONFIG}", check=True).stdout)
+        config["global"] = {"scrape_interval": "2s", "scrape_timeout": "1500ms"}
+        text = base64.b64encode(yaml.safe_dump(config).encode()).decode()
+        sim_fleet.run(
+            GATEWAY_NAME,
+            "install -m 600 -o prometheus -g prometheus /dev/null /etc/prometheus/freetoken-gateway.key "
+            f"&& printf %s {METRICS_KEY} > /etc/prometheus/freetoken-gateway.key "
+            f"&& echo {text} | base64 -d > /etc/prometheus/prometheus.yml "
+            "&& promtool check config /etc/prometheus/prometheus.yml && systemctl restart prometheus",
+            check=True,
+        )
+        yield sim_fleet
+    finally:
+        sim_fleet.run("ws1", f"rm -f {GAME}")
+        sim_fleet.run(GATEWAY_NAME, "systemctl disable --now prometheus")
+        harness.stop_gateway()
+        client.deploy("--limit", "ws1")  # back to the defaults, as the other modules expect ws1
+
+
+def query(fleet, promql: str) -> dict[str, float]:
+    """An instant query's samples: each series' host and the agent's own labels -> value (the
+    scrape config's other labels, job and instance left out)."""
+    r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(API + "query?query=" + urllib.parse.quote(promql)), check=True)
+    out = {}
+    for m in json.loads(r.stdout)["data"]["result"]:
+        labels = {k: v for k, v in m["metric"].items() if k in ("host", "mode", "reason", "signal")}
+        out[",".join(f"{k}={v}" for k, v in sorted(labels.items()))] = float(m["value"][1])
+    return out
+
+
+def until(check, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return True
+        time.sleep(1)
+    return False
+
+
+def test_prometheus_reads_the_agents_mode_and_the_yield_with_its_reason(prometheus):
+    fleet = prometheus
+
+    def ws1(metric: str) -> dict[str, float]:
+        return query(fleet, f'{metric}{{host="ws1"}}')
+
+    # Serving: the mode, no reason, the engine's counters (it has answered /v1/stats), the card, the firewall.
+    assert until(lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=serving") == 1, 90), ws1("freetoken_agent_mode")
+    assert sum(ws1("freetoken_agent_mode").values()) == 1
+    assert set(ws1("freetoken_agent_yield_reason").values()) == {0}
+    assert until(lambda: ws1("freetoken_engine_requests_total") != {}, 30)
+    assert ws1("freetoken_gpu_memory_total_bytes") == {"host=ws1": PROFILES["ws1"].gpu.memory_total_mib * 2**20}
+    assert ws1("freetoken_firewall_table_loaded") == {"host=ws1": 1}
+    assert ws1("freetoken_agent_signal_up").get("host=ws1,signal=gpu") == 1
+
+    # The owner's game: ws1 yields (drain, then its engine stopped), and says why.
+    fleet.run("ws1", f"echo {PROFILES['ws1'].gpu.memory_total_mib - 1024} > {GAME}", check=True)
+    assert until(lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=yielded") == 1, 60), ws1("freetoken_agent_mode")
+    assert ws1("freetoken_agent_yield_reason") == {
+        f"host=ws1,reason={r}": float(r == "game")
+        for r in ("game", "app", "full_screen", "snoozed", "off_schedule", "reboot_pending")
+    }
+    # The stopped engine's counters are left out (stale at once in Prometheus), never 0.
+    assert until(lambda: ws1("freetoken_engine_requests_total") == {}, 30)
+    assert ws1("freetoken_gpu_power_watts") == {"host=ws1": 142.31}  # the NVML stand-in's busy card
+
+    # The game ends: after the quiet time the agent starts the engine and ws1 serves again.
+    fleet.run("ws1", f"rm -f {GAME}", check=True)
+    assert until(lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=serving") == 1, 120), ws1(
+        "freetoken_agent_mode"
+    )
+    assert set(ws1("freetoken_agent_yield_reason").values()) == {0}
