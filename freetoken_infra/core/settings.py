@@ -368,11 +368,18 @@ class Settings(BaseModel):
                 raise ValueError(f"{_short(address)} is not a mail address such as ops@example.org")
         return v
 
-    @field_validator("alert_email_from", "alert_email_username")
+    @field_validator("alert_email_from")
     @classmethod
     def _alert_email_from(cls, v: str | None) -> str | None:
+        if v is not None and not _EMAIL_RE.fullmatch(v):
+            raise ValueError("must be a mail address such as alerts@example.org")
+        return v
+
+    @field_validator("alert_email_username")
+    @classmethod
+    def _alert_email_username(cls, v: str | None) -> str | None:
         if v is not None and not _EMAIL_RE.fullmatch(v) and not _NAME_RE.fullmatch(v):
-            raise ValueError("must be a mail address such as alerts@example.org (or a plain login name)")
+            raise ValueError("must be a login: a mail address such as alerts@example.org, or a plain name")
         return v
 
     @field_validator("alert_email_smarthost")

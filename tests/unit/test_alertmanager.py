@@ -99,6 +99,8 @@ def test_no_receiver_set_keeps_the_alerts_in_alertmanager_s_api(tmp_path):
         ({"alert_email_to": ["ops@example.org"], "alert_email_from": "a@example.org"}, "alert_email_smarthost"),
         ({"alert_email_password_source": "env:PW"}, "alert_email_to"),
         ({**MAIL, "alert_email_to": ["not an address"]}, "alert_email_to"),
+        ({**MAIL, "alert_email_from": "alerts"}, "alert_email_from"),
+        ({**MAIL, "alert_email_username": "relay login"}, "alert_email_username"),
         ({**MAIL, "alert_email_to": ["ops@example.org\nbcc: x@example.org"]}, "alert_email_to"),
         ({**MAIL, "alert_email_smarthost": "smtp.example.org"}, "alert_email_smarthost"),
         ({**MAIL, "alert_email_smarthost": "smtp.example.org:70000"}, "alert_email_smarthost"),
