@@ -10,13 +10,21 @@ before any host is touched; an engine that takes no key on a LAN address is refu
 keys and ports come from the same settings the engines' deploy uses; a second run changes
 nothing; a changed config is validated (`haproxy -c`) and reloaded without dropping
 connections. Other hosts are left alone.
+
+The alert rules (docs/alerts.md) are written beside the scrape config; with `alerting_enabled`
+the gateway host also runs Debian's Prometheus and Alertmanager (loopback only) with them, its
+receivers from the `alert_*` settings, each config checked (`promtool`, `amtool`) before it
+replaces the running one.
 """
+
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra.context import state
 
-from freetoken_infra.core import addresses
+from freetoken_infra import plan
+from freetoken_infra.core import addresses, redact
 from freetoken_infra.core.layout import GATEWAY_GROUP
 from freetoken_infra.preflight import fleet_settings
 from freetoken_infra.rollout import measured_decode_tps
@@ -52,6 +60,47 @@ if GATEWAY_GROUP in host.groups:
         scrape = gateway.scrape_config(
             address, settings, {b.name: (b.address, every[b.name]) for b in backends}, tls=tls is not None
         )
+        # One alert per failure, none for an owner's choice (docs/alerts.md).
+        rules = gateway.alert_rules(
+            host.name,
+            settings,
+            gateway.alert_targets(
+                {b.name: every[b.name] for b in backends},
+                firewall={b.name for b in backends if plan.firewall_needed(every[b.name])},
+            ),
+        )
+        alerting: dict[str, Any] | None = None  # the alerting operation's arguments
+        if settings.alerting_enabled:
+            key = gateway.scrape_key(metrics_keys)
+            if key is None:
+                raise gateway.GatewayError(
+                    f"host {host.name}: alerting_enabled needs gateway_metrics_keys_source (Prometheus "
+                    "scrapes HAProxy's /metrics with its first key)"
+                )
+            smtp_password = None
+            if settings.alert_email_password_source is not None:
+                smtp_password = gateway.read_source(
+                    settings.alert_email_password_source, "alert_email_password_source"
+                ).strip()
+                if not smtp_password or "\n" in smtp_password:
+                    raise gateway.GatewayError(
+                        f"host {host.name}: alert_email_password_source gives an empty or multi-line password"
+                    )
+                redact.remember(smtp_password)  # masked in every diff and line of this run
+            webhook = None if settings.alert_webhook_url is None else str(settings.alert_webhook_url)
+            if webhook is not None:
+                redact.remember(webhook)  # a chat's webhook URL is its credential
+            receivers = [r for r, on in (("webhook", webhook), ("mail", settings.alert_email_to)) if on]
+            alerting = {
+                "name": "Gateway: Prometheus and Alertmanager on loopback (checked, reloaded); receivers: "
+                + (", ".join(receivers) or "none (Alertmanager's API only)"),
+                "prometheus": gateway.prometheus_config(scrape, settings),
+                "alertmanager": gateway.alertmanager_config(settings, smtp_password is not None),
+                "rules": rules,
+                "scrape_key": key,
+                "smtp_password": smtp_password,
+                "webhook_url": webhook,
+            }
     except (gateway.GatewayError, addresses.AddressError, ValueError) as exc:
         raise PyinfraError(f"gateway on {host.name}: {exc}") from None
 
@@ -71,7 +120,14 @@ if GATEWAY_GROUP in host.groups:
         metrics_keys=metrics_keys,
         scrape=scrape,
         tls=tls,
+        rules=rules,
     )
+    if alerting is not None:
+        cuda.packages_present(
+            name="Gateway: Prometheus and Alertmanager (Debian packages)",
+            packages=["prometheus", "prometheus-alertmanager"],
+        )
+        gateway.alerting(**alerting)
     waker.waker(
         name="Gateway: the waker (Wake-on-LAN for " + (", ".join(t["name"] for t in sleepers) or "no host") + ")",
         gw=settings,

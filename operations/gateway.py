@@ -35,6 +35,14 @@ from freetoken_infra.core.addresses import AddressError, fleet_address
 from freetoken_infra.core.hardware import HARDWARE_PROFILES
 from freetoken_infra.core.launch import running_requests
 from freetoken_infra.core.layout import (
+    AGENT_UNIT,
+    ALERTMANAGER_CONFIG,
+    ALERTMANAGER_DEFAULTS,
+    ALERTMANAGER_LISTEN,
+    ALERTMANAGER_SMTP_PASSWORD,
+    ALERTMANAGER_UNIT,
+    ENGINE_UNIT,
+    GATEWAY_ALERT_RULES,
     GATEWAY_BACKEND,
     GATEWAY_CONFIG,
     GATEWAY_ENGINE_KEY_MAP,
@@ -44,6 +52,12 @@ from freetoken_infra.core.layout import (
     GATEWAY_SCRAPE_CONFIG,
     GATEWAY_SERVER_STATE,
     GATEWAY_TLS_PEM,
+    PROMETHEUS_CONFIG,
+    PROMETHEUS_DEFAULTS,
+    PROMETHEUS_LISTEN,
+    PROMETHEUS_SCRAPE_KEY,
+    PROMETHEUS_UNIT,
+    PROMETHEUS_USER,
     SERVED_BY_HEADER,
     SESSION_HEADER,
     WAKER_SOCKET,
@@ -548,7 +562,7 @@ def scrape_config(
         "job_name": "freetoken-gateway",
         "metrics_path": "/metrics",
         **({"scheme": "https"} if tls else {}),
-        "authorization": {"type": "Bearer", "credentials_file": "/etc/prometheus/freetoken-gateway.key"},
+        "authorization": {"type": "Bearer", "credentials_file": PROMETHEUS_SCRAPE_KEY},
         "static_configs": [{"targets": [listen_address(gateway_address, gw.gateway_stats_port)]}],
     }
     guard_job = {
@@ -575,6 +589,351 @@ def scrape_config(
     )
 
 
+# --------------------------------------------------------------------------- alerts
+# The agent's modes in which the owner holds the GPU (core/owner.py): a host that went away in
+# one of these went by its owner's choice (a yield, a snooze, off schedule, a pending reboot).
+OWNER_MODES = ("yielding", "yielded", "held")
+GUARD_JOB, GATEWAY_JOB = "freetoken-guard", "freetoken-gateway"
+HOST_DOWN = "FreetokenHostDown"
+OUT_OF_SERVICE = "FreetokenHostOutOfService"
+QUEUE_BUILDING = "FreetokenQueueBuilding"
+ENGINE_STOPPED_FOR_MEMORY = "FreetokenEngineStoppedForMemory"
+FIREWALL_TABLE_GONE = "FreetokenFirewallTableGone"
+AGENT_SILENT = "FreetokenAgentSilent"
+# The guard latches `tripped` until the deploy starts the engine again; one more sample to be sure.
+GUARD_FOR_S = 60
+FIREWALL_FOR_S = 60
+AGENT_FOR_S = 60
+
+
+@dataclass(frozen=True)
+class AlertTarget:
+    """A serving host as the alert rules see it: whether it runs the host agent, whether its
+    firewall table must be loaded (plan.firewall_needed), whether the waker may wake it
+    (wake_on_lan_mac: asleep is then the owner's choice, not a failure)."""
+
+    name: str
+    agent: bool
+    firewall: bool
+    wakeable: bool
+
+
+def alert_targets(hosts: Mapping[str, Settings], firewall: Collection[str]) -> list[AlertTarget]:
+    """The rules' view of the hosts node_exporter is scraped on (`hosts`: name -> settings of
+    each backend; `firewall`: the names whose firewall table must be live)."""
+    return [
+        AlertTarget(name, s.agent_enabled, name in firewall, s.wake_on_lan_mac is not None)
+        for name, s in sorted(hosts.items(), key=lambda item: _natural(item[0]))
+        if s.node_exporter_enabled
+    ]
+
+
+def _hosts_regex(names: Sequence[str]) -> str:
+    # Names are HAProxy server names ([A-Za-z0-9._-], backends_for): only '.' means more in RE2,
+    # and a PromQL string takes its backslash escaped.
+    return "|".join(name.replace(".", "\\\\.") for name in names)
+
+
+def _duration(seconds: int) -> str:
+    return f"{seconds}s"
+
+
+def alert_rules(gateway_name: str, gw: Settings, targets: Sequence[AlertTarget]) -> str:
+    """The fleet's Prometheus alert rules (docs/alerts.md), from the gateway's settings and the
+    serving hosts: one alert per failure, none for what an owner chose (a yield, a snooze, off
+    schedule, a pending reboot; a wakeable PC asleep, which the waker wakes when the queue
+    builds). Series: node_exporter of each host (job freetoken-guard, label `host`: the guard's
+    and the host agent's textfile samples) and HAProxy's own exporter (job freetoken-gateway,
+    label `server`: the host). A rule that concerns no host (no agent, no firewall) is left out."""
+    owner = f'freetoken_agent_mode{{mode=~"{"|".join(OWNER_MODES)}"}}'
+    host = "{{ $labels.host }}"
+    down_filter = _hosts_regex([t.name for t in targets if t.wakeable])
+    up_selector = f'up{{job="{GUARD_JOB}"' + (f', host!~"{down_filter}"' if down_filter else "") + "}"
+    rules: list[dict] = [
+        {
+            "alert": HOST_DOWN,
+            "expr": f"{up_selector} == 0\nunless on(host)\n"
+            f"last_over_time({owner}[{_duration(gw.alert_yield_memory_s)}]) == 1",
+            "for": _duration(gw.alert_host_down_for_s),
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": f"{host} is down (node_exporter unreachable), and its owner had not yielded it",
+                "description": f"{host} answers no scrape: powered off, crashed, or off the network, while it "
+                "served (its host agent's last mode was not yielding, yielded or held). Check that the PC is on "
+                "and on the LAN; a PC taken out on purpose: `python -m freetoken_infra.fleet remove "
+                f"{host}`.",
+            },
+        },
+        {
+            "alert": OUT_OF_SERVICE,
+            "expr": "(\n  label_replace("
+            f'haproxy_server_status{{job="{GATEWAY_JOB}", proxy="{GATEWAY_BACKEND}", state="DOWN"}}, '
+            '"host", "$1", "server", "(.+)") == 1\n)\n'
+            f'unless on(host) up{{job="{GUARD_JOB}"}} == 0\n'
+            f"unless on(host) {owner} == 1",
+            "for": _duration(gw.alert_out_of_service_for_s),
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": f"{host} is out of service at the gateway though it is on and not yielded",
+                "description": f"HAProxy has kept {host} DOWN: its engine fails the /health checks (not "
+                "running, not loading, or refused by its last deploy) while the PC answers and its owner has "
+                "not claimed it. `python -m freetoken_infra.fleet status` shows the last check; "
+                f"`journalctl -u {ENGINE_UNIT}` on {host} says why; converge it again.",
+            },
+        },
+        {
+            "alert": QUEUE_BUILDING,
+            "expr": f'haproxy_backend_current_queue{{job="{GATEWAY_JOB}", proxy="{GATEWAY_BACKEND}"}} > 0',
+            "for": _duration(gw.alert_queue_for_s),
+            "labels": {"severity": "warning", "host": gateway_name},
+            "annotations": {
+                "summary": f"requests have queued at the gateway {gateway_name} without a break",
+                "description": f"Every engine slot behind {gateway_name} has been busy and requests waited "
+                "for one the whole time: the fleet is too small for its load, or hosts are out (a sleeping "
+                "PC the waker could not wake). `python -m freetoken_infra.fleet status`.",
+            },
+        },
+        {
+            "alert": ENGINE_STOPPED_FOR_MEMORY,
+            "expr": "freetoken_guard_tripped == 1",
+            "for": _duration(GUARD_FOR_S),
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": f"the memory guard stopped the engine on {host}",
+                "description": f"The guard on {host} stopped its engine: swap passed guard_swap_limit_gb or "
+                "the engine recorded a CUDA out-of-memory. It stays stopped until the next deploy; the "
+                f"doctor and `journalctl -t freetoken-guard` on {host} say why.",
+            },
+        },
+    ]
+    firewall = _hosts_regex([t.name for t in targets if t.firewall])
+    if firewall:
+        rules.append(
+            {
+                "alert": FIREWALL_TABLE_GONE,
+                "expr": f'freetoken_firewall_table_loaded{{host=~"{firewall}"}} == 0',
+                "for": _duration(FIREWALL_FOR_S),
+                "labels": {"severity": "critical"},
+                "annotations": {
+                    "summary": f"the firewall table of {host} is gone",
+                    "description": f"The freetoken nftables table on {host} is not loaded: its engine and "
+                    "node_exporter ports are open to the whole LAN. Converge the host again "
+                    "(deploys/freetoken.py), which loads it, and find what flushed it.",
+                },
+            }
+        )
+    agents = _hosts_regex([t.name for t in targets if t.agent])
+    if agents:
+        loop = f'freetoken_agent_last_loop_timestamp_seconds{{host=~"{agents}"}}'
+        rules.append(
+            {
+                "alert": AGENT_SILENT,
+                "expr": f"time() - {loop} > {gw.alert_agent_silent_s}\n"
+                f'or on(host) (up{{job="{GUARD_JOB}", host=~"{agents}"}} == 1 unless on(host) {loop})',
+                "for": _duration(AGENT_FOR_S),
+                "labels": {"severity": "warning"},
+                "annotations": {
+                    "summary": f"the host agent of {host} is silent",
+                    "description": f"The host agent on {host} has not finished a decision loop for "
+                    f"{gw.alert_agent_silent_s} s, or writes no samples while node_exporter answers: the "
+                    "gateway gets no drain/ready from it and the owner's games are not yielded to. "
+                    f"`systemctl status {AGENT_UNIT}` on {host}.",
+                },
+            }
+        )
+    head = (
+        "# Generated by freetoken-infra (deploys/gateway.py): the fleet's alert rules (docs/alerts.md).\n"
+        "# Load it from prometheus.yml (rule_files) beside the scrape config; check: promtool check rules.\n"
+    )
+    return head + _readable_yaml({"groups": [{"name": "freetoken", "rules": rules}]})
+
+
+class _ReadableDumper(yaml.SafeDumper):
+    """safe_dump with a multi-line string as a literal block (a PromQL expression reads as written)."""
+
+
+def _str_style(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_ReadableDumper.add_representer(str, _str_style)
+
+
+def _readable_yaml(doc: dict) -> str:
+    return yaml.dump(doc, Dumper=_ReadableDumper, sort_keys=False, default_flow_style=False, width=4096)
+
+
+def scrape_key(metrics_map: str) -> str | None:
+    """The key Prometheus scrapes HAProxy with: the first of the metrics key map (None: none)."""
+    for line in metrics_map.splitlines():
+        words = line.split()
+        if words and not words[0].startswith("#"):
+            return words[0]
+    return None
+
+
+def prometheus_config(scrape: str, gw: Settings) -> str:
+    """prometheus.yml of the gateway host (alerting_enabled): the fleet's scrape config, the alert
+    rules and the local Alertmanager. Written by the YAML library, like the scrape config."""
+    doc = yaml.safe_load(scrape)
+    interval = _duration(gw.alert_evaluation_interval_s)
+    config = {
+        "global": {
+            "scrape_interval": interval,
+            "evaluation_interval": interval,
+            # A scrape must end before the next one starts.
+            "scrape_timeout": f"{max(1, gw.alert_evaluation_interval_s * 3 // 4)}s"
+            if gw.alert_evaluation_interval_s < 10
+            else "10s",
+        },
+        "rule_files": [GATEWAY_ALERT_RULES],
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [ALERTMANAGER_LISTEN]}]}]},
+        "scrape_configs": doc["scrape_configs"],
+    }
+    head = "# Managed by freetoken-infra (deploys/gateway.py, alerting_enabled); local edits are overwritten.\n"
+    return head + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+ALERTMANAGER_RECEIVER = "freetoken"
+
+
+def alertmanager_config(gw: Settings, smtp_password: bool) -> str:
+    """alertmanager.yml of the gateway host: every alert to the receivers the settings name (a
+    webhook, mail), grouped per alert and host, resolutions sent too. The smarthost's password
+    is never in it: `smtp_password` says a password file is there (smtp_auth_password_file).
+    No receiver set: the alerts show in Alertmanager's API and `amtool alert` only."""
+    receiver: dict = {"name": ALERTMANAGER_RECEIVER}
+    config: dict = {}
+    if gw.alert_webhook_url is not None:
+        receiver["webhook_configs"] = [{"url": str(gw.alert_webhook_url), "send_resolved": True}]
+    if gw.alert_email_to:
+        smtp: dict = {
+            "smtp_smarthost": gw.alert_email_smarthost,
+            "smtp_from": gw.alert_email_from,
+            "smtp_require_tls": True,
+        }
+        if smtp_password:
+            smtp["smtp_auth_username"] = gw.alert_email_username or gw.alert_email_from
+            smtp["smtp_auth_password_file"] = ALERTMANAGER_SMTP_PASSWORD
+        config["global"] = smtp
+        receiver["email_configs"] = [{"to": ", ".join(gw.alert_email_to), "send_resolved": True}]
+    config["route"] = {
+        "receiver": ALERTMANAGER_RECEIVER,
+        "group_by": ["alertname", "host"],
+        "group_wait": "30s",
+        "group_interval": "5m",
+        "repeat_interval": "4h",
+    }
+    config["receivers"] = [receiver]
+    head = "# Managed by freetoken-infra (deploys/gateway.py, alerting_enabled); local edits are overwritten.\n"
+    return head + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+def service_defaults(args: Sequence[str]) -> str:
+    """/etc/default/ of a Debian Prometheus package: its ARGS (words without spaces or quotes)."""
+    return "# Managed by freetoken-infra (deploys/gateway.py).\n" + f'ARGS="{" ".join(args)}"\n'
+
+
+# Both listen on loopback only: their APIs take no key (anyone reaching Alertmanager could
+# silence every alert); Alertmanager's cluster port (0.0.0.0:9094 by default) is off.
+PROMETHEUS_ARGS = (f"--web.listen-address={PROMETHEUS_LISTEN}",)
+ALERTMANAGER_ARGS = (f"--web.listen-address={ALERTMANAGER_LISTEN}", "--cluster.listen-address=")
+
+
+def masked_secret(text: str | None, before: str | None = None) -> list[str] | None:
+    """A one-line secret file (the scrape key, the smarthost's password) for ``--dry --diff``."""
+    if text is None:
+        return None
+    return [preview.MASK + (" (changed)" if before and before != text else "") + "\n"]
+
+
+@operation()
+def alerting(
+    prometheus: str,
+    alertmanager: str,
+    rules: str,
+    scrape_key: str,
+    smtp_password: str | None,
+    webhook_url: str | None = None,
+):
+    """
+    Prometheus and Alertmanager (Debian's packages, installed by the deploy) on the gateway host:
+    their configs, the scrape key and the smarthost's password (root's, group prometheus, 0640),
+    both listening on loopback only. A changed prometheus.yml is checked with `promtool check
+    config` (its rule file too), a changed alertmanager.yml with `amtool check-config`, before
+    either replaces the running one; then the service reloads. Nothing changes when every file
+    is as given; ``--dry --diff`` shows the secrets and the webhook URL masked.
+
+    + prometheus: prometheus.yml text (prometheus_config)
+    + alertmanager: alertmanager.yml text (alertmanager_config)
+    + rules: the alert rules the gateway operation writes (alert_rules): Prometheus reloads when they change
+    + scrape_key: the bearer token of HAProxy's /metrics (scrape_key)
+    + smtp_password: the smarthost's password, None: no password file
+    + webhook_url: the webhook URL in `alertmanager`, masked in its diff
+
+    **Example:**
+
+    .. code:: python
+
+        gateway.alerting(name="Gateway: alerts", prometheus=prom, alertmanager=am,
+                         rules=rules, scrape_key=key, smtp_password=None)
+    """
+    if webhook_url:
+        redact.remember(webhook_url)  # masked in every diff and line of this run
+    secrets = [(PROMETHEUS_SCRAPE_KEY, scrape_key + "\n", PROMETHEUS_UNIT)]
+    if smtp_password is not None:
+        secrets.append((ALERTMANAGER_SMTP_PASSWORD, smtp_password + "\n", ALERTMANAGER_UNIT))
+    restart: set[str] = set()
+    reload: set[str] = set()
+    for path, text, unit in secrets:
+        if host.get_fact(Sha256File, path=path) != _sha256(text):
+            if preview.diff_wanted():
+                current = host.get_fact(FileText, path=path)
+                preview.log_diff(path, masked_secret(current), masked_secret(text, current or "") or [])
+            if host.get_fact(Sha256File, path=path) is None:
+                # Created 0640 first: the upload writes into it, never a world-readable copy.
+                yield f"install -m 640 -o root -g {PROMETHEUS_USER} /dev/null {shlex.quote(path)}"
+            yield from preview.put_without_pyinfra_diff(
+                src=io.StringIO(text), dest=path, user="root", group=PROMETHEUS_USER, mode="640"
+            )
+            reload.add(unit)
+        else:
+            yield from files.file._inner(path=path, user="root", group=PROMETHEUS_USER, mode="640")
+    if smtp_password is None:
+        yield from files.file._inner(path=ALERTMANAGER_SMTP_PASSWORD, present=False)
+    for path, args, unit in (
+        (PROMETHEUS_DEFAULTS, PROMETHEUS_ARGS, PROMETHEUS_UNIT),
+        (ALERTMANAGER_DEFAULTS, ALERTMANAGER_ARGS, ALERTMANAGER_UNIT),
+    ):
+        text = service_defaults(args)
+        if host.get_fact(Sha256File, path=path) != _sha256(text):
+            yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root", mode="644")
+            restart.add(unit)
+    # (path, text, mode, group, check, unit)
+    for path, text, mode, group, check, unit in (
+        (PROMETHEUS_CONFIG, prometheus, "644", "root", "promtool check config", PROMETHEUS_UNIT),
+        (ALERTMANAGER_CONFIG, alertmanager, "640", PROMETHEUS_USER, "amtool check-config", ALERTMANAGER_UNIT),
+    ):
+        if host.get_fact(Sha256File, path=path) != _sha256(text):
+            new = path + ".new"
+            if mode == "640" and host.get_fact(Sha256File, path=new) is None:
+                yield f"install -m 640 -o root -g {group} /dev/null {shlex.quote(new)}"
+            yield from files.put._inner(src=io.StringIO(text), dest=new, user="root", group=group, mode=mode)
+            # Checked before it replaces the running config: a bad one fails here, the old one runs on.
+            yield f"{check} {shlex.quote(new)} && mv -f {shlex.quote(new)} {shlex.quote(path)}"
+            reload.add(unit)
+    if PROMETHEUS_UNIT not in reload and host.get_fact(Sha256File, path=GATEWAY_ALERT_RULES) != _sha256(rules):
+        # The gateway operation (before this one) wrote them: checked before Prometheus reads them.
+        yield f"promtool check rules {shlex.quote(GATEWAY_ALERT_RULES)}"
+        reload.add(PROMETHEUS_UNIT)
+    for unit in (PROMETHEUS_UNIT, ALERTMANAGER_UNIT):
+        if unit in restart:
+            yield f"systemctl restart {unit}"
+        elif unit in reload:
+            yield f"if systemctl is-active -q {unit}; then systemctl reload {unit}; else systemctl restart {unit}; fi"
+        yield from systemd.service._inner(service=unit, running=True, enabled=True)
+
+
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -590,9 +949,18 @@ RELOAD = (
 
 
 @operation()
-def gateway(config: str, client_keys: str, engine_keys: str, metrics_keys: str, scrape: str, tls: str | None = None):
+def gateway(
+    config: str,
+    client_keys: str,
+    engine_keys: str,
+    metrics_keys: str,
+    scrape: str,
+    tls: str | None = None,
+    rules: str | None = None,
+):
     """
-    HAProxy's config, the three key maps and the TLS PEM (0600 root) and the scrape config; a changed
+    HAProxy's config, the three key maps and the TLS PEM (0600 root), the scrape config and the alert
+    rules; a changed
     config is validated with `haproxy -c` before it replaces the running one, then HAProxy
     reloads without dropping connections. Nothing changes when every file is as given.
     ``--dry --diff`` shows the key maps and the PEM masked (``********``), never a key.
@@ -603,6 +971,7 @@ def gateway(config: str, client_keys: str, engine_keys: str, metrics_keys: str, 
     + metrics_keys: the key map of /metrics and /stats (metrics_keys_map)
     + scrape: the Prometheus scrape config (scrape_config)
     + tls: the PEM of HTTPS on the gateway's ports (tls_pem), None: plain HTTP (the PEM removed)
+    + rules: the Prometheus alert rules (alert_rules), written beside the scrape config
 
     **Example:**
 
@@ -618,6 +987,7 @@ def gateway(config: str, client_keys: str, engine_keys: str, metrics_keys: str, 
         (GATEWAY_METRICS_KEYS_MAP, metrics_keys, "600", lambda t, b=None: masked_map(t, 0, b)),
         *([(GATEWAY_TLS_PEM, tls, "600", masked_pem)] if tls is not None else []),
         (GATEWAY_SCRAPE_CONFIG, scrape, "644", None),
+        *([(GATEWAY_ALERT_RULES, rules, "644", None)] if rules is not None else []),
     ]
     changing = {path: host.get_fact(Sha256File, path=path) != _sha256(text) for path, text, _, _ in managed}
     if preview.diff_wanted():
@@ -635,7 +1005,7 @@ def gateway(config: str, client_keys: str, engine_keys: str, metrics_keys: str, 
                 yield f"install -m 600 -o root -g root /dev/null {shlex.quote(path)}"
             put = preview.put_without_pyinfra_diff if masked is not None else files.put._inner
             yield from put(src=io.StringIO(text), dest=path, user="root", group="root", mode=mode)
-            changed = True
+            changed = changed or path != GATEWAY_ALERT_RULES  # HAProxy reads no rule
         else:
             yield from files.file._inner(path=path, user="root", group="root", mode=mode)
     if host.get_fact(Sha256File, path=GATEWAY_CONFIG) != _sha256(config):

@@ -253,8 +253,25 @@ GATEWAY_RUNTIME_SOCKET = "/run/haproxy/admin.sock"
 GATEWAY_SERVER_STATE = "/var/lib/haproxy/server-state"
 # The fleet's Prometheus scrape config, generated on the gateway host.
 GATEWAY_SCRAPE_CONFIG = "/etc/haproxy/freetoken-prometheus.yml"
+# The fleet's alert rules (docs/alerts.md), generated beside the scrape config.
+GATEWAY_ALERT_RULES = "/etc/haproxy/freetoken-alerts.yml"
 # The gateway's one HAProxy backend: every serving host, with its engine's slots.
 GATEWAY_BACKEND = "freetoken"
+
+# --- Prometheus and Alertmanager on the gateway host (alerting_enabled; Debian's packages) -------
+# Both run as the packages' user `prometheus`; their secrets are root's, group prometheus, 0640.
+PROMETHEUS_USER = "prometheus"
+PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"
+PROMETHEUS_DEFAULTS = "/etc/default/prometheus"  # its ARGS (listen address)
+PROMETHEUS_UNIT = "prometheus"
+# The first key of gateway_metrics_keys_source: Prometheus' bearer token for HAProxy's /metrics.
+PROMETHEUS_SCRAPE_KEY = "/etc/prometheus/freetoken-gateway.key"
+PROMETHEUS_LISTEN = "127.0.0.1:9090"
+ALERTMANAGER_CONFIG = "/etc/prometheus/alertmanager.yml"
+ALERTMANAGER_DEFAULTS = "/etc/default/prometheus-alertmanager"
+ALERTMANAGER_UNIT = "prometheus-alertmanager"
+ALERTMANAGER_SMTP_PASSWORD = "/etc/prometheus/freetoken-alertmanager-smtp-password"
+ALERTMANAGER_LISTEN = "127.0.0.1:9093"
 # Requests with the same value of this header go to the same healthy host (its KV cache).
 SESSION_HEADER = "X-Session-Id"
 # The gateway names the host that answered in this response header.

@@ -59,6 +59,9 @@ _PACKAGE_RE = re.compile(r"[a-z0-9][a-z0-9+.-]+")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _HOST_NAME_RE = re.compile(r"[A-Za-z0-9@][A-Za-z0-9._@:-]*")
 _ENV_VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Alert mail: what Alertmanager's config takes (addresses and the smarthost reach YAML only).
+_EMAIL_RE = re.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9.-]{1,253}\.[A-Za-z]{2,63}")
+_SMARTHOST_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?:([0-9]{1,5})")
 # A branch, tag or commit: git ref characters a URL path and a shell word need no escaping for.
 _REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 # Paths reach shells (root's commands), systemd unit files (`%` specifiers, `$` and spaces
@@ -328,7 +331,100 @@ class Settings(BaseModel):
     wake_on_lan_cooldown_s: int = Field(600, ge=10, le=86400)
     """(gateway) A host woken is not woken again for this long; one host boots at a time."""
 
+    # --- alerts: Prometheus and Alertmanager on the gateway host (docs/alerts.md) ---
+    alerting_enabled: bool = False
+    """(gateway) Install Debian's Prometheus and Alertmanager on the gateway host with the fleet's scrape config and alert rules (needs gateway_metrics_keys_source); false: the rules are only written beside the scrape config."""
+    alert_evaluation_interval_s: int = Field(15, ge=1, le=300)
+    """(gateway) Seconds between Prometheus' scrapes and between its evaluations of the alert rules."""
+    alert_host_down_for_s: int = Field(300, ge=0, le=86400)
+    """(gateway) A host whose node_exporter stays unreachable this long, and that its owner had not yielded, raises FreetokenHostDown."""
+    alert_out_of_service_for_s: int = Field(900, ge=0, le=86400)
+    """(gateway) A powered host that HAProxy keeps DOWN this long while its owner has not claimed it raises FreetokenHostOutOfService."""
+    alert_queue_for_s: int = Field(300, ge=0, le=86400)
+    """(gateway) Requests queued at the gateway for this long without a break raise FreetokenQueueBuilding."""
+    alert_agent_silent_s: int = Field(120, ge=10, le=86400)
+    """(gateway) A host agent whose last decision loop is older than this (or that writes nothing while node_exporter answers) raises FreetokenAgentSilent."""
+    alert_yield_memory_s: int = Field(259200, ge=60, le=2678400)
+    """(gateway) How long a host's last mode is remembered: a host that went away yielded, snoozed or off schedule raises no alert for this long."""
+    alert_webhook_url: AnyHttpUrl | None = None
+    """(gateway) Alertmanager posts every alert (and its resolution) to this URL (Alertmanager's webhook JSON); masked in diffs."""
+    alert_email_to: list[str] = Field(default_factory=list, max_length=32)
+    """(gateway) Alertmanager mails every alert (and its resolution) to these addresses."""
+    alert_email_from: str | None = None
+    """(gateway) The From: of the alert mails (needed with alert_email_to)."""
+    alert_email_smarthost: str | None = None
+    """(gateway) The mail server Alertmanager sends through, `host:port` (STARTTLS required)."""
+    alert_email_username: str | None = None
+    """(gateway) The login at the smarthost; unset: alert_email_from."""
+    alert_email_password_source: str | None = None
+    """(gateway) The smarthost's password on the controller, `file:/path` or `env:VAR`; written root-only (group prometheus) on the gateway, never into the config."""
+
     # --- validators ---------------------------------------------------------------
+    @field_validator("alert_email_to")
+    @classmethod
+    def _alert_email_to(cls, v: list[str]) -> list[str]:
+        for address in v:
+            if not isinstance(address, str) or not _EMAIL_RE.fullmatch(address):
+                raise ValueError(f"{_short(address)} is not a mail address such as ops@example.org")
+        return v
+
+    @field_validator("alert_email_from")
+    @classmethod
+    def _alert_email_from(cls, v: str | None) -> str | None:
+        if v is not None and not _EMAIL_RE.fullmatch(v):
+            raise ValueError("must be a mail address such as alerts@example.org")
+        return v
+
+    @field_validator("alert_email_username")
+    @classmethod
+    def _alert_email_username(cls, v: str | None) -> str | None:
+        if v is not None and not _EMAIL_RE.fullmatch(v) and not _NAME_RE.fullmatch(v):
+            raise ValueError("must be a login: a mail address such as alerts@example.org, or a plain name")
+        return v
+
+    @field_validator("alert_email_smarthost")
+    @classmethod
+    def _alert_smarthost(cls, v: str | None) -> str | None:
+        if v is not None:
+            m = _SMARTHOST_RE.fullmatch(v)
+            if m is None or not 1 <= int(m.group(1)) <= 65535:
+                raise ValueError("must be the mail server as host:port, e.g. smtp.example.org:587")
+        return v
+
+    @field_validator("alert_email_password_source")
+    @classmethod
+    def _alert_password(cls, v: str | None) -> str | None:
+        if v is None or re.fullmatch(r"file:/[^\0\n]*|env:[A-Za-z_][A-Za-z0-9_]*", v):
+            return v
+        raise ValueError("must be 'file:/path/on/controller' or 'env:VARIABLE' (the password, one line)")
+
+    @model_validator(mode="after")
+    def _alert_email_complete(self) -> Settings:
+        # Mail needs its three parts; a password without a server to give it to is a mistake.
+        email = (self.alert_email_from, self.alert_email_smarthost, self.alert_email_password_source)
+        if not self.alert_email_to and all(v is None for v in email) and self.alert_email_username is None:
+            return self
+        needed = {
+            "alert_email_to": "a mail address to send alerts to",
+            "alert_email_from": "the From: address of the alert mails",
+            "alert_email_smarthost": "the mail server, host:port",
+        }
+        for field, what in needed.items():
+            if not getattr(self, field):
+                raise ValidationError.from_exception_data(
+                    type(self).__name__,
+                    [
+                        InitErrorDetails(
+                            type=PydanticCustomError(
+                                "value_error", f"unset while other alert_email_* settings are set: give {what}"
+                            ),
+                            loc=(field,),
+                            input=getattr(self, field),
+                        )
+                    ],
+                )
+        return self
+
     @field_validator("wake_on_lan_mac")
     @classmethod
     def _wake_on_lan_mac(cls, v: str | None) -> str | None:
