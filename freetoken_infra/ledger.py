@@ -162,10 +162,14 @@ class Prometheus:
         """An instant query: (labels, value) per series."""
         data = self._get("/api/v1/query", {"query": query, "time": _ts(at)}, query)
         if data.get("resultType") != "vector":
-            raise LedgerError(f"Prometheus at {self.url}: expected a vector, got {printable(data.get('resultType'))} (query: {query})")
+            raise LedgerError(
+                f"Prometheus at {self.url}: expected a vector, got {printable(data.get('resultType'))} (query: {query})"
+            )
         return [(_labels(s, self.url, query), _number(s.get("value"), self.url, query)) for s in data["result"]]
 
-    def matrix(self, query: str, start: float, end: float, step: int) -> list[tuple[dict[str, str], dict[float, float]]]:
+    def matrix(
+        self, query: str, start: float, end: float, step: int
+    ) -> list[tuple[dict[str, str], dict[float, float]]]:
         """A range query from ``start`` to ``end`` (both on the step's grid), in pieces of at most
         RANGE_POINTS steps: (labels, {time: value}) per series, the pieces joined."""
         series: dict[tuple[tuple[str, str], ...], tuple[dict[str, str], dict[float, float]]] = {}
@@ -175,7 +179,9 @@ class Prometheus:
             params = {"query": query, "start": _ts(piece_start), "end": _ts(piece_end), "step": str(step)}
             data = self._get("/api/v1/query_range", params, query)
             if data.get("resultType") != "matrix":
-                raise LedgerError(f"Prometheus at {self.url}: expected a matrix, got {printable(data.get('resultType'))} (query: {query})")
+                raise LedgerError(
+                    f"Prometheus at {self.url}: expected a matrix, got {printable(data.get('resultType'))} (query: {query})"
+                )
             for s in data["result"]:
                 labels = _labels(s, self.url, query)
                 values = s.get("values")
@@ -364,7 +370,9 @@ def _sleep_and_down(prom: Prometheus, window: Window, host_filter: str) -> dict[
     first, last = window.grid()
     up_q, owner_q = _up(host_filter), _owner_mode(host_filter)
     # The last mode before the window (a host asleep since before it), a week back at most.
-    before_q = f'max by (host) (last_over_time(freetoken_agent_mode{{mode=~"{"|".join(OWNER_MODES)}"{host_filter}}}[7d]))'
+    before_q = (
+        f'max by (host) (last_over_time(freetoken_agent_mode{{mode=~"{"|".join(OWNER_MODES)}"{host_filter}}}[7d]))'
+    )
     owner_before = {_host(lb, prom.url, before_q): v for lb, v in prom.vector(before_q, first - window.step)}
     owner_at = {_host(lb, prom.url, owner_q): pts for lb, pts in prom.matrix(owner_q, first, last, window.step)}
     out: dict[str, tuple[int, int]] = {}
@@ -541,8 +549,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "from the gateway's Prometheus.",
     )
     ap.add_argument("--prometheus", required=True, metavar="URL", help="the Prometheus that scrapes the fleet")
-    ap.add_argument("--since", type=parse_duration, default=parse_duration("7d"), metavar="DURATION", help="the window (default 7d)")
-    ap.add_argument("--until", type=parse_time, metavar="TIME", help="the window's end: unix seconds or ISO 8601 (default now)")
+    ap.add_argument(
+        "--since", type=parse_duration, default=parse_duration("7d"), metavar="DURATION", help="the window (default 7d)"
+    )
+    ap.add_argument(
+        "--until", type=parse_time, metavar="TIME", help="the window's end: unix seconds or ISO 8601 (default now)"
+    )
     ap.add_argument(
         "--step",
         type=parse_duration,
@@ -550,7 +562,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         metavar="DURATION",
         help="the grid hours and energy are counted on (default 60s); each change of state is placed within one step",
     )
-    ap.add_argument("--host", action="append", default=[], metavar="NAME", help="only this host (repeatable); each gets a row")
+    ap.add_argument(
+        "--host", action="append", default=[], metavar="NAME", help="only this host (repeatable); each gets a row"
+    )
     ap.add_argument(
         "--token-file",
         metavar="PATH",

@@ -205,7 +205,9 @@ def openmetrics(t0: int) -> str:
             families.setdefault(name, []).extend(samples)
     lines = []
     for name, samples in families.items():
-        lines.append(f"# TYPE {name} gauge" if not name.endswith("_total") else f"# TYPE {name[: -len('_total')]} counter")
+        lines.append(
+            f"# TYPE {name} gauge" if not name.endswith("_total") else f"# TYPE {name[: -len('_total')]} counter"
+        )
         series: dict[str, list[tuple[float, int]]] = {}
         for labels, value, t in samples:
             series.setdefault(labels, []).append((value, t))
@@ -268,7 +270,9 @@ def start_prometheus(tmp: Path) -> Iterator[LoadedPrometheus]:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"prometheus exited ({proc.returncode}): {(tmp / 'prometheus.log').read_text()[-2000:]}")
+                raise AssertionError(
+                    f"prometheus exited ({proc.returncode}): {(tmp / 'prometheus.log').read_text()[-2000:]}"
+                )
             try:
                 if requests.get(url + "/-/ready", timeout=2).status_code == 200:
                     break
