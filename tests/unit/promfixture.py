@@ -223,8 +223,9 @@ class LoadedPrometheus:
     end: int  # t0 + SPAN_S: the ledger's window is [t0, end]
 
 
-def _tool(name: str) -> str:
-    found = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+def _tool(name: str, path: str | None = None) -> str:
+    """The tool's path on ``path`` (default $PATH); a failed test naming the package when absent."""
+    found = shutil.which(name, path=path)
     if not found:
         pytest.fail(f"{name} is not installed: these tests need {INSTALL}", pytrace=False)
     return found

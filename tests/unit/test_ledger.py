@@ -17,6 +17,7 @@ import pytest
 from freetoken_infra import ledger
 from freetoken_infra.core.owner import MODES
 from operations.gateway import scrape_config
+from tests.unit import promfixture
 from tests.unit.promfixture import LOAD, SCRAPE_S, SPAN_S, STEP_S, expected, loaded_prometheus  # noqa: F401
 
 HOSTS_WITH_AGENT = ("ws1", "ws2")
@@ -248,3 +249,8 @@ def test_python_dash_m_runs_it():
 
     r = subprocess.run([sys.executable, "-m", "freetoken_infra.ledger", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--prometheus" in r.stdout and "--token-file" in r.stdout
+
+
+def test_without_prometheus_installed_the_tests_fail_naming_the_package(tmp_path):
+    with pytest.raises(pytest.fail.Exception, match=r"promtool is not installed: .*apt-get install prometheus"):
+        promfixture._tool("promtool", path=str(tmp_path))
