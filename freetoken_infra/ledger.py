@@ -119,8 +119,11 @@ class Prometheus:
     """Prometheus' HTTP API (``/api/v1/query``, ``/api/v1/query_range``); every answer checked."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
-        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", url):
-            raise LedgerError(f"--prometheus {url!r}: an http:// or https:// URL, please (e.g. http://gateway:9090)")
+        if not re.fullmatch(r"https?://[^\s/?#@]+(/[^\s?#]*)?", url):
+            # No user:password@ either: the URL is printed in every error; a token goes in a file.
+            raise LedgerError(
+                "--prometheus: an http:// or https:// URL without credentials, please (e.g. http://gateway:9090)"
+            )
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.session = requests.Session()
@@ -298,8 +301,9 @@ def queries(window: Window, host_filter: str = "") -> dict[str, str]:
     serving = f'max by (host) (freetoken_agent_mode{{mode="serving"{f}}}) == 1'
     return {
         "seen": f"count_over_time(({up})[{w}:{s}])",
-        "modes": f"sum by (host, mode) (count_over_time((freetoken_agent_mode{{{f[1:]}}} == 1 and on (host) ({live}))[{w}:{s}]))",
-        "reasons": f"sum by (host, reason) (count_over_time((freetoken_agent_yield_reason{{{f[1:]}}} == 1 and on (host) ({live}))[{w}:{s}]))",
+        # max by: a host scraped twice (a relabelled target) counts each step once
+        "modes": f"sum by (host, mode) (count_over_time((max by (host, mode) (freetoken_agent_mode{{{f[1:]}}}) == 1 and on (host) ({live}))[{w}:{s}]))",
+        "reasons": f"sum by (host, reason) (count_over_time((max by (host, reason) (freetoken_agent_yield_reason{{{f[1:]}}}) == 1 and on (host) ({live}))[{w}:{s}]))",
         "silent": f"count_over_time(((({up}) == 1) unless on (host) ({live}))[{w}:{s}])",
         "agent": f"max by (host) (count_over_time(freetoken_agent_mode{{{f[1:]}}}[{whole}]))",
         "requests": f"sum by (host) (increase(freetoken_engine_requests_total{{{f[1:]}}}[{whole}]))",

@@ -95,10 +95,12 @@ def test_requests_tokens_and_energy_equal_the_load(document, host):
 
 
 def test_a_host_without_the_agent_and_a_host_prometheus_never_saw_say_so(loaded_prometheus, capsys):
-    code, out, err = run(capsys, *window_args(loaded_prometheus), "--host", "ws3", "--host", "ws9", "--host", "ws1")
+    hosts = ("--host", "ws3", "--host", "ws9", "--host", "ws1", "--host", "ws9.lan")  # a dot: escaped in the regex
+    code, out, err = run(capsys, *window_args(loaded_prometheus), *hosts)
     assert code == 0, err
     assert "ws3: no agent samples" in out
     assert "ws9: no data: Prometheus has no sample of this host in the window" in out
+    assert "ws9.lan: no data" in out
     rows = [line.split()[0] for line in out.splitlines() if line.startswith("ws")]
     assert "ws1" in rows and "ws2" not in rows  # --host narrows the ledger
 
@@ -254,3 +256,8 @@ def test_python_dash_m_runs_it():
 def test_without_prometheus_installed_the_tests_fail_naming_the_package(tmp_path):
     with pytest.raises(pytest.fail.Exception, match=r"promtool is not installed: .*apt-get install prometheus"):
         promfixture._tool("promtool", path=str(tmp_path))
+
+
+def test_a_url_with_credentials_is_refused_without_printing_them(capsys):
+    code, out, err = run(capsys, "--prometheus", "http://admin:hunter2@gateway:9090", "--since", "1h")
+    assert code == 1 and "hunter2" not in err and "without credentials" in err
