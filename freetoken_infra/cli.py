@@ -216,6 +216,7 @@ COMMANDS: list[Command] = [
     Command("deploy", lambda: DEPLOY),
     Command("rollout", module("freetoken_infra.rollout")),
     Command("fleet", module("freetoken_infra.fleet")),
+    Command("ledger", module("freetoken_infra.ledger")),
     Command(
         "enrol",
         enrol_script,

@@ -12,10 +12,21 @@ if [ "$(id -u)" = 0 ]; then
                dpkg-dev apt-utils gnupg; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
     done
-    if [ ${#need[@]} -gt 0 ]; then
-        echo "--> installing Debian packages: ${need[*]}"
+    # Prometheus' and Alertmanager's own checkers (promtool, amtool) and a real Prometheus for the
+    # ledger's and the dashboard's tests: without their recommends (node_exporter), and not started.
+    lean=()
+    for pkg in prometheus prometheus-alertmanager; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || lean+=("$pkg")
+    done
+    if [ ${#need[@]} -gt 0 ] || [ ${#lean[@]} -gt 0 ]; then
+        echo "--> installing Debian packages: ${need[*]} ${lean[*]}"
         apt-get update -qq
+    fi
+    if [ ${#need[@]} -gt 0 ]; then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+    if [ ${#lean[@]} -gt 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${lean[@]}" >/dev/null
     fi
 else
     echo "--> not root: the fleet tests need root (systemd-nspawn, network namespaces) and will fail" >&2
@@ -33,6 +44,8 @@ echo "--> lint (ruff), formatting (ruff format), types (mypy), layers (lint-impo
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy --no-error-summary
 .venv/bin/lint-imports --no-cache | tail -n 3
+echo "--> documentation site (mkdocs build --strict: every page in the nav, every link and anchor)"
+docs_site=$(mktemp -d); .venv/bin/mkdocs build --strict -d "$docs_site"; rm -rf "$docs_site"
 
 if [ $# -gt 0 ]; then
     exec .venv/bin/pytest "$@"

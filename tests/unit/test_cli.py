@@ -16,7 +16,7 @@ from freetoken_infra.rollout import pyinfra_executable
 
 ROOT = Path(__file__).resolve().parents[2]
 PIN = "SHA256:" + "A" * 43
-COMMANDS = ["doctor", "deploy", "rollout", "fleet", "enrol", "completion"]
+COMMANDS = ["doctor", "deploy", "rollout", "fleet", "ledger", "enrol", "completion"]
 FLEET_COMMANDS = ["drain", "ready", "status", "add", "remove"]
 # A few options each help page must show, written out here so that a parser that lost them fails
 # (the test also checks every option the module's own parser declares).
@@ -30,6 +30,7 @@ SAMPLE_OPTIONS = {
     ("fleet", "ready"): ["hosts"],
     ("fleet", "add"): ["--host-key", "--class", "--port", "--user", "--ssh-key", "--known-hosts", "--skip-doctor"],
     ("fleet", "remove"): ["--wait", "--no-gateway"],
+    ("ledger",): ["--prometheus", "--since", "--until", "--step", "--host", "--token-file", "--json", "--csv"],
     ("enrol",): ["--key", "--key-file", "--allow", "--name", "--port", "--bundle"],
     ("completion",): ["bash", "zsh", "tcsh"],
 }
@@ -225,30 +226,30 @@ def test_enrol_bundle_prints_the_one_file_enrol_script(capsys):
 
 
 # --------------------------------------------------------------------------- one registration
-class Ledger:
+class Tally:
     """A subcommand as another module would offer it."""
 
     calls: list = []
 
     @staticmethod
     def build_parser(prog):
-        ap = argparse.ArgumentParser(prog=prog, description="Demo ledger.")
+        ap = argparse.ArgumentParser(prog=prog, description="Demo tally.")
         ap.add_argument("--month")
         return ap
 
     @staticmethod
     def main(argv, *, prog):
-        Ledger.calls.append((Ledger.build_parser(prog).parse_args(argv).month, prog))
+        Tally.calls.append((Tally.build_parser(prog).parse_args(argv).month, prog))
         return 7
 
 
 def test_a_new_subcommand_is_one_registration(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, cli.Command("ledger", lambda: Ledger)])
-    assert run(["ledger", "--month", "2026-12"], capsys)[0] == 7
-    assert Ledger.calls == [("2026-12", "freetoken ledger")]
-    assert "ledger    Demo ledger." in run(["--help"], capsys)[1]
-    assert "--month" in run(["ledger", "--help"], capsys)[1]
-    assert "ledger" in run(["completion", "bash"], capsys)[1].split("_shtab_freetoken_subparsers=(")[1].split(")")[0]
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, cli.Command("tally", lambda: Tally)])
+    assert run(["tally", "--month", "2026-12"], capsys)[0] == 7
+    assert Tally.calls == [("2026-12", "freetoken tally")]
+    assert "tally     Demo tally." in run(["--help"], capsys)[1]
+    assert "--month" in run(["tally", "--help"], capsys)[1]
+    assert "tally" in run(["completion", "bash"], capsys)[1].split("_shtab_freetoken_subparsers=(")[1].split(")")[0]
 
 
 # --------------------------------------------------------------------------- the installed forms
