@@ -144,7 +144,9 @@ def main() -> int:
                     # The direct path is measured from this machine (the bridge): the engines'
                     # firewall admits it only when told (operations/firewall.py).
                     hosts, gateway = converge_behind_gateway(
-                        write_keys(Path(d) / "keys"), extra=["--data", f"firewall_engine_from={BRIDGE_ADDRESS}"]
+                        write_keys(Path(d) / "keys"),
+                        extra=["--data", f"firewall_engine_from={BRIDGE_ADDRESS}"],
+                        shared=False,
                     )
                     if hosts.returncode or gateway.returncode:
                         print("converge failed", file=sys.stderr)

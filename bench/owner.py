@@ -77,7 +77,7 @@ def main() -> int:
             if not args.reuse:
                 with tempfile.TemporaryDirectory() as d:
                     extra = ["--data", f"owner_quiet_s={args.quiet_s:g}"]
-                    hosts, gateway = converge_behind_gateway(write_keys(Path(d) / "keys"), extra)
+                    hosts, gateway = converge_behind_gateway(write_keys(Path(d) / "keys"), extra, shared=False)
                     if hosts.returncode or gateway.returncode:
                         print("converge failed", file=sys.stderr)
                         return 1

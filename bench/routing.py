@@ -250,7 +250,7 @@ def main() -> int:
         try:
             if not args.reuse:
                 with tempfile.TemporaryDirectory() as d:
-                    hosts, gateway = converge_behind_gateway(write_keys(Path(d) / "keys"))
+                    hosts, gateway = converge_behind_gateway(write_keys(Path(d) / "keys"), shared=False)
                     if hosts.returncode or gateway.returncode:
                         print("converge failed", file=sys.stderr)
                         return 1

@@ -42,18 +42,39 @@ def write_keys(directory: Path) -> dict[str, Path]:
     return {"engine": engine, "clients": clients, "metrics": metrics}
 
 
-def data_args(keys: dict[str, Path]) -> list[str]:
-    """The settings of a fleet behind a gateway: engines on every address, one engine key."""
-    return [
-        "--data",
+# The shared gateway fleet's settings beyond the keys (tests/fleet/conftest.py, `gateway_fleet`):
+# the owner's signals quick (test_owner.py, test_agent_metrics.py), and alerting on the gateway
+# host with scrapes and evaluations every 2 s and a short `for` for a host down (test_alerts.py);
+# the other alerts' `for`s long, so that a host's boot (its engine loading: HAProxy DOWN) or a
+# load test's queue raises nothing the alert tests would see.
+OWNER_QUIET_S = 5
+OWNER_APP = "eldenring.exe"
+OWNER_WINDOWS_INTERVAL_S = 1
+ALERT_HOST_DOWN_FOR_S = 20
+SHARED_SETTINGS = (
+    f"owner_quiet_s={OWNER_QUIET_S}",
+    f'owner_apps=["{OWNER_APP}"]',
+    f"owner_windows_interval_s={OWNER_WINDOWS_INTERVAL_S}",
+    "alerting_enabled=true",
+    "alert_evaluation_interval_s=2",
+    f"alert_host_down_for_s={ALERT_HOST_DOWN_FOR_S}",
+    "alert_out_of_service_for_s=1800",
+    "alert_queue_for_s=1800",
+)
+
+
+def data_args(keys: dict[str, Path], shared: bool = True) -> list[str]:
+    """The settings of a fleet behind a gateway: engines on every address, one engine key; with
+    ``shared``, the shared gateway fleet's settings too (every run in its modules uses them, so
+    that a module's re-run converges to what the next module expects)."""
+    settings = [
         "listen_host=0.0.0.0",
-        "--data",
         f"api_key_source=file:{keys['engine']}",
-        "--data",
         f"gateway_keys_source=file:{keys['clients']}",
-        "--data",
         f"gateway_metrics_keys_source=file:{keys['metrics']}",
+        *(SHARED_SETTINGS if shared else ()),
     ]
+    return [a for setting in settings for a in ("--data", setting)]
 
 
 def pyinfra(*args: str, timeout: int = 1500, quiet: bool = False) -> subprocess.CompletedProcess:
@@ -75,14 +96,13 @@ def pyinfra(*args: str, timeout: int = 1500, quiet: bool = False) -> subprocess.
 
 
 def converge_behind_gateway(
-    keys: dict[str, Path], extra: Sequence[str] = ()
+    keys: dict[str, Path], extra: Sequence[str] = (), shared: bool = True
 ) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     """ws1 and ws2 with their engines on every address and the fleet's key, then the gateway;
-    `extra`: more pyinfra arguments for the workstations' run."""
-    hosts = pyinfra(
-        *data_args(keys), *extra, "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1", "--limit", "ws2"
-    )
-    gateway = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
+    `extra`: more pyinfra arguments for the workstations' run; `shared`: see ``data_args``."""
+    args = data_args(keys, shared)
+    hosts = pyinfra(*args, *extra, "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1", "--limit", "ws2")
+    gateway = pyinfra(*args, "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
     return hosts, gateway
 
 

@@ -36,14 +36,12 @@ from tests.fleet.gateway_load import (
     STATS_PORT,
     Load,
     Watcher,
-    converge_behind_gateway,
     data_args,
     openai_chat,
     pyinfra,
     session_on,
     stream_chat,
     summary,
-    write_keys,
 )
 from tests.fleet.profiles import BRIDGE_ADDRESS, GATEWAY_ADDRESS, GATEWAY_NAME, host_address
 
@@ -56,8 +54,8 @@ KILL_ENGINE = "kill -9 $(systemctl show -p MainPID --value freetoken.service)"
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    return write_keys(tmp_path_factory.mktemp("gateway") / "keys")
+def keys(gateway_fleet):
+    return gateway_fleet.up()["keys"]
 
 
 def deploy_gateway(keys, *extra: str) -> subprocess.CompletedProcess:
@@ -78,16 +76,10 @@ def fleet_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def gateway(sim_fleet, keys):
-    harness.start_gateway()
-    try:
-        hosts, first = converge_behind_gateway(keys)
-        assert hosts.returncode == 0, "the workstations did not converge behind the gateway"
-        yield {"fleet": sim_fleet, "first": first}
-    finally:
-        harness.stop_gateway()
-        # Back to the default settings (engines on loopback), as the other modules expect them.
-        client.deploy("--limit", "ws1", "--limit", "ws2")
+def gateway(gateway_fleet):
+    """The shared gateway fleet (tests/fleet/conftest.py): ws1 and ws2 behind the gateway host."""
+    shared = gateway_fleet.up()
+    return {"fleet": shared["fleet"], "first": shared["first"]}
 
 
 def wait_in_service(fleet, hosts, timeout: float = 60) -> None:
@@ -176,60 +168,32 @@ def test_the_generated_scrape_config_targets_serve_the_guards_metrics_and_a_reru
     assert {h: fleet.run(h, probe, check=True).stdout for h in ("ws1", "ws2")} == before
 
 
-def test_a_real_prometheus_scrapes_the_generated_config_every_serving_target_up(gateway):
-    """Issue 23 item 7: Debian's Prometheus on the gateway host, given the scrape config the deploy
-    wrote (merged into its prometheus.yml as the README says, the metrics key in the credentials
-    file): the gateway's exporter and every serving host's guard are up, HAProxy's and the
-    guard's series are there. ws3 never converged (refused at preflight): its target is down."""
-    import base64
-
-    import yaml
-
-    from freetoken_infra.core.layout import GATEWAY_SCRAPE_CONFIG
-
+def test_the_gateways_prometheus_scrapes_every_serving_target_up(gateway):
+    """Debian's Prometheus on the gateway host, as the gateway deploy with `alerting_enabled`
+    configured it (the scrape config it wrote, the metrics key in its credentials file): the
+    gateway's exporter and every serving host's node_exporter are up, HAProxy's and the guard's
+    series are there. ws3 never converged (refused at preflight): its target is down."""
     fleet = gateway["fleet"]
-    install = fleet.run(
-        GATEWAY_NAME,
-        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus",
-        timeout=900,
-    )
-    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
-    try:
-        config = yaml.safe_load(fleet.run(GATEWAY_NAME, f"cat {GATEWAY_SCRAPE_CONFIG}", check=True).stdout)
-        config["global"] = {"scrape_interval": "2s", "scrape_timeout": "1500ms"}
-        text = base64.b64encode(yaml.safe_dump(config).encode()).decode()
-        fleet.run(
-            GATEWAY_NAME,
-            "install -m 600 -o prometheus -g prometheus /dev/null /etc/prometheus/freetoken-gateway.key "
-            f"&& printf %s {METRICS_KEY} > /etc/prometheus/freetoken-gateway.key "
-            f"&& echo {text} | base64 -d > /etc/prometheus/prometheus.yml "
-            "&& promtool check config /etc/prometheus/prometheus.yml && systemctl restart prometheus",
-            check=True,
-        )
-        api = "http://127.0.0.1:9090/api/v1/"
-        health: dict[str, str] = {}
+    api = "http://127.0.0.1:9090/api/v1/"
+    health: dict[str, str] = {}
 
-        def all_scraped() -> bool:
-            r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(api + "targets"))
-            if r.returncode != 0:
-                return False
-            for t in json.loads(r.stdout)["data"]["activeTargets"]:
-                health[t["labels"].get("host") or t["labels"]["job"]] = t["health"]
-            return len(health) == 4 and all(v != "unknown" for v in health.values())
+    def all_scraped() -> bool:
+        r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(api + "targets"))
+        if r.returncode != 0:
+            return False
+        for t in json.loads(r.stdout)["data"]["activeTargets"]:
+            health[t["labels"].get("host") or t["labels"]["job"]] = t["health"]
+        return len(health) == 4 and all(v != "unknown" for v in health.values())
 
-        assert eventually(all_scraped, timeout=90), health
-        assert health == {"freetoken-gateway": "up", "ws1": "up", "ws2": "up", "ws3": "down"}, health
+    assert eventually(all_scraped, timeout=90), health
+    assert health == {"freetoken-gateway": "up", "ws1": "up", "ws2": "up", "ws3": "down"}, health
 
-        def series(query: str) -> set[str]:
-            r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(api + "query?query=" + query), check=True)
-            return {
-                m["metric"].get("host") or m["metric"].get("proxy", "") for m in json.loads(r.stdout)["data"]["result"]
-            }
+    def series(query: str) -> set[str]:
+        r = fleet.run(GATEWAY_NAME, FETCH + shlex.quote(api + "query?query=" + query), check=True)
+        return {m["metric"].get("host") or m["metric"].get("proxy", "") for m in json.loads(r.stdout)["data"]["result"]}
 
-        assert "freetoken" in series("haproxy_backend_active_servers")
-        assert {"ws1", "ws2"} <= series("freetoken_guard_tripped")
-    finally:
-        fleet.run(GATEWAY_NAME, "systemctl disable --now prometheus")
+    assert "freetoken" in series("haproxy_backend_active_servers")
+    assert {"ws1", "ws2"} <= series("freetoken_guard_tripped")
 
 
 def test_requests_through_the_gateway_reach_the_serving_hosts_and_ws3_is_parked(gateway):

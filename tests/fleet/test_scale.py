@@ -70,23 +70,31 @@ def test_hosts_beyond_the_profiles_repeat_the_healthy_ones(monkeypatch):
         harness.host_count()
 
 
+def fleet_needed_later(session: pytest.Session) -> bool:
+    """Whether a test after the last slow one uses the session's fleet (tests/fleet/conftest.py
+    orders the slow tests last, so in a whole run none does)."""
+    items = session.items
+    last_slow = max((i for i, item in enumerate(items) if item.get_closest_marker("slow")), default=-1)
+    return any("sim_fleet" in getattr(item, "fixturenames", ()) for item in items[last_slow + 1 :])
+
+
 @pytest.fixture(scope="module")
-def fleet12() -> Iterator[harness.Fleet]:
+def fleet12(request) -> Iterator[harness.Fleet]:
     """A fresh fleet of 12 hosts for this module; the fleet that was up before (the session's)
-    comes back afterwards with as many hosts, fresh."""
+    comes back afterwards with as many hosts, fresh, when a later test needs it."""
     if os.geteuid() != 0:
         pytest.skip("the simulated fleet needs root (systemd-nspawn, network namespaces)")
     with harness.exclusive():
         before = harness.load_state()
         previous = len(before["hosts"]) if before else 0
-        fleet = harness.up(SCALE_HOSTS)
+        fleet = harness.up(SCALE_HOSTS)  # what was up is torn down first
         try:
             yield fleet
         finally:
             harness.down()
-            if previous:
+            if previous and fleet_needed_later(request.session):
                 harness.up(previous)
-            else:
+            elif not previous:
                 left = client.leftovers()
                 assert not left, "the 12-host fleet's teardown left these behind:\n  " + "\n  ".join(left)
 

@@ -32,11 +32,17 @@ def fleet(sim_fleet, tmp_path_factory):
     mac = harness.set_wake_on_lan("ws2")
     try:
         hosts = pyinfra(
-            *data_args(keys), "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1", "--limit", "ws2"
+            *data_args(keys, shared=False),
+            "inventories/sim.py",
+            "deploys/freetoken.py",
+            "--limit",
+            "ws1",
+            "--limit",
+            "ws2",
         )
         assert hosts.returncode == 0, "the workstations did not converge behind the gateway"
         gw = pyinfra(
-            *data_args(keys),
+            *data_args(keys, shared=False),
             "--data",
             f"wake_on_lan_cooldown_s={COOLDOWN_S}",
             "inventories/sim.py",
