@@ -56,7 +56,7 @@ if GATEWAY_GROUP in host.groups:
         tls = None
         if settings.gateway_tls_cert_file is not None:
             tls = gateway.tls_pem(host.name, settings.gateway_tls_cert_file)
-        sleepers = waker.targets(every)  # hosts with wake_on_lan_mac (issue 22 item 4)
+        sleepers = waker.targets(every)  # hosts with wake_on_lan_mac
         scrape = gateway.scrape_config(
             address, settings, {b.name: (b.address, every[b.name]) for b in backends}, tls=tls is not None
         )

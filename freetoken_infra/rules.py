@@ -213,7 +213,7 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
         )
     if obs.wslconfig is not None and obs.wslconfig.refused is not None:
         # Below the drive root every Linux account can plant a link (to a root-only file), a
-        # FIFO or a huge file: root neither reads nor writes it (issue 34, item 3).
+        # FIFO or a huge file: root neither reads nor writes it.
         return Finding(
             "wslconfig",
             "warn",
@@ -520,7 +520,7 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
     return Finding("launch_plan", "pass", summary)
 
 
-# --- what other processes hold of the card, and who (issue 22 item 5) ------------------
+# --- what other processes hold of the card, and who ------------------
 
 # Under WSL nvidia-smi counts the owner's Windows apps and games as used but lists none of them
 # (microsoft/WSL#7162); on Linux it lists compute processes, yet not always all (another
@@ -562,7 +562,7 @@ def holders_of(obs: Observations, gpu: GpuInfo) -> str | None:
 
 
 def check_gpu_free(settings: Settings, obs: Observations) -> Finding | None:
-    """The plan against what the card has free now, not its size (issue 22): memory held by
+    """The plan against what the card has free now, not its size: memory held by
     other processes (under WSL the owner's Windows apps and games, which nvidia-smi counts as
     used but does not list, microsoft/WSL#7162) is not the engine's to take. Judged only while
     no engine of ours holds memory (not answering ``/health`` ok or loading): a serving engine's
@@ -607,7 +607,7 @@ WOL_UNSEEN = "the PC's firmware (BIOS/UEFI: Wake-on-LAN, power on by PCI-E) and 
 
 
 def check_wake_on_lan(settings: Settings, obs: Observations) -> Finding | None:
-    """Wake-on-LAN readiness as far as WSL sees it (issue 22 item 4), for a host with
+    """Wake-on-LAN readiness as far as WSL sees it, for a host with
     ``wake_on_lan_mac``: Windows has an adapter with that MAC, it wakes on a magic packet, and it
     is armed to wake the PC. A warning, never a blocker: a host that cannot be woken still serves."""
     mac = settings.wake_on_lan_mac

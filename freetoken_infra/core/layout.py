@@ -277,7 +277,7 @@ SESSION_HEADER = "X-Session-Id"
 # The gateway names the host that answered in this response header.
 SERVED_BY_HEADER = "X-FreeToken-Host"
 
-# The gateway's waker (operations/waker.py, issue 22 item 4): its own user reads HAProxy's stats
+# The gateway's waker (operations/waker.py): its own user reads HAProxy's stats
 # through this socket (level user: read-only, no key, no state change) and wakes sleeping hosts.
 WAKER_UNIT = "freetoken-waker.service"
 WAKER_USER = "freetoken-waker"

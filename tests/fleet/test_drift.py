@@ -1,5 +1,5 @@
 """Drift: what someone changes by hand on a converged host, the next run of the deploy finds and
-puts back (issue 21, item 4). Real pyinfra over real SSH into ws1, the canonical healthy host.
+puts back. Real pyinfra over real SSH into ws1, the canonical healthy host.
 
 Each kind of thing `deploys/freetoken.py` manages is changed by hand (a ``Drift``): every managed
 file's content (the engine's unit and environment, the guard's script and units, the scripts and

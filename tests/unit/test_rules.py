@@ -381,7 +381,7 @@ def test_wsl_conf_that_cannot_be_merged_is_a_blocker_naming_the_line():
     assert "line 3" in f.evidence and "by hand" in f.remedy
 
 
-# ---- gpu_free: the plan against what the card has free now (issue 22 item 5). The H200 numbers
+# ---- gpu_free: the plan against what the card has free now. The H200 numbers
 # are the real capture's (tests/fixtures/real/nvidia-smi-580-h200-query-20g.txt); 136 GiB held is
 # the second capture's doctor line ("2.7 GiB free of 139.8 GiB"), which then still passed its plan.
 
@@ -445,7 +445,7 @@ def test_a_held_card_stops_the_converge_before_anything_changes():
     assert [f.check for f in findings if f.status == "block"] == ["gpu_free"]
 
 
-# ---- who holds the card, in the doctor's gpu_memory and launch_plan findings too (issue 22 item 5).
+# ---- who holds the card, in the doctor's gpu_memory and launch_plan findings too.
 # The real case (tests/fixtures/real/doctor-h200-2.7gib-free.txt, a Linux H200): 136 GiB held by
 # another process, and gpu_memory and launch_plan passed saying nothing of it.
 
