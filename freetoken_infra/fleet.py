@@ -218,8 +218,7 @@ class Fleet:
         gateways = [h for h in inv if GATEWAY_GROUP in h.groups]
         if not gateways:
             raise FleetError(
-                f"{inventory}: no host in the group '{GATEWAY_GROUP}': deploy a gateway first "
-                '(README, "One endpoint for the fleet")'
+                f"{inventory}: no host in the group '{GATEWAY_GROUP}': deploy a gateway first (docs/gateway.md)"
             )
         gw = gateways[0]
         hosts = {

@@ -13,7 +13,7 @@ A finding's status:
 stops there. `standing` marks blockers decided by answers that change only with a boot of
 the WSL VM (facts/inputs.py, BOOT_ONLY: the kernel, WSL's version, the GPU's architecture):
 while the boot, the settings and the code are the same, the host stays refused, so a re-run
-may answer it from its record (README, "Re-runs: the fast check") instead of reading every
+may answer it from its record (docs/fast-check.md) instead of reading every
 fact again. Memory, disk or a card held by an app are never standing: they change at any time.
 """
 
@@ -50,8 +50,8 @@ Status = Literal["pass", "warn", "block"]
 
 GiB = 1024**3
 GB = 1000**3
-MIN_COMPUTE = (8, 0)  # README, The engine: Ampere or newer
-REQUIRED_NVCC_MAJOR = 13  # README, The engine: nvcc's major must equal torch's CUDA major
+MIN_COMPUTE = (8, 0)  # docs/engine.md: Ampere or newer
+REQUIRED_NVCC_MAJOR = 13  # docs/engine.md: nvcc's major must equal torch's CUDA major
 SYSTEMD_ON = {"systemd": "true"}  # /etc/wsl.conf [boot]: systemd as PID 1 (the engine is a unit)
 RESTART_REMEDY = f"{RESTART_MESSAGE}, then re-run the deploy"
 
@@ -495,7 +495,7 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
             "launch_plan",
             "warn",
             f"moe cache 'auto' on {vram_gb} GB: the engine sizes it",
-            "prefer a number; see the README's launch plan",
+            'prefer a number; see docs/deploy.md, "Launch plan"',
         )
     need = estimated_vram_gb(plan)
     assert need is not None  # an integer cache size (only 'auto' has no estimate, handled above)
@@ -707,7 +707,7 @@ def check_interop(settings: Settings, obs: Observations) -> Finding | None:
     elif reason.startswith("timed out after"):
         fix = _INTEROP_FIXES[owner.NO_CONNECT_BACK]
     else:
-        fix = _INTEROP_FIXES.get(reason, 'see the README, "What WSL shares with every Linux user"')
+        fix = _INTEROP_FIXES.get(reason, 'see docs/security.md, "What WSL shares with every Linux user"')
     return Finding(
         "interop",
         "warn",

@@ -1,5 +1,5 @@
 """The fleet's gateway: HAProxy from the distribution in front of every serving host, so a fleet
-of part-time PCs is one OpenAI base URL (README, "One endpoint for the fleet").
+of part-time PCs is one OpenAI base URL (docs/gateway.md).
 
 A proven proxy, not ours: active HTTP checks that read `/health`'s JSON (FreeToken answers 200
 while loading, so only `"status": "ok"` counts), `retry-on` + `redispatch` for requests no host

@@ -301,7 +301,7 @@ class Settings(BaseModel):
     engine_env_size_gb: float = Field(12.0, ge=0)
     """Disk one engine venv takes."""
 
-    # --- the fleet's gateway (deploys/gateway.py; README "One endpoint for the fleet") ---
+    # --- the fleet's gateway (deploys/gateway.py; docs/gateway.md) ---
     runs_engine: bool = True
     """False: a gateway-only machine (no engine; rollouts skip it, it is no backend)."""
     gateway_port: int = Field(8080, ge=1, le=65535)
@@ -321,7 +321,7 @@ class Settings(BaseModel):
     gateway_prefix_affinity_bytes: int = Field(0, ge=0, le=4096)
     """Requests without X-Session-Id keep a host by the first N bytes of their body (model, system prompt), like a session; 0: off."""
 
-    # --- Wake-on-LAN (README "Waking a sleeping PC") ---
+    # --- Wake-on-LAN (docs/waking.md) ---
     wake_on_lan_mac: str | None = None
     """The workstation's network card (`aa:bb:cc:dd:ee:ff`): the gateway's waker may wake it when the queue builds; unset: never woken."""
     wake_on_lan_broadcast: IPv4Address = IPv4Address("255.255.255.255")
@@ -677,7 +677,7 @@ def _inside(path: str, tree: str) -> bool:
 
 
 def layout_problem(s: Settings) -> tuple[str, str] | None:
-    """The first (field, message) that breaks the trust layout (README, "Security model"), or
+    """The first (field, message) that breaks the trust layout (docs/security.md), or
     None. Root creates and re-owns the folders the settings name; it must never do so inside a
     tree a less-trusted user writes (the engine's ``cache_dir``, the download's ``model_dir``),
     where that user could swap a folder for a link between root's look and root's act."""

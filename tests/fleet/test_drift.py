@@ -274,7 +274,7 @@ ROUND_1 = [
         content(f"{VENV}/bin/ninja"),
     ),
     # A file of the engine changed by hand inside its environment is not found: a known limit
-    # (README, "Known limits": comparing every installed file with pip's RECORD would hash the
+    # (docs/known-limits.md: comparing every installed file with pip's RECORD would hash the
     # whole environment, torch included, on every run).
     # --- the model ----------------------------------------------------------------------------
     Drift(

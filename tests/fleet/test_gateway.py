@@ -177,8 +177,8 @@ def test_the_generated_scrape_config_targets_serve_the_guards_metrics_and_a_reru
 
 
 def test_a_real_prometheus_scrapes_the_generated_config_every_serving_target_up(gateway):
-    """Debian's Prometheus on the gateway host, given the scrape config the deploy
-    wrote (merged into its prometheus.yml as the README says, the metrics key in the credentials
+    """Debian's Prometheus on the gateway host, given the scrape config the deploy wrote (merged
+    into its prometheus.yml as docs/gateway.md, "Metrics" says, the metrics key in the credentials
     file): the gateway's exporter and every serving host's guard are up, HAProxy's and the
     guard's series are there. ws3 never converged (refused at preflight): its target is down."""
     import base64

@@ -257,8 +257,9 @@ def test_launch_plan_scales_with_vram_by_one_rule():
     assert (ada.moe_cache_size, ada.num_tokens, ada.attention_backend) == (384, 6144, "auto")
 
 
-# (nvidia-smi's memory.total in MiB, compute capability) -> the derived plan, by the README's rule:
-# cache 16*g, num_tokens 256*g, kv_reserve max(8192, 256*g), max_running max(1, g // 16).
+# (nvidia-smi's memory.total in MiB, compute capability) -> the derived plan, by the rule in
+# docs/deploy.md, "Launch plan": cache 16*g, num_tokens 256*g, kv_reserve max(8192, 256*g),
+# max_running max(1, g // 16).
 CARDS = [
     (16311, (12, 0), (16, 256, 4096, 8192, 1, "triton")),  # RTX 5060 Ti: the field report
     (24564, (8, 9), (24, 384, 6144, 8192, 1, "auto")),  # RTX 4090
