@@ -1,7 +1,7 @@
 """pyinfra CLI configuration for this repository (the CLI execs ./config.py first).
 
 Settings are validated for every host of the inventory before pyinfra connects to any
-of them (issue 2): a bad value stops `pyinfra INVENTORY deploys/freetoken.py` (or
+of them: a bad value stops `pyinfra INVENTORY deploys/freetoken.py` (or
 doctor.py) with one line per problem, naming host, field, value and what is allowed,
 and nothing has been contacted, let alone changed.
 
@@ -20,7 +20,7 @@ The inventory is loaded the same way, through `make_inventory` (also imported by
 pyinfra_cli.cli): a missing inventory file (pyinfra would go on with zero hosts and exit 0), an
 inventory with no host, and an inventory or group_data file that does not compile or raises (a
 traceback, or "An internal exception occurred" plus a pyinfra-debug.log in the working directory)
-each stop the run with one line naming the file, exit 1, nothing contacted (issue 13).
+each stop the run with one line naming the file, exit 1, nothing contacted.
 """
 
 import os
@@ -101,7 +101,7 @@ if not pyinfra_internals.wrap_cli("make_inventory", _load_inventory_or_say_why, 
 # --diff: every diff pyinfra's files operations print goes through the secret mask first
 # (operations/preview.py does the same for runs that do not read this file).
 pyinfra_internals.mask_file_diffs(redact.mask_lines)
-# pyinfra's per-operation introspection that is the same for every host, done once (issue 21).
+# pyinfra's per-operation introspection that is the same for every host, done once.
 pyinfra_internals.cache_operation_introspection()
 if not pyinfra_internals.wrap_cli("connect_all", _validate_then_connect, "validates_settings"):
     click.echo(

@@ -13,7 +13,7 @@ by design on every run: a fleet re-run pays for its refused hosts too. For every
 `ratio k hosts / 1 host: X` compares medians of wall time.
 
 Every run passes `--data model_cache_host=ws1`: ws1 fetches the model from the hub stand-in and
-serves it to the others (README, "LAN cache"). First converge, n=1 each (it happens once per
+serves it to the others (docs/deploy.md, "The model"). First converge, n=1 each (it happens once per
 fleet): ws1 alone on a fresh one-host fleet (`harness.up(1)`), then all N hosts at once on a
 fresh N-host fleet, with the bytes the hub stand-in sent over the model's size (target 1.0) and
 the wall time against the one host's; then the memory each converged host costs (PSS, as
@@ -39,7 +39,7 @@ network namespace (10 ms clock ticks: commands that ended count through their re
 way the host's resident services that poll on their own clock, deploy or not (the owner agent),
 are counted apart and printed as a rate: they are not the run's cost. The bytes each host's link carried in a run (its eth0 in its network namespace, both
 ways: SSH with its handshake) are counted the same way, and each host's medians are printed with
-how many of its runs the fast check answered (README, "Re-runs: the fast check"); the 50- and
+how many of its runs the fast check answered (docs/fast-check.md); the 50- and
 100-host projections use the measured per-host controller CPU, host CPU and bytes.
 """
 
@@ -717,7 +717,7 @@ def print_slowest_facts(runs: list[Run], top: int) -> None:
             per[key].append(value)
     ranked = sorted(per.items(), key=lambda kv: -statistics.median(kv[1]))[:top]
     if not ranked:
-        print('  none: every host answered from its record (README, "Re-runs: the fast check")')
+        print("  none: every host answered from its record (docs/fast-check.md)")
     for (host, label, detail), values in ranked:
         print(
             f"  {statistics.median(values):6.3f} s (max {max(values):.3f})  {host}  {label}"
@@ -847,7 +847,7 @@ def main() -> int:
                 warm = run_pyinfra()  # a reused fleet may hold a stale host: converge it first
                 print(f"\n(reused fleet: a converge first, changed ops: {warm.changed()})")
             # The run after a converge that changed something reads every fact once more and
-            # records (README, "Re-runs: the fast check"); the timed no-op runs are the steady ones.
+            # records (docs/fast-check.md); the timed no-op runs are the steady ones.
             warm = run_pyinfra()
             print(
                 f"(the whole fleet's first re-run after its converge: {warm.wall:.2f} s, changed ops: "

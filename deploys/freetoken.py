@@ -15,7 +15,7 @@
    decode tokens/s. Skipped only when the host's last passed gate was for exactly what is
    installed and serving now.
 A second run on a converged host changes nothing, and reads nothing but its record when nothing
-the last converge read has changed (step 0's fast check; README, "Re-runs"); so does a re-run on
+the last converge read has changed (step 0's fast check; docs/fast-check.md); so does a re-run on
 a host the preflight refused by a blocker that stands until its next boot (an old WSL).
 """
 
@@ -124,7 +124,7 @@ if plan.converge is not None:
 
     guard.clear_guard_state(name="Guard: clear a tripped state", settings=settings)
     # Before the engine (re)starts on its address: its port and node_exporter's from the gateway
-    # and loopback only (README, "Security model").
+    # and loopback only (docs/security.md).
     firewall.firewall(
         name="Firewall: the engine's and node_exporter's ports from the gateway only",
         settings=settings,
@@ -146,13 +146,13 @@ if plan.converge is not None:
             _if=run_if,
         )
     guard.guard(name="Guard: timer", settings=settings, drive_root=c.drive_root)
-    # The gateway's agent-check and the yield to the owner (README, "The owner comes first").
+    # The gateway's agent-check and the yield to the owner (docs/host-agent.md).
     owner.agent(
         name="Host agent: agent-check for the gateway, yield to the owner",
         settings=settings,
         firewall=c.firewall_present,
     )
-    # The guard's samples for the fleet's scrape (README, "One endpoint for the fleet": Metrics).
+    # The guard's samples for the fleet's scrape (docs/gateway.md, "Metrics").
     node_exporter.node_exporter(
         name="Metrics: node_exporter (Debian) reading the guard's samples",
         settings=settings,
@@ -160,7 +160,7 @@ if plan.converge is not None:
     )
 
     # Blue-green: if this run's version fails the gate, the gate switches back to the one that
-    # served before (README, "Upgrades and rollback").
+    # served before (docs/deploy.md, "Upgrades and rollback").
     health.health_gate(
         name="Health gate: /health ok, the right answer, decode tok/s",
         settings=settings,

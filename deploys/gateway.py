@@ -4,7 +4,7 @@ The hosts of the inventory group `gateway` (any Debian/Ubuntu machine, a WSL hos
 HAProxy from the distribution in front of every host of the inventory that runs an engine
 (`runs_engine`), each given no more streams than its engine's slots and weighted by its measured
 decode tok/s: one OpenAI base URL for the fleet, health-checked on `/health`'s JSON, keys
-checked at the gateway (README, "One endpoint for the fleet"), HTTPS with `gateway_tls_cert_file`.
+checked at the gateway (docs/gateway.md), HTTPS with `gateway_tls_cert_file`.
 Every value that reaches haproxy.cfg or the scrape config (addresses, names, keys) is validated
 before any host is touched; an engine that takes no key on a LAN address is refused. Backends,
 keys and ports come from the same settings the engines' deploy uses; a second run changes
@@ -56,7 +56,7 @@ if GATEWAY_GROUP in host.groups:
         tls = None
         if settings.gateway_tls_cert_file is not None:
             tls = gateway.tls_pem(host.name, settings.gateway_tls_cert_file)
-        sleepers = waker.targets(every)  # hosts with wake_on_lan_mac (issue 22 item 4)
+        sleepers = waker.targets(every)  # hosts with wake_on_lan_mac
         scrape = gateway.scrape_config(
             address, settings, {b.name: (b.address, every[b.name]) for b in backends}, tls=tls is not None
         )

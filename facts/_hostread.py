@@ -1,11 +1,11 @@
 """Root's reads of files a less-trusted account can plant, for the facts: ``hostio.read_report``
 run by the host's ``python3 -c`` (a fact runs before anything is uploaded), and its answer parsed.
 
-Used for the owner's Windows files (below the drive root every Linux account writes; issue 34,
-item 3) and for the model folder (the download's user's; issue 35, item 3): the folder is walked
-from ``/`` with ``O_NOFOLLOW`` descriptors and a file is read only when it is a regular file of
-at most its cap. A link, FIFO, socket, device, folder or larger file comes back as one line naming
-the path and why (``refused``, ``kind``), never as content.
+Used for the owner's Windows files (below the drive root every Linux account writes) and for
+the model folder (the download's user's): the folder is walked from ``/`` with ``O_NOFOLLOW``
+descriptors and a file is read only when it is a regular file of at most its cap. A link, FIFO,
+socket, device, folder or larger file comes back as one line naming the path and why
+(``refused``, ``kind``), never as content.
 """
 
 from __future__ import annotations

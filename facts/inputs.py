@@ -1,4 +1,4 @@
-"""What on the host each fact's answer depends on: the inputs of the no-op fast check (issue 21).
+"""What on the host each fact's answer depends on: the inputs of the no-op fast check.
 
 A converge reads some 90 facts per host; on a host nothing touched since its last converge they
 answer what they answered then. The host lock's script (``operations/scripts/host_lock.py``,

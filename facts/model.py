@@ -7,7 +7,7 @@ The directory is the download's user's (``freetoken-fetch``, which talks to the 
 fact runs as root: no link in it is followed (``find -P``), and ``config.json`` and
 ``hf_quant_config.json`` are read through ``hostio`` (``_hostread``): only a regular file of at
 most ``hostio.MODEL_FILE_CAP`` bytes, reached without a link. Anything else is a one-line
-refusal in ``error``: the rules warn and the deploy fetches the model again (issue 35, item 3).
+refusal in ``error``: the rules warn and the deploy fetches the model again.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ and mtime of each file it names, so a converge can tell "the model is here" with
 22 GB. The downloader (operations/scripts/fetch_model.py) stays the authority: when this fact
 has any doubt, the deploy starts it, and it hashes only the files that changed.
 
-The folder is the download's user's and this fact runs as root (issue 35, item 3): the manifest
+The folder is the download's user's and this fact runs as root: the manifest
 is read through ``hostio`` (``_hostread``: reached without a link, a regular file of at most
 ``hostio.MODEL_FILE_CAP`` bytes; a link, FIFO or larger file is one line in ``error``, and the
 model counts as not verified), and the listing follows no link (``find -P``; a link where a file

@@ -1,4 +1,4 @@
-"""What WSL can see of a workstation's Wake-on-LAN readiness, through interop (issue 22 item 4):
+"""What WSL can see of a workstation's Wake-on-LAN readiness, through interop:
 each physical network adapter's name, MAC, description and ``WakeOnMagicPacket`` setting
 (PowerShell's ``Get-NetAdapter`` and ``Get-NetAdapterPowerManagement``) and the devices armed to
 wake the PC (``powercfg.exe /devicequery wake_armed``: one device name a line, ``NONE`` when

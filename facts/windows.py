@@ -24,8 +24,8 @@ def system32(drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
     return f"{drive_path(drive_root)}/Windows/System32"
 
 
-# One bound, in seconds, for every Windows program a fact or an operation runs through interop
-# (issue 34): a call that hangs (Windows locked, microsoft/WSL#7001; the Windows side never
+# One bound, in seconds, for every Windows program a fact or an operation runs through interop:
+# a call that hangs (Windows locked, microsoft/WSL#7001; the Windows side never
 # connecting back, #8677) is ended there by coreutils `timeout` (TERM, then KILL 2 s later, to
 # the program's whole process group), and the parser says it timed out (exit 124 or 137).
 INTEROP_TIMEOUT_S = 30

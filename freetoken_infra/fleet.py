@@ -51,7 +51,7 @@ DEFAULT_INVENTORY = "inventories/fleet.py"
 IN_SERVICE, PARKED, DRAINING, FAILED = "in service", "parked", "draining", "failed"
 MAINTENANCE = "maintenance"
 # A check that got no answer at all: the PC is off, asleep, rebooting or has no engine running.
-# Parked, not failed (issue 14): it rejoins by itself once it passes its checks again.
+# Parked, not failed: it rejoins by itself once it passes its checks again.
 NO_ANSWER = ("L4CON", "L4TOUT", "L6TOUT", "L6RSP", "L7TOUT", "SOCKERR", "L4OK")
 
 
@@ -218,8 +218,7 @@ class Fleet:
         gateways = [h for h in inv if GATEWAY_GROUP in h.groups]
         if not gateways:
             raise FleetError(
-                f"{inventory}: no host in the group '{GATEWAY_GROUP}': deploy a gateway first "
-                '(README, "One endpoint for the fleet")'
+                f"{inventory}: no host in the group '{GATEWAY_GROUP}': deploy a gateway first (docs/gateway.md)"
             )
         gw = gateways[0]
         hosts = {

@@ -493,7 +493,8 @@ def rollback_target(installed: EngineInstallInfo | None, settings: Settings, rec
     before this run (``active`` now, when it is another installed version), else the version of
     the host's last passed gate (a run cut off after the switch left ``active`` on the new one).
 
-    Blue-green: the version that serves now stays installed (README, "Upgrades and rollback").
+    Blue-green: the version that serves now stays installed (docs/deploy.md, "Upgrades and
+    rollback").
     """
     if installed is None:
         return None

@@ -208,7 +208,7 @@ def fail_host(state, host, reason: str, line: str | None = None, advice: str | N
     a crash of ours. SystemExit still lets the CLI disconnect (so a rollout's record gets every
     host's end).
     """
-    reason = printable(reason)  # may quote what the host said (issue 20, item 10)
+    reason = printable(reason)  # may quote what the host said
     click.echo(printable(line) if line else f"    [{host.name}] stopped: {reason}", err=True)
     try:
         state.fail_hosts({host})

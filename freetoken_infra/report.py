@@ -51,7 +51,7 @@ def findings_table(host_name: str, findings: Iterable[Finding]) -> str:
     lines = [f"== {host_name}: preflight ==", f"{'check':<{check_w}}  {'status':<{status_w}}  evidence / remedy"]
     lines.append("-" * min(width, check_w + status_w + 4 + text_w))
     for f in findings:
-        # Evidence quotes what the host said (tool output, file text): escaped (issue 20, item 10).
+        # Evidence quotes what the host said (tool output, file text): escaped.
         body = textwrap.wrap(printable(f.evidence), text_w) or [""]
         if f.remedy and f.status != "pass":
             body += textwrap.wrap("-> " + printable(f.remedy), text_w, subsequent_indent="   ")

@@ -13,7 +13,7 @@ A finding's status:
 stops there. `standing` marks blockers decided by answers that change only with a boot of
 the WSL VM (facts/inputs.py, BOOT_ONLY: the kernel, WSL's version, the GPU's architecture):
 while the boot, the settings and the code are the same, the host stays refused, so a re-run
-may answer it from its record (README, "Re-runs: the fast check") instead of reading every
+may answer it from its record (docs/fast-check.md) instead of reading every
 fact again. Memory, disk or a card held by an app are never standing: they change at any time.
 """
 
@@ -50,8 +50,8 @@ Status = Literal["pass", "warn", "block"]
 
 GiB = 1024**3
 GB = 1000**3
-MIN_COMPUTE = (8, 0)  # README, The engine: Ampere or newer
-REQUIRED_NVCC_MAJOR = 13  # README, The engine: nvcc's major must equal torch's CUDA major
+MIN_COMPUTE = (8, 0)  # docs/engine.md: Ampere or newer
+REQUIRED_NVCC_MAJOR = 13  # docs/engine.md: nvcc's major must equal torch's CUDA major
 SYSTEMD_ON = {"systemd": "true"}  # /etc/wsl.conf [boot]: systemd as PID 1 (the engine is a unit)
 RESTART_REMEDY = f"{RESTART_MESSAGE}, then re-run the deploy"
 
@@ -213,7 +213,7 @@ def check_wslconfig(settings: Settings, obs: Observations) -> Finding:
         )
     if obs.wslconfig is not None and obs.wslconfig.refused is not None:
         # Below the drive root every Linux account can plant a link (to a root-only file), a
-        # FIFO or a huge file: root neither reads nor writes it (issue 34, item 3).
+        # FIFO or a huge file: root neither reads nor writes it.
         return Finding(
             "wslconfig",
             "warn",
@@ -495,7 +495,7 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
             "launch_plan",
             "warn",
             f"moe cache 'auto' on {vram_gb} GB: the engine sizes it",
-            "prefer a number; see the README's launch plan",
+            'prefer a number; see docs/deploy.md, "Launch plan"',
         )
     need = estimated_vram_gb(plan)
     assert need is not None  # an integer cache size (only 'auto' has no estimate, handled above)
@@ -520,7 +520,7 @@ def check_launch_plan(settings: Settings, obs: Observations) -> Finding:
     return Finding("launch_plan", "pass", summary)
 
 
-# --- what other processes hold of the card, and who (issue 22 item 5) ------------------
+# --- what other processes hold of the card, and who ------------------
 
 # Under WSL nvidia-smi counts the owner's Windows apps and games as used but lists none of them
 # (microsoft/WSL#7162); on Linux it lists compute processes, yet not always all (another
@@ -562,7 +562,7 @@ def holders_of(obs: Observations, gpu: GpuInfo) -> str | None:
 
 
 def check_gpu_free(settings: Settings, obs: Observations) -> Finding | None:
-    """The plan against what the card has free now, not its size (issue 22): memory held by
+    """The plan against what the card has free now, not its size: memory held by
     other processes (under WSL the owner's Windows apps and games, which nvidia-smi counts as
     used but does not list, microsoft/WSL#7162) is not the engine's to take. Judged only while
     no engine of ours holds memory (not answering ``/health`` ok or loading): a serving engine's
@@ -607,7 +607,7 @@ WOL_UNSEEN = "the PC's firmware (BIOS/UEFI: Wake-on-LAN, power on by PCI-E) and 
 
 
 def check_wake_on_lan(settings: Settings, obs: Observations) -> Finding | None:
-    """Wake-on-LAN readiness as far as WSL sees it (issue 22 item 4), for a host with
+    """Wake-on-LAN readiness as far as WSL sees it, for a host with
     ``wake_on_lan_mac``: Windows has an adapter with that MAC, it wakes on a magic packet, and it
     is armed to wake the PC. A warning, never a blocker: a host that cannot be woken still serves."""
     mac = settings.wake_on_lan_mac
@@ -707,7 +707,7 @@ def check_interop(settings: Settings, obs: Observations) -> Finding | None:
     elif reason.startswith("timed out after"):
         fix = _INTEROP_FIXES[owner.NO_CONNECT_BACK]
     else:
-        fix = _INTEROP_FIXES.get(reason, 'see the README, "What WSL shares with every Linux user"')
+        fix = _INTEROP_FIXES.get(reason, 'see docs/security.md, "What WSL shares with every Linux user"')
     return Finding(
         "interop",
         "warn",

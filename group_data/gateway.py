@@ -1,5 +1,5 @@
 """The fleet's gateway (deploys/gateway.py): hosts of the inventory group `gateway` run HAProxy
-in front of every serving host (README, "One endpoint for the fleet").
+in front of every serving host (docs/gateway.md).
 
 A machine that is only a gateway runs no engine: the rollout skips it and it is no backend. A
 workstation that is also the gateway sets `runs_engine = True` in its own host data.

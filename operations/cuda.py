@@ -32,7 +32,7 @@ def keyring_install_command(settings: Settings) -> str:
     """Download NVIDIA's keyring package into a fresh root-only folder (``mktemp -d``: 0700,
     a new random name), install it and remove the folder, whatever happened. Never a fixed path
     another user can write (the engine's cache was one: a file already there was installed
-    as it was, issue 20 item 9), and never a file from an earlier run."""
+    as it was), and never a file from an earlier run."""
     url = shlex.quote(str(settings.cuda_keyring_url))
     return (
         "d=$(umask 077 && mktemp -d) && "

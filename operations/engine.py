@@ -7,7 +7,7 @@ built only once its completion marker (``layout.ENGINE_COMPLETE_MARKER``) is wri
 finished, and until then the next run builds it again (pip resumes); the ``active`` link is
 switched only to a built one, atomically (a new link beside it renamed over it), so it never
 dangles or is missing.
-ninja is not a declared dependency of FreeToken but its JIT needs it (README, The engine),
+ninja is not a declared dependency of FreeToken but its JIT needs it (docs/engine.md),
 so it is installed into the same environment.
 """
 

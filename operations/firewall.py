@@ -1,7 +1,7 @@
 """The workstation's firewall: nftables from the distribution admits the engine's ports and
 node_exporter's only from loopback, the inventory's gateway host(s) and the addresses the
-settings name (``firewall_engine_from``, ``firewall_metrics_from``). Issue 20, items 6 and 14:
-behind a gateway the engines listen on every address, and the fleet's engine key (in every
+settings name (``firewall_engine_from``, ``firewall_metrics_from``). Behind a
+gateway the engines listen on every address, and the fleet's engine key (in every
 engine's environment) or node_exporter's unauthenticated ``/metrics`` must not be one LAN hop
 away from anyone.
 
@@ -72,7 +72,7 @@ def ruleset(settings: Settings, gateways: Sequence[Address]) -> str:
     the gateways only; every other source is reset."""
     engine = [settings.listen_port, settings.listen_port + 1]
     metrics = [settings.node_exporter_port] if settings.node_exporter_enabled else []
-    # The host agent's agent-check answers: the gateway's business only (issue 22 item 1).
+    # The host agent's agent-check answers: the gateway's business only.
     agent = [settings.agent_port] if settings.agent_enabled else []
     rules = [
         "iif lo accept",

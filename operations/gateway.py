@@ -1,5 +1,5 @@
 """The fleet's gateway: HAProxy from the distribution in front of every serving host, so a fleet
-of part-time PCs is one OpenAI base URL (README, "One endpoint for the fleet").
+of part-time PCs is one OpenAI base URL (docs/gateway.md).
 
 A proven proxy, not ours: active HTTP checks that read `/health`'s JSON (FreeToken answers 200
 while loading, so only `"status": "ok"` counts), `retry-on` + `redispatch` for requests no host
@@ -69,7 +69,7 @@ from operations import preview
 from operations.node_exporter import listen_address, scrape_address
 
 # Health checks: every second; out after 2 failed checks in a row (a refused connection also
-# marks it down at once: `observe layer4`), back in after 3 passed ones (issue 14: out within
+# marks it down at once: `observe layer4`), back in after 3 passed ones (the goal: out within
 # 5 s, rejoin only after a few good intervals). A parked PC is probed every 2 s.
 CHECK = "check inter 1s fastinter 500ms downinter 2s fall 2 rise 3"
 # The host agent (operations/owner.py) is read this often: it answers `drain 0%` while its host
@@ -93,7 +93,7 @@ RETRY_AFTER_S = 5
 # HAProxy's server weights are 1..256: one per decode token per second. A host nothing is known
 # of weighs what the field report's card decodes (about 24 tok/s).
 UNKNOWN_WEIGHT = 24
-# Matched over the whole string (fullmatch): `$` also accepts a final newline (issue 20 item 12).
+# Matched over the whole string (fullmatch): `$` also accepts a final newline.
 _SERVER_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEY_RE = re.compile(r"[A-Za-z0-9._~+/=-]{16,256}")
 _LABEL_RE = re.compile(r"[A-Za-z0-9._@-]{1,64}")
@@ -198,7 +198,7 @@ def read_source(source: str, what: str) -> str:
 
 def fleet_engine_key(backends: Sequence[GatewayBackend], settings: Mapping[str, Settings]) -> str | None:
     """The one engine key the gateway sends to every backend (None: the engines take none, which
-    only engines on loopback may: a keyless engine on a LAN address is refused, issue 20 item 6)."""
+    only engines on loopback may: a keyless engine on a LAN address is refused)."""
     sources = {b.name: settings[b.name].api_key_source for b in backends}
     keyless = [
         b.name

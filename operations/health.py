@@ -224,7 +224,7 @@ class HostGate:
 
     def journal(self) -> str:
         _, journal = self.sh(f"journalctl -u {ENGINE_UNIT} -n {JOURNAL_LINES} --no-pager -o cat")
-        # Engine text: escaped, so its lines cannot drive the operator's terminal (issue 20, item 10).
+        # Engine text: escaped, so its lines cannot drive the operator's terminal.
         return "\n".join("    " + printable(line) for line in journal.output_lines) or "    (no journal lines)"
 
     def manifest_hash(self) -> str | None:

@@ -138,9 +138,9 @@ def cache_nginx_conf(settings: Settings, bind: str) -> str:
     cache's key map is root's, 0600) and to bind; its workers serve as the service user, which
     only reads the model. Which files it serves comes from the downloader's manifest
     (``model_cache.py files``); a link planted in the model tree is never followed
-    (``disable_symlinks on``). Slow or idle clients cost a connection, never a worker (issue 20,
-    item 7): a request's line and headers must arrive within 10 s, an idle kept-alive connection
-    is closed after 10 s, a client that stops reading after 30 s.
+    (``disable_symlinks on``). Slow or idle clients cost a connection, never a worker: a
+    request's line and headers must arrive within 10 s, an idle kept-alive connection is closed
+    after 10 s, a client that stops reading after 30 s.
     """
     run = CACHE_RUN_DIR
     gated = bool(settings.hub_token_file)
@@ -480,7 +480,7 @@ def _duration(seconds: float | None) -> str:
 
 def format_progress(status: Mapping[str, Any]) -> str:
     """One progress line from the fetcher's status file (the service user writes it: its text
-    is escaped, issue 20 item 10)."""
+    is escaped)."""
     state = printable(status.get("state") or "?")
     done, total = status.get("bytes_done") or 0, status.get("bytes_total") or 0
     pct = f"{100.0 * done / total:.1f} %" if total else "-"

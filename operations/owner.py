@@ -1,5 +1,5 @@
 """
-The host agent (issue 22 items 1 and 2): ``freetoken-agent.service`` runs
+The host agent: ``freetoken-agent.service`` runs
 ``scripts/owner_agent.py`` as root. It answers HAProxy's ``agent-check`` on ``agent_port`` with
 ``up``, ``drain 0%`` or ``ready 100%``, and yields the GPU to the workstation's owner: other
 processes' VRAM above ``owner_vram_threshold_gb`` (or the owner's ``freetoken-owner snooze``)

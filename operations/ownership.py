@@ -1,5 +1,5 @@
 """Folders the deploy keeps, made and re-owned by root without following a link
-(``scripts/own_dir.py``; issue 20, items 1 and 2).
+(``scripts/own_dir.py``).
 
 Every folder root creates or re-owns goes through ``owned_dir``: the script walks the path from
 ``/`` with ``O_NOFOLLOW`` descriptors and changes only what it holds open, so a less-trusted user

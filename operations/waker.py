@@ -1,5 +1,5 @@
 """
-The gateway's waker (issue 22 item 4): ``freetoken-waker.service`` runs ``scripts/waker.py`` on
+The gateway's waker: ``freetoken-waker.service`` runs ``scripts/waker.py`` on
 the gateway host as its own system user. Once a second it reads HAProxy's ``show stat`` through
 a stats socket of its own (``level user``: read-only) and, when requests have queued for
 ``wake_on_lan_queue_s``, sends a magic packet to one parked host with ``wake_on_lan_mac`` within

@@ -20,7 +20,7 @@ Lookup = Callable[[str, int | None], list[str]]
 
 # A DNS name (labels of letters, digits and inner '-', dot-separated, an optional final dot),
 # matched over the whole string: what reaches haproxy.cfg, the scrape YAML or an nft rule is a
-# host name or an IP literal, never a newline or a second directive (issue 20 item 12).
+# host name or an IP literal, never a newline or a second directive.
 _DNS_NAME_RE = re.compile(
     r"(?=.{1,253}\.?\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
 )

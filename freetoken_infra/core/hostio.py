@@ -7,7 +7,7 @@ folder, as ``manifest.py`` is; the controller imports it from here (the download
 lines), and the facts that read a Windows-side file run its source with ``python3 -c``
 (``read_report``: a fact runs before anything is uploaded).
 
-Windows-side files (issue 34, item 3): under DrvFs' default mount options every file below the
+Windows-side files: under DrvFs' default mount options every file below the
 drive root (``/mnt/c/Users/dev``, its Desktop) is 0777 and owned by uid 1000, so every Linux
 account (the engine's user too) can plant a link, a FIFO or a huge file there. ``read_folder``
 and ``write_below`` walk the path from ``/`` one folder at a time with
@@ -17,7 +17,7 @@ file is read only when it is a regular file (``lstat``, then ``O_NOFOLLOW | O_NO
 name (``O_CREAT | O_EXCL | O_NOFOLLOW``) in the folder it holds open and renames it over the
 name, which replaces a link itself and never writes through it.
 
-The model folder (issue 35, item 3): ``model_dir`` is written by the download's user, which talks
+The model folder: ``model_dir`` is written by the download's user, which talks
 to the hub. Root reads its ``config.json``, ``hf_quant_config.json`` and the manifest the same
 way (``read_folder``, at most ``MODEL_FILE_CAP`` bytes each), and the verify suite hashes its
 files through ``open_below``: a link, FIFO, socket, device or folder where a file should be is

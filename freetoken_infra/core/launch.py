@@ -1,7 +1,7 @@
 """The launch plan: engine flags derived from the hardware, and the one function
 that turns a plan into FreeToken's command line.
 
-The rule (documented in the README's "Launch plan" section):
+The rule (documented in docs/deploy.md, "Launch plan"):
 - a 16 GB Blackwell card gets the field report's command exactly;
 - other cards scale with nominal VRAM in GB (`g`): `--moe-cache-size 16*g`,
   `--num-tokens 256*g`, `--kv-reserve-tokens max(8192, 256*g)` (the reserve always

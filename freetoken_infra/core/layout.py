@@ -4,7 +4,7 @@ One home for every name and path the deploy, the facts, the rules, the verify su
 tests use on a target, derived once from a host's ``Settings`` (``HostLayout.of(settings)``).
 Core: imports nothing of ours but the settings.
 
-Ownership (the trust model in the README): the engine's service user writes only ``cache_dir``
+Ownership (the trust model in docs/security.md): the engine's service user writes only ``cache_dir``
 (its kernel caches and working directory); the model and the download's status belong to the
 download's own user (``fetch_user``), so the engine only reads the model; ``state_dir`` and every
 folder above those leaves is root's (a setting under a folder root did not create gets only its
@@ -277,7 +277,7 @@ SESSION_HEADER = "X-Session-Id"
 # The gateway names the host that answered in this response header.
 SERVED_BY_HEADER = "X-FreeToken-Host"
 
-# The gateway's waker (operations/waker.py, issue 22 item 4): its own user reads HAProxy's stats
+# The gateway's waker (operations/waker.py): its own user reads HAProxy's stats
 # through this socket (level user: read-only, no key, no state change) and wakes sleeping hosts.
 WAKER_UNIT = "freetoken-waker.service"
 WAKER_USER = "freetoken-waker"

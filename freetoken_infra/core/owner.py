@@ -1,5 +1,5 @@
 """The host agent's decisions: when a workstation yields its GPU to its owner, and what it tells
-the gateway (issue 22 items 1 and 2).
+the gateway.
 
 The agent (``operations/scripts/owner_agent.py``, a systemd service as root) observes once a
 second: the card's used memory (``nvidia-smi``), whether the engine runs, what the engine itself
@@ -11,7 +11,7 @@ functions of plain values: tested without a host in ``tests/unit/test_owner.py``
 The owner's claim on the GPU is what other processes hold (under WSL ``nvidia-smi`` counts the
 owner's Windows games in the card's used memory without listing them, microsoft/WSL#7162) above
 ``owner_vram_threshold_gb``, or a snooze the owner set with ``freetoken-owner snooze``, or
-(issue 22 items 2 and 3, through interop) an app of ``owner_apps`` running on Windows, a
+(through interop) an app of ``owner_apps`` running on Windows, a
 full-screen app (``owner_fullscreen``), the owner's ``serve_hours`` over, or a pending Windows
 reboot. Each claim has a status word (``Claim.word``: ``yielded (game)``, ``yielded (app
 NAME)``, ``snoozed``, ``reboot pending``, ``off schedule``) that the agent appends to its
@@ -666,7 +666,7 @@ def reboot_flag(key: str, returncode: int, data: bytes) -> bool | None:
 
 
 # --------------------------------------------------------------------------- interop failures
-# Under WSL with systemd the agent's Windows programs fail in a few known ways (issue 34). Each
+# Under WSL with systemd the agent's Windows programs fail in a few known ways. Each
 # call is classified into one short reason from a fixed vocabulary: what the state file,
 # `freetoken-owner status`, the agent-check note and `fleet status` show. Never Windows' text.
 INTEROP_OK = ""

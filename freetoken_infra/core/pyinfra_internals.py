@@ -159,7 +159,7 @@ def mask_file_diffs(mask: DiffMask) -> None:
 
 def cache_operation_introspection() -> None:
     """Take two pieces of introspection whose answer is the same for every host out of the path
-    pyinfra walks for every operation and every fact read of every host (issue 21: the no-op
+    pyinfra walks for every operation and every fact read of every host (the no-op
     re-run's controller CPU per host). Once per process; what pyinfra computes is unchanged.
 
     - ``pyinfra.api.arguments.all_global_arguments()``, which ``pop_global_arguments`` calls for

@@ -11,7 +11,7 @@ routes pyinfra's own diff formatter through ``mask_lines``). What counts as a se
 * an ``Authorization: Bearer X`` value;
 * a value the run itself knows is a secret (``remember``: the engine key read on the controller).
 
-The mask is ``MASK`` (``********``), as the README promises.
+The mask is ``MASK`` (``********``), as docs/fleet.md and docs/security.md promise.
 """
 
 from __future__ import annotations

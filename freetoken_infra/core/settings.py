@@ -49,7 +49,7 @@ NVIDIA_CUDA_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/ubu
 NVIDIA_CUDA_KEYRING = NVIDIA_CUDA_REPO + "cuda-keyring_1.1-1_all.deb"
 
 # Every pattern below is used with fullmatch: `$` would also accept a trailing newline, which
-# split an ExecStart= line and broke the .wslconfig merge (issue 13).
+# split an ExecStart= line and broke the .wslconfig merge.
 _SIZE_RE = re.compile(r"[1-9][0-9]*(MB|GB|TB)")
 _VERSION_RE = re.compile(r"[0-9]+(\.[0-9]+){1,3}")
 _PEP440_RE = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?")
@@ -121,7 +121,7 @@ def _abs_path(value: str, what: str = "an absolute path") -> str:
 class Settings(BaseModel):
     """One host's settings. Defaults are the field report's working values."""
 
-    # allow_inf_nan=False: 1e309 reads as inf and nan compares false to every bound (issue 13).
+    # allow_inf_nan=False: 1e309 reads as inf and nan compares false to every bound.
     model_config = ConfigDict(
         extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True, validate_default=True
     )
@@ -301,7 +301,7 @@ class Settings(BaseModel):
     engine_env_size_gb: float = Field(12.0, ge=0)
     """Disk one engine venv takes."""
 
-    # --- the fleet's gateway (deploys/gateway.py; README "One endpoint for the fleet") ---
+    # --- the fleet's gateway (deploys/gateway.py; docs/gateway.md) ---
     runs_engine: bool = True
     """False: a gateway-only machine (no engine; rollouts skip it, it is no backend)."""
     gateway_port: int = Field(8080, ge=1, le=65535)
@@ -321,7 +321,7 @@ class Settings(BaseModel):
     gateway_prefix_affinity_bytes: int = Field(0, ge=0, le=4096)
     """Requests without X-Session-Id keep a host by the first N bytes of their body (model, system prompt), like a session; 0: off."""
 
-    # --- Wake-on-LAN (issue 22 item 4; README "Waking a sleeping PC") ---
+    # --- Wake-on-LAN (docs/waking.md) ---
     wake_on_lan_mac: str | None = None
     """The workstation's network card (`aa:bb:cc:dd:ee:ff`): the gateway's waker may wake it when the queue builds; unset: never woken."""
     wake_on_lan_broadcast: IPv4Address = IPv4Address("255.255.255.255")
@@ -546,7 +546,7 @@ class Settings(BaseModel):
     @field_validator("gateway_keys_source", "gateway_metrics_keys_source")
     @classmethod
     def _gateway_keys(cls, v: str | None) -> str | None:
-        # fullmatch: `$` also accepted a trailing newline (issue 20 item 12).
+        # fullmatch: `$` also accepted a trailing newline.
         if v is None or re.fullmatch(r"file:/[^\0\n]*|env:[A-Za-z_][A-Za-z0-9_]*", v):
             return v
         raise ValueError("must be 'file:/path/on/controller' or 'env:VARIABLE' (one key per line)")
@@ -677,7 +677,7 @@ def _inside(path: str, tree: str) -> bool:
 
 
 def layout_problem(s: Settings) -> tuple[str, str] | None:
-    """The first (field, message) that breaks the trust layout (README, "Security model"), or
+    """The first (field, message) that breaks the trust layout (docs/security.md), or
     None. Root creates and re-owns the folders the settings name; it must never do so inside a
     tree a less-trusted user writes (the engine's ``cache_dir``, the download's ``model_dir``),
     where that user could swap a folder for a link between root's look and root's act."""

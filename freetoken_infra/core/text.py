@@ -4,7 +4,7 @@ operator as data.
 Engine-controlled text (``/health`` phase, version, model and message, the fetcher's status,
 journal lines) reached the terminal raw: an OSC escape retitles the window or writes the
 clipboard, a CSI escape clears the screen or hides lines, a carriage return overwrites the start
-of the line (issue 20, item 10). Every such value goes through ``printable`` where it is printed
+of the line. Every such value goes through ``printable`` where it is printed
 or put in a report; one function, so that every place escapes the same way.
 """
 

@@ -116,9 +116,9 @@ _PLAIN_ROOT = re.compile(r"/[A-Za-z0-9._/-]*")
 
 
 def no_windows(drive_root: str) -> tuple[Entry, ...]:
-    """The settings that close a unit off from Windows (README, "What WSL shares with every Linux
-    user"), for every unit that has no business there: the engine, the download, the LAN cache,
-    the guard.
+    """The settings that close a unit off from Windows (docs/security.md, "What WSL shares with
+    every Linux user"), for every unit that has no business there: the engine, the download, the
+    LAN cache, the guard.
 
     On WSL every Linux account can start Windows programs as the PC's owner, and ``wsl.exe -u
     root`` as root in the distro: WSL's interop socket (``/run/WSL/1_interop``, mode 0777) and

@@ -1,4 +1,4 @@
-"""Wake-on-LAN under a policy (issue 22 item 4): when the gateway's queue has built, wake one
+"""Wake-on-LAN under a policy: when the gateway's queue has built, wake one
 parked (sleeping) workstation, never one its owner took back.
 
 The gateway host's waker (``operations/scripts/waker.py``, a systemd service as its own user)

@@ -238,7 +238,7 @@ class RemoteFile:
 def _safe_name(name: object) -> bool:
     """A file name from the hub's listing we will create: relative, no empty, ``.`` or ``..``
     component, not our own files, no control character (a newline in a name splits every
-    line-based record it reaches: status, journal, the fact protocol; issue 13) nor backslash."""
+    line-based record it reaches: status, journal, the fact protocol) nor backslash."""
     if not isinstance(name, str) or not name or name.startswith("/"):
         return False
     if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c == "\\" for c in name):
@@ -282,7 +282,7 @@ def list_revision(http: Http, endpoint: str, repo: str, revision: str) -> tuple[
         if not (e["sha256"] or e["oid"]):
             raise Failed(f"the hub listing has no size/hash for {name}; cannot verify it")
         # A negative size would cancel others in the disk check and leave a manifest that never
-        # covers (issue 20, item 11); a bool is an int to Python, JSON's true is no size.
+        # covers; a bool is an int to Python, JSON's true is no size.
         size = e["size"]
         if type(size) is not int or size < 0:
             raise Failed(f"the hub listed {name} with the size {size!r}, not a byte count; refusing the listing")

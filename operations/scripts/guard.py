@@ -50,7 +50,7 @@ PREFIX = "freetoken-guard:"
 GB = 1024**3
 # What counts as the engine running out of GPU memory: the engine's own error records, never a
 # phrase anywhere in its journal (FreeToken logs request text and model output there, so a
-# prompt could otherwise stop a healthy engine; issue 13). Shapes read from the real 0.2.1 wheel:
+# prompt could otherwise stop a healthy engine). Shapes read from the real 0.2.1 wheel:
 #  * utils/logger.py formats every record as BOLD "[%Y-%m-%d|%H:%M:%S<suffix>]" RESET, then the
 #    level name in its colour padded to 8, RESET, the message (stdout, colours always on);
 #    <suffix> is "|pid=N" with LOG_PID, then the logger's own tag, then "|core|rank=N" once a
@@ -247,7 +247,7 @@ def find_ooms(lines: list, pending: dict | None = None) -> tuple[list, dict | No
     worker <name> exited"), that worker's own traceback block ending in the OOM right before the
     record, with no other record of the engine between them. An OOM-shaped line anywhere else
     (a prompt, a reply, any record's message and its further lines) is text: it is never held
-    for a later death (issue 20, item 8)."""
+    for a later death."""
     found = []
     block: WorkerTraceback | None = None
     for raw in lines:

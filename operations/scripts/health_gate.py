@@ -93,7 +93,7 @@ _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def printable(text: object) -> str:
-    """Untrusted text with every control character written as a visible escape (issue 20)."""
+    """Untrusted text with every control character written as a visible escape."""
     text = text if isinstance(text, str) else str(text)
     if text.isprintable():
         return text

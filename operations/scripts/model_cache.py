@@ -3,7 +3,7 @@
 
 The LAN model cache is Debian's nginx (``freetoken-model-cache.service``, its configuration from
 ``cache_nginx_conf`` in operations/model.py): it does Range, sendfile, timeouts and connection
-limits, which our own HTTP code did not survive (issue 20, item 7: slow clients held every
+limits, which our own HTTP code did not survive (slow clients held every
 worker). This script holds no HTTP code. It runs ON THE CACHE HOST under the system
 ``python3`` from the unit's ``ExecStartPre=``/``ExecReload=`` lines and prints one include file
 on stdout, which the unit writes into its runtime folder (root's, 0700):

@@ -4,7 +4,7 @@ root's python3 (stdlib only, Python >= 3.8), never following a link.
 
 pyinfra's ``files.directory`` stats a path, then later runs ``chown``/``chmod`` on it by name:
 both follow links, so a less-trusted user who can rename entries in a folder on the way can
-swap it for a link in between and root re-owns the link's target (issue 20, item 1). This
+swap it for a link in between and root re-owns the link's target. This
 script walks the path from ``/`` one component at a time with
 ``open(O_DIRECTORY | O_NOFOLLOW, dir_fd=parent)`` and acts only on the descriptors it holds
 (``fchown``/``fchmod``): what it changes is the directory it opened, whatever is renamed around

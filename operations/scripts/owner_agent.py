@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """FreeToken host agent (``freetoken-agent.service``, as root) and the owner's command
-(``freetoken-owner``, issue 22 items 1 and 2).
+(``freetoken-owner``).
 
 ``serve``: once a second it looks at the host (the card's used memory from ``nvidia-smi``, the
 engine unit's state, the engine's own ``/v1/stats`` VRAM and ``/health``, the owner's snooze)
@@ -21,7 +21,7 @@ the engine's key from root's 0600 file and sends it in a header (never an argume
 fixed argument lists (``systemctl``, ``nvidia-smi``, ``nft``), and takes nothing from the engine's
 answers but a status word and a few numbers, each checked for its type.
 
-Windows (issue 22 items 2 and 3), through interop, from a thread every ``--windows-interval-s``
+Windows, through interop, from a thread every ``--windows-interval-s``
 (each interop start costs about half a second): ``tasklist.exe /fo csv /nh`` when ``--app``
 names are set, PowerShell's call of shell32's ``SHQueryUserNotificationState`` with
 ``--fullscreen``, and ``reg.exe query`` of Windows Update's two reboot flags (every

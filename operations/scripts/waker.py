@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""FreeToken waker (``freetoken-waker.service`` on the gateway host, as its own user; issue 22
-item 4): when the gateway's queue has built, wake one sleeping workstation with a magic packet.
+"""FreeToken waker (``freetoken-waker.service`` on the gateway host, as its own user): when
+the gateway's queue has built, wake one sleeping workstation with a magic packet.
 
 Once a second it reads HAProxy's ``show stat`` through a read-only stats socket (``level user``,
 owned by this service's user) and lets ``wol.step`` decide (``freetoken_infra/core/wol.py``,

@@ -3,7 +3,7 @@
 run ON THE TARGET by root's python3 (standard library only), never through a link.
 
 Under DrvFs every Linux account can create, replace and link files in the owner's profile
-folder (issue 34, item 3). The bytes come on stdin (base64, from the controller), never from a
+folder. The bytes come on stdin (base64, from the controller), never from a
 path another user can write; ``hostio.write_below`` walks the folder from ``/`` with
 ``O_NOFOLLOW`` descriptors, creates a new file with a random name ``O_EXCL`` in it, syncs it and
 renames it over the name: a link planted at the name is replaced, not followed.

@@ -130,7 +130,7 @@ def _poll(what: str, predicate, timeout_s: float) -> None:
 
 
 def test_an_owner_holding_the_gpu_stops_the_engine_start_and_the_doctor_says_so(sim_fleet):
-    """Issue 22 item 5 on a host: the owner's game (the nvidia-smi stand-in's used memory; under
+    """On a host: the owner's game (the nvidia-smi stand-in's used memory; under
     WSL nvidia-smi lists no Windows process) holds all but 1 GiB of ws2's card while its engine is
     stopped. The doctor blocks on gpu_free, saying what is held and that nvidia-smi names no one;
     the deploy stops at its preflight without changing anything; a start the deploy does not make
@@ -184,7 +184,7 @@ def test_an_owner_holding_the_gpu_stops_the_engine_start_and_the_doctor_says_so(
 
 
 def test_the_doctor_names_who_holds_the_card_and_no_name_can_forge_its_findings(sim_fleet):
-    """Issue 22 item 5: nvidia-smi (the stand-in, listing as a Linux host's does) names a process
+    """nvidia-smi (the stand-in, listing as a Linux host's does) names a process
     holding 19.5 GiB of ws2's card while more is held by nobody it lists (under WSL, Windows'
     apps). The doctor's gpu_memory, launch_plan and gpu_free say how much and who. The names are
     any process's text: one carries terminal escapes, another newlines and a forged GPU line; the

@@ -1,5 +1,5 @@
 """Drift: what someone changes by hand on a converged host, the next run of the deploy finds and
-puts back (issue 21, item 4). Real pyinfra over real SSH into ws1, the canonical healthy host.
+puts back. Real pyinfra over real SSH into ws1, the canonical healthy host.
 
 Each kind of thing `deploys/freetoken.py` manages is changed by hand (a ``Drift``): every managed
 file's content (the engine's unit and environment, the guard's script and units, the scripts and
@@ -274,7 +274,7 @@ ROUND_1 = [
         content(f"{VENV}/bin/ninja"),
     ),
     # A file of the engine changed by hand inside its environment is not found: a known limit
-    # (README, "Known limits": comparing every installed file with pip's RECORD would hash the
+    # (docs/known-limits.md: comparing every installed file with pip's RECORD would hash the
     # whole environment, torch included, on every run).
     # --- the model ----------------------------------------------------------------------------
     Drift(

@@ -1,4 +1,4 @@
-"""A new PC joins the fleet in one command (issue 24), on a bare simulated workstation: no sshd,
+"""A new PC joins the fleet in one command, on a bare simulated workstation: no sshd,
 no controller key, systemd off in /etc/wsl.conf (harness.start_bare, booted only by this
 module). Driven as its owner and the operator would:
 

@@ -9,10 +9,10 @@ killed, ws1 is powered off and back on, drained and upgraded by a rollout, and t
 reloads. At the end the gateway host is removed and ws1/ws2 converge back to the default
 settings, as the other test modules expect them.
 
-Issue 20's attacks on the gateway's LAN (items 4, 6, 14): a key taken from ws1 opens no other
+Attacks on the gateway's LAN: a key taken from ws1 opens no other
 engine (the workstations' firewall admits the engine port from the gateway and loopback only),
 node_exporter answers the gateway only, a keyless engine on the LAN is refused, HTTPS on the
-client side, and `--dry --diff` of the gateway prints no key. Issue 35 item 7: the scrape key
+client side, and `--dry --diff` of the gateway prints no key. The scrape key
 opens the metrics only, a client key no metrics."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ FETCH = "python3 -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen
 
 
 def test_the_generated_scrape_config_targets_serve_the_guards_metrics_and_a_rerun_changes_nothing(gateway, keys):
-    """Item 8: every node_exporter target of the scrape config the gateway deploy wrote answers,
+    """Every node_exporter target of the scrape config the gateway deploy wrote answers,
     from the gateway host, with the guard's samples; it listens there only (not on every
     interface); a second converge of the workstations changes nothing."""
     import yaml
@@ -365,7 +365,7 @@ def probe(fleet, host: str, url: str, key: str = "") -> str:
 
 
 def test_a_key_taken_from_ws1_opens_no_other_engine(gateway):
-    """Issue 20 item 6: every engine holds the fleet's one engine key. Someone with ws1 (its
+    """Every engine holds the fleet's one engine key. Someone with ws1 (its
     engine's key file) tries ws2's engine directly: its port answers the gateway and loopback only."""
     fleet = gateway["fleet"]
     wait_in_service(fleet, ["ws1", "ws2"])
@@ -407,7 +407,7 @@ def test_a_flushed_firewall_is_noticed_by_the_fast_check_and_loaded_again(gatewa
 
 
 def test_the_scrape_key_buys_metrics_only_and_a_client_key_no_metrics(gateway):
-    """Issue 35 item 7: both frontends read one key map, so the scrape credential in a file on
+    """Both frontends read one key map, so the scrape credential in a file on
     the Prometheus host was a full inference key. From another host of the fleet: the scrape key
     gets 401 on the API and 200 on /metrics, a client key 401 on /metrics."""
     fleet = gateway["fleet"]
@@ -419,7 +419,7 @@ def test_the_scrape_key_buys_metrics_only_and_a_client_key_no_metrics(gateway):
 
 
 def test_node_exporter_answers_the_gateway_and_no_other_host(gateway):
-    """Issue 20 item 14: with the engines on every address, node_exporter answered /metrics to
+    """With the engines on every address, node_exporter answered /metrics to
     anyone on the LAN without a key."""
     fleet = gateway["fleet"]
     metrics = f"http://{host_address('ws1')}:9100/metrics"
@@ -428,7 +428,7 @@ def test_node_exporter_answers_the_gateway_and_no_other_host(gateway):
 
 
 def test_the_gateway_refuses_a_keyless_engine_on_the_lan_before_any_change(gateway, keys):
-    """Issue 20 item 6: with api_key_source "none" the gateway deployed in front of engines that
+    """With api_key_source "none" the gateway deployed in front of engines that
     anyone on the LAN could use without a key."""
     fleet = gateway["fleet"]
     before = fleet.snapshot(GATEWAY_NAME)
@@ -450,7 +450,7 @@ def test_the_gateway_refuses_a_keyless_engine_on_the_lan_before_any_change(gatew
 
 
 def test_dry_diff_of_the_gateway_shows_changed_keys_masked_and_prints_none(gateway, keys, tmp_path):
-    """Issue 20 item 4: `--dry --diff` printed the clients' keys and the engine key, old and new."""
+    """`--dry --diff` printed the clients' keys and the engine key, old and new."""
     import re
 
     fleet = gateway["fleet"]
@@ -493,7 +493,7 @@ def test_dry_diff_of_the_gateway_shows_changed_keys_masked_and_prints_none(gatew
 
 
 def test_https_on_the_client_side_with_gateway_tls_cert_file(gateway, keys, tmp_path):
-    """Issue 20 item 6: clients' keys and prompts crossed the LAN in clear; with a certificate
+    """Clients' keys and prompts crossed the LAN in clear; with a certificate
     the gateway speaks HTTPS only on both of its ports."""
     import http.client
     import ssl

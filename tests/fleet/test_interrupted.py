@@ -1,4 +1,4 @@
-"""Cut or colliding runs on the simulated fleet (issue 16), all on ws1, in order, sharing the
+"""Cut or colliding runs on the simulated fleet, all on ws1, in order, sharing the
 fleet with each other (each scenario starts from the state the previous one left):
 
 Cuts: a deploy is cut at one point, either by killing the SSH session serving it on the host
@@ -12,7 +12,7 @@ Collisions: two runs started together wait for each other on the host lock (the 
 wish wins, each report matches what was serving when that run ended), and a lock left by a
 killed controller is taken over by the next run at once.
 
-Wrong answers (issue 14 item 7): a version that answers the gate's question wrongly is rolled
+Wrong answers: a version that answers the gate's question wrongly is rolled
 back and never reported as passed.
 
 The module leaves ws1 as it found it (0.2.1, nothing to change) for the modules after it.
@@ -291,7 +291,7 @@ def test_two_runs_at_once_the_later_one_waits_and_wins(ws1):
     while ws1.run(HOST, f"test -e {harness_lock()}").returncode != 0:
         assert time.monotonic() < deadline and first.poll() is None, first_log.read_text()[-5000:]
         time.sleep(0.2)
-    # root's alone (issue 20 item 5): the engine's user cannot read who runs what
+    # root's alone: the engine's user cannot read who runs what
     assert ws1.run(HOST, f"stat -c %a {harness_lock()}").stdout.strip() == "600"
     second, second_log = start_deploy()  # the fleet's version, 0.2.1
     assert first.wait(timeout=900) == 0, first_log.read_text()[-8000:]

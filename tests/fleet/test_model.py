@@ -76,7 +76,7 @@ def test_a_fleet_rollout_through_the_lan_cache_reads_the_hub_once(sim_fleet, cac
 
 
 def test_the_lan_cache_is_debians_nginx_on_the_fleet_address_only(sim_fleet, cached_rollout):
-    """Issue 13 and issue 20 item 7: nginx, bound to the address the fleet reaches ws1 by (not
+    """nginx, bound to the address the fleet reaches ws1 by (not
     every interface); Debian's own nginx.service never ran (masked before the package came)."""
     address, port = sim_fleet.hosts["ws1"].address, Settings().model_cache_port
     conf = sim_fleet.run("ws1", f"cat {CACHE_NGINX_CONF}", check=True).stdout
@@ -102,7 +102,7 @@ def test_the_lan_cache_is_debians_nginx_on_the_fleet_address_only(sim_fleet, cac
 
 
 def test_slow_and_idle_clients_do_not_starve_a_real_client(sim_fleet, cached_rollout):
-    """Issue 20, item 7 (the attack): 300 connections from ws2, half idle, half sending a request
+    """The attack: 300 connections from ws2, half idle, half sending a request
     a byte a second that never ends (each one the server closes is opened again at once). The
     cache our own HTTP code was gave a real client no answer at all within 5 s with 200 of
     them. Every /health and Range request of a real client meanwhile is answered (a generous

@@ -1,4 +1,4 @@
-"""The owner comes first (issue 22 items 1, 2 and 7): the host agent on ws1 yields the GPU to its
+"""The owner comes first: the host agent on ws1 yields the GPU to its
 owner under a steady load through the gateway, and ws1 rejoins once the owner is done.
 
 ws1 and ws2 converge behind the gateway host (the fixture of tests/fleet/test_gateway.py, with a
@@ -8,7 +8,7 @@ under WSL nvidia-smi names no Windows process, microsoft/WSL#7162). Measured: th
 drained at the gateway, and to its engine stopped (goal: at most 10 s); client errors (goal: none
 for requests that had not started, none cut mid-stream); the game's end to ws1 back in service
 (goal: at most 30 s after the quiet time). Then the owner's own override: `freetoken-owner snooze`
-and `resume`. Then Windows (issue 22 items 2, 3 and 6, through the stand-ins tasklist.exe and
+and `resume`. Then Windows (through the stand-ins tasklist.exe and
 reg.exe): an app of `owner_apps` starting on ws1 makes it yield and `fleet status` says
 `yielded (app eldenring.exe)`; a pending Windows reboot drains ws1 (`reboot pending`) without
 stopping its engine. At the end the gateway host is removed and ws1/ws2 converge back to the

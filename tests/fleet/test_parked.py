@@ -1,4 +1,4 @@
-"""Part-time PCs on the simulated fleet (issue 15): a host that is powered off is parked, not
+"""Part-time PCs on the simulated fleet: a host that is powered off is parked, not
 failed, and a catch-up run converges it when it is back; ``--dry --diff`` previews a change.
 
 In order (the tests share the fleet's state):
@@ -195,7 +195,7 @@ def test_dry_diff_of_a_changed_api_key_is_masked(sim_fleet, caught_up):
 
 
 def test_dry_diff_holding_index_and_hub_credentials_prints_none_of_them(sim_fleet, caught_up):
-    """Issue 20 item 4: a preview whose settings carry credentials (pip index, hub endpoint) and
+    """A preview whose settings carry credentials (pip index, hub endpoint) and
     a new engine key shows the files that change (pip.conf, the engine's environment, the key
     file) with every secret masked, old or new, and changes nothing."""
     state = json.loads(harness.state_file().read_text())

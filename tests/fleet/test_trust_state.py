@@ -1,6 +1,6 @@
-"""Trust boundaries on a real host (issue 13, items 1 and 6; issue 20, items 1, 2 and 9): what
-the engine's service user (or the download's) can write never aims what root does, the engine
-cannot write the model it serves, and a missing key file stops the engine instead of opening it.
+"""Trust boundaries on a real host: what the engine's service user (or the download's) can write
+never aims what root does, the engine cannot write the model it serves, and a missing key file
+stops the engine instead of opening it.
 
 The attacker is the service user itself (``freetoken``, what a compromised engine runs as), or
 the download's user (``freetoken-fetch``, what a hostile hub answer could run as): they plant
@@ -139,13 +139,13 @@ def test_a_deleted_key_file_stops_the_engine_instead_of_opening_it(sim_fleet, co
     wait_healthy(sim_fleet, HOST)
 
 
-# --------------------------------------------------------------------------- issue 20, items 2, 1, 9
+# ------------------------------------------------------------ root's folders, never through a link
 
 OPT_MODEL = f"/opt/models/{SETTINGS.served_model_name}"
 
 
 def test_a_model_dir_under_a_system_folder_gets_only_its_leaf(sim_fleet, converged):
-    """Item 2: the old deploy chowned model_dir's parent to the engine's user (/opt/models here,
+    """The old deploy chowned model_dir's parent to the engine's user (/opt/models here,
     /opt or /var/lib for a shallower setting). The folders above the leaf keep their owner."""
     sim_fleet.run(HOST, "rm -rf /opt/models && mkdir -p /opt/models && chown daemon:daemon /opt/models", check=True)
     opt_before = stat(sim_fleet, "/opt")
@@ -254,7 +254,7 @@ PLANTED_MARK = "/etc/ft-planted-keyring"
 
 
 def test_a_keyring_package_planted_in_the_engines_cache_is_never_installed(sim_fleet, converged):
-    """Item 9: the old step installed whatever file was at PLANTED_DEB (skipping the download)."""
+    """The old step installed whatever file was at PLANTED_DEB (skipping the download)."""
     # (the old deploy left its own download there, root's, in the engine's folder: the engine's
     # user cannot write that file, but may remove it and put its own in its place)
     build = (

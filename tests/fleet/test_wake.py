@@ -1,4 +1,4 @@
-"""Wake-on-LAN under a policy (issue 22 items 4, 6 and 7): the gateway host's waker wakes a
+"""Wake-on-LAN under a policy: the gateway host's waker wakes a
 sleeping workstation when the gateway's queue builds, and only one its owner has not taken back.
 
 ws1 and ws2 converge behind the gateway host, ws2 with `wake_on_lan_mac` (its eth0's MAC, given to

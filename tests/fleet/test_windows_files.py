@@ -1,4 +1,4 @@
-"""The Windows side as users really write it (issue 17), on one simulated host over real SSH.
+"""The Windows side as users really write it, on one simulated host over real SSH.
 
 Files WSL accepts but our earlier INI reading did not (see freetoken_infra/core/wsl_ini.py):
   1. /etc/wsl.conf with keys before the first section (ignored by WSL): the deploy converges,
@@ -7,7 +7,7 @@ Files WSL accepts but our earlier INI reading did not (see freetoken_infra/core/
      writes nothing to it and prints no restart message;
   3. `[automount] root = /` (drives at /c, no /mnt/c): the profile is found through cmd.exe +
      wslpath under that root and .wslconfig is managed there.
-And one attack (issue 34, item 3): a link planted as .wslconfig by an unprivileged account is
+And one attack: a link planted as .wslconfig by an unprivileged account is
 neither read nor written through.
 The host's own files (and /mnt/c) are put back afterwards. Tests run in order.
 """
@@ -116,7 +116,7 @@ def test_automount_root_slash_still_gets_wslconfig_managed(sim_fleet, host_files
 
 
 def test_a_link_planted_as_wslconfig_by_an_unprivileged_account_is_neither_read_nor_written(sim_fleet, host_files):
-    """Issue 34, item 3: below the drive root every Linux account can plant files (DrvFs shows
+    """Below the drive root every Linux account can plant files (DrvFs shows
     them 0777, owned by uid 1000). ``nobody`` links ``.wslconfig`` to /etc/shadow; the deploy
     reads nothing through it, writes nothing through it, prints none of shadow and names it."""
     # The drive may still be at /c (the test above moved it; the fixture puts it back at the end).

@@ -1,5 +1,5 @@
-"""What WSL shares with every Linux user, attacked on a simulated workstation (README, "What WSL
-shares with every Linux user").
+"""What WSL shares with every Linux user, attacked on a simulated workstation (docs/security.md,
+"What WSL shares with every Linux user").
 
 On WSL any Linux account can start a Windows program as the PC's owner through the interop
 socket (0777), and `wsl.exe -u root` as root in the distro; the C: drive (DrvFs) is 0777 and

@@ -30,7 +30,7 @@ def first_local_run():
     """For a test of the deploy's first run on this machine (``@local``, not WSL, so refused at
     preflight): a run of the deploy here before (an earlier test, an earlier run of the suite)
     left the refusal's record in root's /run/freetoken-deploy, and a re-run with the same code
-    and settings is answered from it (README, "Re-runs: the fast check"). It is the deploy's own
+    and settings is answered from it (docs/fast-check.md). It is the deploy's own
     volatile file, removed here so that the run is a first one; the test checks the re-run too."""
     from freetoken_infra.core.layout import CONVERGE_RECORD_FILE
 

@@ -1,4 +1,4 @@
-"""Issue 20 item 4: ``--dry --diff`` prints no secret, in any file the deploy writes.
+"""``--dry --diff`` prints no secret, in any file the deploy writes.
 
 The masking itself (freetoken_infra/core/redact.py), then the real pyinfra CLI in ``--dry --diff``
 on this machine (@local) running our real operations over files that already hold older

@@ -312,7 +312,7 @@ def test_a_question_no_longer_asked_leaves_the_list_after_a_run_that_did_not_fai
     assert len(calls) == 1  # the pruned list still answers the run in one command
 
 
-# ---------------------------------------------------------------------------- a tampered learned list (issue 20 item 13)
+# ---------------------------------------------------------------------------- a tampered learned list
 def test_a_tampered_learned_list_runs_nothing_of_what_it_added(local_prepare, tmp_path, capsys):
     """Whoever can write the controller's learned list adds a Command (any command, as root in the
     next run's first batch), a fact of ours with an argument of an odd shape, a name our facts
@@ -409,7 +409,7 @@ def test_every_argument_of_our_own_facts_has_a_shape_in_the_allow_list():
 def test_a_fact_that_never_ends_is_cut_at_the_deadline_naming_it_and_the_lock_is_released(
     local_prepare, tmp_path, monkeypatch
 ):
-    """Issue 35, item 3: a fact blocked on a FIFO (or any hung program) held the batch, the run
+    """A fact blocked on a FIFO (or any hung program) held the batch, the run
     and the host lock for ever. The batch is cut at its deadline (here 2 s), says which fact was
     running, reads nothing more on the host, and the lock taken in the same round trip is held
     by this run, so that its disconnect releases it."""

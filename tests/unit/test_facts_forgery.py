@@ -1,4 +1,4 @@
-"""Remote text cannot forge a fact (issue 13, item 2).
+"""Remote text cannot forge a fact.
 
 An engine's ``/health`` body is the engine's text: here a loopback server answers with a body
 that holds our own marker lines, written to re-declare an EARLIER fact of the same batch (the

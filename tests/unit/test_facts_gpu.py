@@ -197,7 +197,7 @@ def test_process_rows_of_other_layouts():
     assert parse_table_processes(table.replace("| Processes:", "| Other:")) == ()
 
 
-# ---- --query-compute-apps: whole names, parsed strictly; names are any process's text (issue 22 item 5)
+# ---- --query-compute-apps: whole names, parsed strictly; names are any process's text
 
 
 def test_the_real_compute_apps_capture_with_and_without_its_header():

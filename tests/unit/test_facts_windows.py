@@ -307,7 +307,7 @@ def test_a_distro_name_shaped_by_the_host_never_reaches_the_command(distro):
         autostart_command("ws1", "FreeToken-WSL", distro)
 
 
-# ---- issue 34: every Windows program a fact or an operation runs has one bound (coreutils
+# ---- every Windows program a fact or an operation runs has one bound (coreutils
 # `timeout -k 2 N`, N = INTEROP_TIMEOUT_S), and a timeout is reported as one, not as garbage.
 HANGS = "exec sleep 600\n"
 HANGS_PAST_TERM = "trap '' TERM\nsleep 600 &\nwait\nwait\n"  # ignores TERM: KILL after 2 s (exit 137)

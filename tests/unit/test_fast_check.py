@@ -1,4 +1,4 @@
-"""The no-op fast check (issue 21 item 1): the converge record the host lock's script writes at
+"""The no-op fast check: the converge record the host lock's script writes at
 the end of a converge and reads in the next run's first round trip, run here on temporary files as
 on a target; what each fact depends on (facts/inputs.py); the plan's and the fingerprint's part.
 

@@ -688,7 +688,7 @@ def test_a_reverify_request_survives_until_a_run_verifies_everything(
 def test_a_listing_with_a_control_character_in_a_name_is_refused_before_any_write(
     script_dir, repos, tmp_path, bad_name
 ):
-    """Issue 13: a hub (or mirror) file name with a newline is refused before anything is
+    """A hub (or mirror) file name with a newline is refused before anything is
     written: such a name would split every line-based record it reached."""
     own = _cache_repos(repos, tmp_path)
     (own.joinpath(*SUPPORTED.split("/")) / bad_name).write_text("x")
@@ -708,7 +708,7 @@ def test_a_listing_with_a_control_character_in_a_name_is_refused_before_any_writ
 def test_a_hostile_listing_with_a_size_that_is_no_byte_count_is_refused_before_any_byte(
     script_dir, fresh, repos, tmp_path, size
 ):
-    """Issue 20, item 11: a hub listing a shard with a negative size cancelled the other shards
+    """A hub listing a shard with a negative size cancelled the other shards
     in the disk check (a full disk passed) and left a manifest that never covered (re-fetch and
     restart on every run). The stand-in lists the hostile size; the fetcher refuses the listing
     in one line, before a byte is fetched or a file written. (A string makes the fetcher fall

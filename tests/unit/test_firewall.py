@@ -30,7 +30,7 @@ def test_engine_ports_and_node_exporter_from_loopback_and_the_gateway_only():
     assert rules(text) == [
         "iif lo accept",
         "ct state established,related accept",
-        # the host agent's port (8010) from the gateway only (issue 22 item 1)
+        # the host agent's port (8010) from the gateway only
         "tcp dport { 8000, 8001, 8010, 9100 } ip saddr { 192.0.2.5 } accept",
         "tcp dport { 8000, 8001, 8010, 9100 } reject with tcp reset",
     ]

@@ -196,7 +196,7 @@ def key_maps(frontend: str) -> set[str]:
 
 
 def test_an_inference_key_opens_no_metrics_and_a_metrics_key_no_api():
-    """Issue 35 item 7: both frontends read one key map, so Prometheus' scrape credential (a file
+    """Both frontends read one key map, so Prometheus' scrape credential (a file
     on the Prometheus host) was a full inference key. Each frontend now checks its own map only:
     the clients' on /v1, the metrics keys on /metrics and /stats; every request of the stats
     frontend whose key is not in its map gets the 401 before anything is served."""
@@ -508,12 +508,12 @@ def test_wait_idle_waits_for_running_streams():
     assert Busy().wait_idle(["ws1"], timeout=0, poll=0) == ["ws1"]
 
 
-# ------------------------------------------------------------------ issue 20: items 4, 6, 12
+# ------------------------------------------------------------------ hostile host text, keys on the LAN
 HOSTILE = "10.0.0.1\n    server evil 1.2.3.4:80"
 
 
 def test_a_hostile_ssh_hostname_never_reaches_haproxy_cfg():
-    """Item 12: an inventory address with a newline would add a server line to haproxy.cfg."""
+    """An inventory address with a newline would add a server line to haproxy.cfg."""
     with pytest.raises(GatewayError, match=r"^host ws1: ssh_hostname '10\.0\.0\.1\\n    server evil") as err:
         gw.backends_for("gw", {"ws1": (Settings(listen_host="0.0.0.0"), HOSTILE)})
     assert "\n" not in str(err.value)
@@ -527,7 +527,7 @@ def test_a_hostile_ssh_hostname_never_reaches_haproxy_cfg():
 
 
 def test_names_and_key_sources_with_a_trailing_newline_are_refused():
-    """Item 12: Python's `$` matches before a final newline; every pattern is a full match."""
+    """Python's `$` matches before a final newline; every pattern is a full match."""
     with pytest.raises(GatewayError, match="a gateway backend's name"):
         gw.backends_for("gw", {"ws1\n": (Settings(listen_host="192.0.2.11"), None)})
     with pytest.raises(SettingsError, match="host gw: setting 'gateway_keys_source'"):
@@ -549,7 +549,7 @@ def test_the_scrape_yaml_is_written_by_the_yaml_library():
 
 
 def test_a_keyless_engine_on_a_lan_address_is_refused_behind_the_gateway():
-    """Item 6: `api_key_source = "none"` on 0.0.0.0 would let anyone on the LAN bypass the keys."""
+    """`api_key_source = "none"` on 0.0.0.0 would let anyone on the LAN bypass the keys."""
     keyless = {"ws1": Settings(api_key_source="none", listen_host="0.0.0.0"), "ws2": Settings(api_key_source="none")}
     with pytest.raises(GatewayError, match=r"^host ws1: api_key_source 'none' with listen_host 0\.0\.0\.0") as err:
         gw.fleet_engine_key(BACKENDS, keyless)
@@ -607,7 +607,7 @@ def test_masked_key_maps_say_what_changes_never_the_key():
 
 
 def test_dry_diff_of_the_gateway_shows_the_key_maps_masked(caplog):
-    """Item 4: `--dry --diff` printed the clients' keys and the engine key, old and new."""
+    """`--dry --diff` printed the clients' keys and the engine key, old and new."""
     old_client, new_client = "alice-key-0123456789", "alice-key-9876543210"
     old_engine, new_engine = "old-engine-key-0123456789", ENGINE_KEY
     old_scrape, new_scrape = "scrape-key-0123456789", "scrape-key-9876543210"
@@ -641,7 +641,7 @@ def test_dry_diff_of_the_gateway_shows_the_key_maps_masked(caplog):
 
 
 def test_each_server_with_a_host_agent_is_read_by_agent_check():
-    """Issue 22 item 1: HAProxy reads each host's agent every 2 s (drain 0% / ready 100% / up);
+    """HAProxy reads each host's agent every 2 s (drain 0% / ready 100% / up);
     a host without an agent gets no agent-check."""
     backends = [GatewayBackend("ws1", "10.0.0.11", 8000, agent_port=8010), GatewayBackend("ws2", "10.0.0.12", 8000)]
     text = gw.haproxy_config(Settings(), backends, engine_key=True)

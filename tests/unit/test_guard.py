@@ -241,7 +241,7 @@ def test_oom_line_in_journal_stops_the_engine(target):
 
 
 def test_text_the_engine_logs_for_requests_and_replies_stops_nothing(target):
-    """Issue 13: FreeToken logs request and model text (DEBUG "Received generate request",
+    """FreeToken logs request and model text (DEBUG "Received generate request",
     WARNING "Failed to parse JSON part: <model output>"), with its newlines, so any line without
     the engine's own ERROR record shape - however it reads - is somebody's text."""
     forged_record = (
@@ -269,7 +269,7 @@ def test_text_the_engine_logs_for_requests_and_replies_stops_nothing(target):
     assert proc.returncode == 0, proc.stderr
     assert "stop freetoken.service" not in target.calls("systemctl")
     assert not target.state_file.exists() and proc.stdout == ""
-    # Nothing the engine logged is held for a later death (issue 20, item 8).
+    # Nothing the engine logged is held for a later death.
     position = target.state_file.parent / "guard-journal.json"
     assert json.loads(position.read_text())["pending_oom"] is None
     target.journal.write_text(WORKER_DIED)
@@ -306,7 +306,7 @@ def test_the_h200_fixture_is_what_these_tests_read():
 
 
 def test_a_worker_dying_of_torch_2_11s_accelerator_oom_stops_the_engine(target):
-    """Issue 20, item 8: the traceback's end as torch 2.11 prints it (the scheduler worker's, as
+    """The traceback's end as torch 2.11 prints it (the scheduler worker's, as
     multiprocessing frames it), then the supervisor's record of that worker's death."""
     block = "Process freetoken-TP0-scheduler:\n" + "\n".join(H200_TRACEBACK) + "\n"
     target.journal.write_text(block + WORKER_DIED)
@@ -346,7 +346,7 @@ def test_the_supervisors_record_of_torch_2_11s_oom_during_load_stops_the_engine(
 )
 @pytest.mark.parametrize("runs", [1, 2])
 def test_a_logged_oom_followed_by_an_unrelated_death_is_not_an_oom_stop(target, logged, runs):
-    """Issue 20, item 8 (the attack): OOM-shaped text the engine only logged, then a scheduler
+    """The attack: OOM-shaped text the engine only logged, then a scheduler
     worker dies of something else (killed: no traceback of its own), in the same guard run or the
     next one. The old guard held the line for 120 s and pinned it on that death."""
     died = record("ERROR", "Backend supervisor: backend worker freetoken-TP0-scheduler exited")
@@ -540,7 +540,7 @@ def test_service_unit():
     from freetoken_infra.core.layout import GUARD_SCRIPT
     from operations.guard import guard_service_unit
 
-    # Settings refuse such a path (issue 13); the unit escapes it all the same.
+    # Settings refuse such a path; the unit escapes it all the same.
     settings = Settings.model_construct(
         **{**Settings().model_dump(), "guard_swap_limit_gb": 3.5, "state_dir": "/srv/ft state"}
     )

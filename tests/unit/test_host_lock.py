@@ -191,7 +191,7 @@ SECRET_ARGV = [
 
 
 def test_the_command_line_is_redacted_in_the_lock_file_the_wait_line_and_the_doctor(tmp_path, capsys, monkeypatch):
-    """Issue 20 item 5: a run started with passwords on its command line takes the lock; the lock
+    """A run started with passwords on its command line takes the lock; the lock
     file, the line a second run prints while it waits and the doctor's line carry none of them,
     and the lock file is root's alone (0600), as is its mutex."""
     monkeypatch.setattr(host_lock, "POLL_S", 0.2)
@@ -372,7 +372,7 @@ def test_a_lock_that_cannot_be_taken_says_why_in_one_line(tmp_path):
     assert why == "cannot take the host lock: python3: command not found"
 
 
-# ---------------------------------------------------------------------------- uploads through sudo (issue 20 item 15)
+# ---------------------------------------------------------------------------- uploads through sudo
 SSH_USER_UID = 4242  # the SSH user sudo was run by (SUDO_UID); another local user: nobody (65534)
 
 

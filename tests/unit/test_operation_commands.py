@@ -642,7 +642,7 @@ def _noop_hosts():
 
 
 # The facts each reads on a no-op run, counted before its files went through operations/managed.py:
-# a no-op run costs no more than it did (another issue measures what a no-op run costs). The guard
+# a no-op run costs no more than it did (bench/converge.py measures what a no-op run costs). The guard
 # and the downloader each check core/hostio.py beside their scripts since it became one module
 # (one File, Sha1File and Directory more each; the same three reads, answered once per run).
 NOOP_FACTS = {

@@ -124,7 +124,7 @@ def test_environment_has_persistent_kernel_caches_and_hub_settings():
 
 def _odd_path_settings(tmp_path):
     """Paths with what systemd would expand (``%i``, ``$HOME``) and a space in them. Settings
-    refuse such paths (issue 13); built past validation here to prove the unit file escapes every
+    refuse such paths; built past validation here to prove the unit file escapes every
     word all the same (quoting at use, not only validation)."""
     base = tmp_path / "engines 100%i $HOME"
     python = base / "active" / "bin" / "python"

@@ -1,4 +1,4 @@
-"""The host agent (issue 22 items 1 and 2): its decisions as pure functions of what it observes
+"""The host agent: its decisions as pure functions of what it observes
 (freetoken_infra/core/owner.py), its unit and command, and its agent-check port, which answers a
 fixed word and reads nothing."""
 
@@ -481,7 +481,7 @@ def test_the_agent_takes_the_port_systemd_holds_for_it():
 def test_an_engine_lying_about_its_vram_hides_no_game(said):
     """The engine is untrusted (it parses LAN requests): what it says it holds counts only up to
     what the card's used memory grew by when it came up. Claiming 1 PiB (or anything else) while
-    the owner's game holds 12 GiB still yields the GPU (issue 35 item 9)."""
+    the owner's game holds 12 GiB still yields the GPU."""
     state = AgentState()
     state, _ = step(state, seen(0, used=853, active=False), POLICY)  # stopped: the idle baseline
     state, _ = step(state, seen(1, used=CARD_IDLE_MIB, engine_vram_mib=said), POLICY)  # up and healthy

@@ -1,4 +1,4 @@
-"""The host agent and its engine (issue 35 items 2 and 9): no engine answer stalls a decision
+"""The host agent and its engine: no engine answer stalls a decision
 (one total deadline per read, the reads in a thread of their own, an answer taken only while
 fresh), a lying engine hides no game, and the card's memory read through NVML (the stand-in
 library the simulated fleet installs) reads as the nvidia-smi stand-in does.

@@ -1,4 +1,4 @@
-"""When WSL interop fails (issue 34): each failure classified into one short reason from the real
+"""When WSL interop fails: each failure classified into one short reason from the real
 outputs (tests/fixtures/real/README.md), the agent's Windows reader run against fake System32
 programs that fail that way (a file exec cannot run, the real stderr and exit status, a program
 that never exits and one that prints forever), the owner signals it then reports (state file,

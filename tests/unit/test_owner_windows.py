@@ -1,4 +1,4 @@
-"""The owner's claims from Windows and the clock (issue 22 items 2 and 3): an app of
+"""The owner's claims from Windows and the clock: an app of
 ``owner_apps`` running, a full-screen app, a pending Windows reboot, ``serve_hours``; the status
 words the agent gives the gateway and ``fleet status`` reads back; the parsers of Windows'
 answers against real outputs (tests/fixtures/real/README.md) and against text crafted to look

@@ -1,4 +1,4 @@
-"""Issue 20, item 10: text the engine (or a host, or the hub) controls reaches the operator's
+"""Text the engine (or a host, or the hub) controls reaches the operator's
 terminal only escaped. The attack: a hostile engine answers ``/health`` with an OSC escape that
 retitles the terminal (``ESC ] 0 ; pwned BEL``) and a CSI escape that clears the screen
 (``ESC [ 2 J``) in its phase, version, model and message, its journal holds them, and the

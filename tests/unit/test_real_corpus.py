@@ -321,7 +321,7 @@ def test_nvcc_banner(name):
 def test_guard_reads_a_real_oom_traceback_line_as_the_engine_s_oom_once_its_worker_died(name):
     """The first line is a traceback's last line as PyTorch prints it; the guard stops the engine
     for it only as the end of the worker's own traceback, together with the engine's own record
-    that this worker died (issues 13 and 20); the line alone is text."""
+    that this worker died; the line alone is text."""
     oom_line = read(name).decode("utf-8").splitlines()[0]
     died = (
         "\x1b[1m[2026-01-01|00:00:00|FrontendAPI]\x1b[0m \x1b[31mERROR   \x1b[0m "

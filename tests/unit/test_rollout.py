@@ -255,7 +255,7 @@ def test_rows_of_failed_hosts_say_why():
     )
     assert refused.result == "refused"
     assert refused.reason == "refused at preflight: wsl_version, gpu_memory"
-    # nothing was done on it: no model, health, tok/s or restart of ours to show (issue 15)
+    # nothing was done on it: no model, health, tok/s or restart of ours to show
     assert (refused.model, refused.health, refused.tokens_per_s) == (None, "-", None)
     assert refused.restart_pending is None and refused.wsl_version == "2.7.13"
 
@@ -502,7 +502,7 @@ def test_without_a_previous_version_the_failure_is_plain(blue_green):
     assert not any("ln -sfn" in c for c in host.commands)
 
 
-# ---------------------------------------------------------------------------- parked, catch-up (issue 15)
+# ---------------------------------------------------------------------------- parked, catch-up
 def _row(name: str, result: str) -> HostRow:
     if result == "parked":
         return host_row(name, [], unreachable="Could not connect (Connection refused)")
@@ -641,13 +641,13 @@ def test_the_gateway_weighs_hosts_by_the_newest_signed_measurement_only(tmp_path
         os.utime(path, (i + 1, i + 1))
     # ws1: the newer measurement; ws2: its failed row measures nothing, the older ok row counts
     assert rollout_mod.measured_decode_tps() == {"ws1": 61.5, "ws2": ok2.tokens_per_s}
-    # The older report touched to look newest (issue 35 item 8): weighed by its signed time, it
+    # The older report touched to look newest: weighed by its signed time, it
     # stays behind the newer one.
     os.utime(old, (99, 99))
     assert rollout_mod.measured_decode_tps() == {"ws1": 61.5, "ws2": ok2.tokens_per_s}
 
 
-# ---------------------------------------------------------------------------- crafted reports (issue 20, item 3)
+# ---------------------------------------------------------------------------- crafted reports
 HOSTILE_DATA = [
     ["_shell_executable=/tmp/evil"],
     ["ssh_hostname=attacker.example"],
@@ -713,7 +713,7 @@ def test_a_signed_report_still_replays_only_settings(tmp_path, monkeypatch, data
         rollout_mod.replayed_options(doc, str(path))
 
 
-# ---------------------------------------------------------------------------- replayed reports (issue 35, item 8)
+# ---------------------------------------------------------------------------- replayed reports
 def _two_reports(tmp_path, monkeypatch) -> tuple[Path, Path, object, object]:
     """An older and a newer report of this controller, both signed with its key."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
@@ -1068,7 +1068,7 @@ def test_an_unreachable_host_is_parked_from_the_structured_record(tmp_path, monk
     assert row.restart_pending is None and row.health == "-"
 
 
-# ---------------------------------------------------------------------------- the typed row (issue 25, item 3)
+# ---------------------------------------------------------------------------- the typed row
 # A report file as the rollout wrote it before the row was typed (made by host_row and main's
 # document at 007e02b, unsigned), and the fleet table that code printed for its rows.
 TODAYS_REPORT = ROOT / "tests" / "fixtures" / "rollout_report.json"
@@ -1080,7 +1080,8 @@ def test_a_report_written_in_todays_format_still_reads(tmp_path, monkeypatch):
     doc = json.loads(TODAYS_REPORT.read_text())
     path = tmp_path / "r.json"
     key = rollout_mod.report_key(create=True)
-    stamped = {**doc, "run_id": "0f" * 16, "created_utc": "2026-12-03T08:15:02.000000Z"}  # signed since issue 35
+    # the fields added when reports were signed
+    stamped = {**doc, "run_id": "0f" * 16, "created_utc": "2026-12-03T08:15:02.000000Z"}
     path.write_text(json.dumps({**stamped, "signature": rollout_mod.report_signature(stamped, key)}, indent=1))
     _, loaded = load_report(str(path))
     rows = rollout_mod.report_rows(loaded, "r.json")

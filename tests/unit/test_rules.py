@@ -257,8 +257,9 @@ def test_launch_plan_scales_with_vram_by_one_rule():
     assert (ada.moe_cache_size, ada.num_tokens, ada.attention_backend) == (384, 6144, "auto")
 
 
-# (nvidia-smi's memory.total in MiB, compute capability) -> the derived plan, by the README's rule:
-# cache 16*g, num_tokens 256*g, kv_reserve max(8192, 256*g), max_running max(1, g // 16).
+# (nvidia-smi's memory.total in MiB, compute capability) -> the derived plan, by the rule in
+# docs/deploy.md, "Launch plan": cache 16*g, num_tokens 256*g, kv_reserve max(8192, 256*g),
+# max_running max(1, g // 16).
 CARDS = [
     (16311, (12, 0), (16, 256, 4096, 8192, 1, "triton")),  # RTX 5060 Ti: the field report
     (24564, (8, 9), (24, 384, 6144, 8192, 1, "auto")),  # RTX 4090
@@ -381,7 +382,7 @@ def test_wsl_conf_that_cannot_be_merged_is_a_blocker_naming_the_line():
     assert "line 3" in f.evidence and "by hand" in f.remedy
 
 
-# ---- gpu_free: the plan against what the card has free now (issue 22 item 5). The H200 numbers
+# ---- gpu_free: the plan against what the card has free now. The H200 numbers
 # are the real capture's (tests/fixtures/real/nvidia-smi-580-h200-query-20g.txt); 136 GiB held is
 # the second capture's doctor line ("2.7 GiB free of 139.8 GiB"), which then still passed its plan.
 
@@ -445,7 +446,7 @@ def test_a_held_card_stops_the_converge_before_anything_changes():
     assert [f.check for f in findings if f.status == "block"] == ["gpu_free"]
 
 
-# ---- who holds the card, in the doctor's gpu_memory and launch_plan findings too (issue 22 item 5).
+# ---- who holds the card, in the doctor's gpu_memory and launch_plan findings too.
 # The real case (tests/fixtures/real/doctor-h200-2.7gib-free.txt, a Linux H200): 136 GiB held by
 # another process, and gpu_memory and launch_plan passed saying nothing of it.
 

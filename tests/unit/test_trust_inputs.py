@@ -1,4 +1,4 @@
-"""Issue 13, boundary 7: bad input is refused before any change.
+"""Bad input is refused before any change.
 
 Each case runs the real `pyinfra INVENTORY deploys/X.py` (config.py applies, as in the README's
 commands) against an inventory whose one host is a loopback listener counting connections, and

@@ -1,6 +1,5 @@
-"""Issue 20, items 1, 2 and 9: root makes and re-owns the deploy's folders without following a
-link, leaves folders it did not create as they are, and installs the CUDA keyring only from a
-fresh root-only folder.
+"""Root makes and re-owns the deploy's folders without following a link, leaves folders it did
+not create as they are, and installs the CUDA keyring only from a fresh root-only folder.
 
 The attacks: a less-trusted user's folder swapped for a link (planted before the run, and swapped
 back and forth while it runs) aimed at a root-owned folder or file; a hard link to a root file
@@ -88,7 +87,7 @@ def test_a_link_on_the_way_is_refused_and_nothing_is_made_behind_it(base, root_t
 
 @needs_root
 def test_a_folder_swapped_for_a_link_while_root_works_never_aims_root(base, root_target):
-    """The race of item 1: the folder is swapped for a link and back as fast as the attacker
+    """The race: the folder is swapped for a link and back as fast as the attacker
     can, while root re-owns and re-modes it, again and again. The old look-then-chmod by name
     re-moded the target whenever the swap fell between the two; this may never touch it."""
     state = base / "state"
@@ -268,7 +267,7 @@ def test_the_engine_writes_only_its_cache_and_sees_no_other_users_processes():
     assert not any(line.startswith("ReadWritePaths=") and s.state_dir in line for line in lines)
 
 
-# --------------------------------------------------------------------------- the CUDA keyring (item 9)
+# --------------------------------------------------------------------------- the CUDA keyring
 
 
 def test_the_keyring_is_fetched_into_a_fresh_root_only_folder_never_a_planted_file(tmp_path):

@@ -1,4 +1,4 @@
-"""Issue 13 boundary 5 and issue 20 item 7: the LAN model cache is Debian's nginx, configured by us.
+"""The LAN model cache is Debian's nginx, configured by us.
 
 What nginx does with slow and idle clients, Range requests and links is tested where nginx runs,
 on the simulated cache host (tests/fleet/test_model.py). Here: what we hand it. The list of

@@ -1,5 +1,4 @@
-"""Root's reads in the model folder never follow what the download's user planted (issue 35,
-item 3).
+"""Root's reads in the model folder never follow what the download's user planted.
 
 ``model_dir`` belongs to ``freetoken-fetch``, the account that talks to the hub; the facts that
 read it, the health gate's manifest hash and the verify suite's re-hash run as root. A temporary

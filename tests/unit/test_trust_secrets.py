@@ -1,4 +1,4 @@
-"""Secrets go nowhere else (issue 13, item 6), each boundary attacked for real on this machine:
+"""Secrets go nowhere else, each boundary attacked for real on this machine:
 
 - an ``http_proxy`` on loopback (a working forwarding proxy that records what it relays) must
   see nothing of the health gate or the health fact, which talk to the engine stand-in;

@@ -1,4 +1,4 @@
-"""Issue 13, boundary 3: every path and name setting is safe by construction.
+"""Every path and name setting is safe by construction.
 
 Two layers, each attacked on its own:
 * validation: shell and systemd metacharacters (``;``, ``$()``, backticks, a newline - which a
@@ -36,7 +36,7 @@ NAME_FIELDS = [
 ]
 LIST_NAME_FIELDS = ["engine_extras", "cuda_packages"]
 
-# Each one ran a command as root, split a unit line or broke the .wslconfig merge (issue 13).
+# Each one ran a command as root, split a unit line or broke the .wslconfig merge.
 HOSTILE_SUFFIXES = [
     ";id",
     "$(id)",

@@ -1,5 +1,4 @@
-"""Root's reads and writes below the drive root never follow what a Linux account planted there
-(issue 34, item 3).
+"""Root's reads and writes below the drive root never follow what a Linux account planted there.
 
 Under DrvFs' default mount options every file below ``/mnt/c`` is 0777 and owned by uid 1000:
 every Linux account, the engine's user too, can create, replace and link files in the owner's

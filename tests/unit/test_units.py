@@ -47,7 +47,7 @@ FULL = Settings(
     start_timeout_s=600,
     listen_port=8100,
 )
-# Values the settings refuse (issue 13) but the units escape all the same: %, $, spaces, quotes.
+# Values the settings refuse but the units escape all the same: %, $, spaces, quotes.
 ODD = Settings.model_construct(
     **{
         **Settings().model_dump(),

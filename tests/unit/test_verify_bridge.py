@@ -46,7 +46,7 @@ def test_home_inventory_is_local_with_the_deploys_settings():
     (target,) = bridge.targets(ROOT / "inventories" / "home.py")
     assert target.name == "@local"
     assert (target.hostspec, target.backend_kwargs) == ("local://", {})
-    # No hardware class unless the owner opts into one (issue 24 item 4): the plan follows the
+    # No hardware class unless the owner opts into one: the plan follows the
     # GPU, and group_data/all.py applies, as in the deploy.
     assert "home" in target.groups and not {"rtx5060ti_16gb", "rtx5090_32gb"} & set(target.groups)
     assert target.settings.hardware_profile == "auto"

@@ -1,4 +1,4 @@
-"""The waker's policy (issue 22 item 4): when the gateway's queue has built, wake one parked host
+"""The waker's policy: when the gateway's queue has built, wake one parked host
 that its owner has not taken back, one at a time, each with a cooldown. Pure functions."""
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def test_targets_are_serving_hosts_with_a_mac_and_one_mac_is_one_host():
 
 
 def test_the_waker_reads_each_hosts_serve_hours_against_the_clock(tmp_path):
-    """issue 22 item 4: a host off its owner's schedule is not woken; one without serve_hours is
+    """A host off its owner's schedule is not woken; one without serve_hours is
     woken at any hour. Read in the gateway's local time, each time the waker decides."""
     import time
 

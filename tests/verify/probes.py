@@ -99,7 +99,7 @@ def health_gate(host, settings, key_file: str | None, wait_s: float) -> dict:
 
 # The model folder is the download's user's and this probe runs as root: every file is reached
 # without following a link and read only when it is a regular file (``hostio``: a link or a FIFO
-# planted as a shard is a line in ``bad``, never read nor waited on; issue 35, item 3).
+# planted as a shard is a line in ``bad``, never read nor waited on).
 MODEL_HASH_MAIN = r"""
 import hashlib, json, os, sys
 # Hashes as the hub defines them: sha256 of an LFS file's content; a small file's git blob id

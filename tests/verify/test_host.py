@@ -186,9 +186,9 @@ def test_model_files_match_the_verified_manifest(host, facts, settings):
 
 
 def test_the_model_is_read_only_to_the_engine(host, settings):
-    """The engine's user can change nothing in the model or on the way to it (README, "Security
-    model"): the model belongs to the download's user, the folders above it to root or to whoever
-    owned them before, none writable by the engine's user."""
+    """The engine's user can change nothing in the model or on the way to it (docs/security.md):
+    the model belongs to the download's user, the folders above it to root or to whoever owned them
+    before, none writable by the engine's user."""
     user, parts = settings.service_user, [p for p in settings.model_dir.split("/") if p]
     wrong = []
     for i in range(len(parts)):
