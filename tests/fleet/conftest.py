@@ -45,8 +45,9 @@ def sim_fleet():
 class SharedGateway:
     """ws1 and ws2 converged behind the gateway host, the gateway converged with alerting
     (Prometheus and Alertmanager on it), all with the shared settings (gateway_load.data_args):
-    brought up once for every module that asks for `gateway_fleet` (test_gateway, test_owner,
-    test_alerts, test_ledger, test_agent_metrics), which run one after the other, and released
+    brought up once for every module that asks for `gateway_fleet` (test_agent_metrics,
+    test_alerts, test_gateway, test_ledger, test_owner, test_wake), which run one after the
+    other, and released
     when the run leaves them (``pytest_runtest_teardown`` below). Each of those modules leaves
     the fleet as it found it (its own fixtures undo what its tests change)."""
 

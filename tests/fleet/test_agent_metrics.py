@@ -1,71 +1,41 @@
 """The host agent's state in Prometheus: ws1 converged behind the gateway host (its engine on
-every address, so its firewall is kept), Debian's Prometheus on the gateway scraping the scrape
-config the gateway deploy wrote (as tests/fleet/test_gateway.py installs it). Read from
+every address, so its firewall is kept), Debian's Prometheus on the gateway as the gateway deploy
+with `alerting_enabled` configures it (the shared gateway fleet, tests/fleet/conftest.py). Read from
 Prometheus's HTTP API: ws1 serving, with its engine's counters, its card's memory and power and
 its firewall's table; then the owner's game (the GPU stand-ins' /.sim/gpu-memory-used-mib, as
 tests/fleet/test_owner.py sets it): ws1 yielded for `game`, its stopped engine's counters gone;
-the game's end: ws1 serving again.
-At the end the gateway host is removed and ws1 converges back to the defaults."""
+the game's end: ws1 serving again."""
 
 from __future__ import annotations
 
-import base64
 import json
 import shlex
 import time
 import urllib.parse
 
 import pytest
-import yaml
 
-from freetoken_infra.core.layout import GATEWAY_SCRAPE_CONFIG
-from tests.fleet import client, harness
-from tests.fleet.gateway_load import METRICS_KEY, data_args, pyinfra, write_keys
+from tests.fleet.gateway_load import OWNER_QUIET_S
 from tests.fleet.profiles import GATEWAY_NAME, PROFILES
 
 pytestmark = pytest.mark.fleet
 
 GAME = "/.sim/gpu-memory-used-mib"
-QUIET_S = 5  # the game's end to the engine's start: short, so that ws1 serves again before the teardown
+QUIET_S = OWNER_QUIET_S  # the game's end to the engine's start: short (the shared gateway fleet's)
 API = "http://127.0.0.1:9090/api/v1/"
 # From the gateway host, with its own python3 (the base image has no curl): the body of a GET.
 FETCH = "python3 -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=10).read().decode())' "
 
 
 @pytest.fixture(scope="module")
-def prometheus(sim_fleet, tmp_path_factory):
-    """ws1 behind the gateway, and Prometheus on the gateway scraping every 2 s."""
-    keys = write_keys(tmp_path_factory.mktemp("agent-metrics") / "keys")
-    harness.start_gateway()
+def prometheus(gateway_fleet):
+    """The shared gateway fleet (tests/fleet/conftest.py): ws1 behind the gateway, and the
+    gateway's Prometheus (its deploy's, `alerting_enabled`) scraping every 2 s."""
+    fleet = gateway_fleet.up()["fleet"]
     try:
-        quiet = ["--data", f"owner_quiet_s={QUIET_S}"]
-        ws1 = pyinfra(*data_args(keys), *quiet, "inventories/sim.py", "deploys/freetoken.py", "--limit", "ws1")
-        assert ws1.returncode == 0, "ws1 did not converge behind the gateway"
-        gateway = pyinfra(*data_args(keys), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
-        assert gateway.returncode == 0, "the gateway did not converge"
-        install = sim_fleet.run(
-            GATEWAY_NAME,
-            "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus",
-            timeout=900,
-        )
-        assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
-        config = yaml.safe_load(sim_fleet.run(GATEWAY_NAME, f"cat {GATEWAY_SCRAPE_CONFIG}", check=True).stdout)
-        config["global"] = {"scrape_interval": "2s", "scrape_timeout": "1500ms"}
-        text = base64.b64encode(yaml.safe_dump(config).encode()).decode()
-        sim_fleet.run(
-            GATEWAY_NAME,
-            "install -m 600 -o prometheus -g prometheus /dev/null /etc/prometheus/freetoken-gateway.key "
-            f"&& printf %s {METRICS_KEY} > /etc/prometheus/freetoken-gateway.key "
-            f"&& echo {text} | base64 -d > /etc/prometheus/prometheus.yml "
-            "&& promtool check config /etc/prometheus/prometheus.yml && systemctl restart prometheus",
-            check=True,
-        )
-        yield sim_fleet
+        yield fleet
     finally:
-        sim_fleet.run("ws1", f"rm -f {GAME}")
-        sim_fleet.run(GATEWAY_NAME, "systemctl disable --now prometheus")
-        harness.stop_gateway()
-        client.deploy("--limit", "ws1")  # back to the defaults, as the other modules expect ws1
+        fleet.run("ws1", f"rm -f {GAME}")
 
 
 def query(fleet, promql: str) -> dict[str, float]:

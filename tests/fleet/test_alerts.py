@@ -4,9 +4,8 @@ short through the settings. A serving host powered off raises FreetokenHostDown 
 Alertmanager's API (`/api/v2/alerts`) once its `for` has passed, and the alert resolves when the
 host is back; a host its owner snoozed (the agent yields it), then powered off, raises nothing.
 
-Molecule's sequence: the workstations converge behind the gateway, the gateway converges with
-alerting and again (nothing changes), then the breaks; at the end the gateway host is removed and
-ws1/ws2 converge back to the default settings, as the other test modules expect them. ws3 is
+On the shared gateway fleet (tests/fleet/conftest.py): the gateway's deploy again (nothing
+changes), then the breaks; each host powered off is powered on again before the test ends. ws3 is
 refused at preflight and never serves: its own FreetokenHostDown is expected and left out of the
 assertions (they name ws1 and ws2 only)."""
 
@@ -20,22 +19,13 @@ import urllib.parse
 import pytest
 
 from operations import gateway as gw
-from tests.fleet import client, harness
-from tests.fleet.gateway_load import converge_behind_gateway, data_args, pyinfra, write_keys
+from tests.fleet import client
+from tests.fleet.gateway_load import ALERT_HOST_DOWN_FOR_S, pyinfra
 from tests.fleet.profiles import GATEWAY_NAME
 
 pytestmark = pytest.mark.fleet
 
-DOWN_FOR_S = 20
-# Scrapes and rule evaluations every 2 s; the other alerts' `for`s long, so that a host's boot
-# (its engine loading: HAProxy DOWN) raises nothing in these tests.
-ALERT_SETTINGS = [
-    "alerting_enabled=true",
-    "alert_evaluation_interval_s=2",
-    f"alert_host_down_for_s={DOWN_FOR_S}",
-    "alert_out_of_service_for_s=1800",
-    "alert_queue_for_s=1800",
-]
+DOWN_FOR_S = ALERT_HOST_DOWN_FOR_S  # the shared gateway fleet's (tests/fleet/gateway_load.py)
 FETCH = (
     "python3 -c 'import sys, urllib.request as u; "
     "sys.stdout.write(u.urlopen(sys.argv[1], timeout=10).read().decode())' "
@@ -44,27 +34,15 @@ PROMETHEUS = "http://127.0.0.1:9090/api/v1/"
 ALERTMANAGER = "http://127.0.0.1:9093/api/v2/"
 
 
-def alert_data() -> list[str]:
-    return [a for s in ALERT_SETTINGS for a in ("--data", s)]
-
-
 @pytest.fixture(scope="module")
-def alerting(sim_fleet, tmp_path_factory):
-    keys = write_keys(tmp_path_factory.mktemp("alerts") / "keys")
-    harness.start_gateway()
-    try:
-        hosts, _ = converge_behind_gateway(keys)
-        assert hosts.returncode == 0, "the workstations did not converge behind the gateway"
-        args = [*data_args(keys), *alert_data(), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway"]
-        first = pyinfra(*args)
-        assert first.returncode == 0, "the gateway did not converge with alerting"
-        again = pyinfra(*args)
-        assert again.returncode == 0 and client.grand_total(again)[1] in ("-", "0"), "a second run changed something"
-        yield {"fleet": sim_fleet, "keys": keys}
-    finally:
-        harness.stop_gateway()
-        # Back to the default settings (engines on loopback), as the other modules expect them.
-        client.deploy("--limit", "ws1", "--limit", "ws2")
+def alerting(gateway_fleet):
+    """The shared gateway fleet (tests/fleet/conftest.py): its gateway converged with alerting
+    (scrapes and evaluations every 2 s, a host down's `for` DOWN_FOR_S); a second run of the
+    gateway's deploy changes nothing."""
+    shared = gateway_fleet.up()
+    again = pyinfra(*gateway_fleet.args(), "inventories/sim.py", "deploys/gateway.py", "--limit", "gateway")
+    assert again.returncode == 0 and client.grand_total(again)[1] in ("-", "0"), "a second run changed something"
+    return {"fleet": shared["fleet"], "keys": shared["keys"]}
 
 
 def fetch(fleet, url: str):
@@ -161,7 +139,7 @@ def test_a_host_its_owner_snoozed_then_powered_off_raises_nothing(alerting):
             # Prometheus sees it down (the rule's condition but for the yield)...
             wait_until("ws2 down in Prometheus", lambda: query(fleet, 'up{host="ws2"} == 0'), 60)
             # ...and nothing fires for it for the whole `for` and well beyond.
-            while time.time() < t0 + DOWN_FOR_S + 60:
+            while time.time() < t0 + DOWN_FOR_S + 20:
                 assert firing(fleet, "ws2") == [], "a host its owner snoozed raised FreetokenHostDown"
                 pending = fetch(fleet, PROMETHEUS + "alerts")["data"]["alerts"]
                 assert not [a for a in pending if a["labels"].get("host") == "ws2"], pending

@@ -1,31 +1,30 @@
 """The ledger and the dashboard on the simulated fleet: Debian's Prometheus on the gateway host
-scrapes the scrape config the gateway deploy wrote (as in test_gateway.py), a known load goes
+as the gateway deploy with `alerting_enabled` configures it (the shared gateway fleet), a known load goes
 through the gateway, and `python -m freetoken_infra.ledger` counts its requests and tokens; every
 panel of dashboards/freetoken.json is evaluated by that Prometheus."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
 import json
+import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import requests
-import yaml
 
 from freetoken_infra import ledger
-from freetoken_infra.core.layout import GATEWAY_SCRAPE_CONFIG
-from tests.fleet.gateway_load import CLIENT_KEY, METRICS_KEY, PORT, stream_chat
+from tests.fleet.gateway_load import CLIENT_KEY, PORT, stream_chat
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME
 from tests.fleet.test_gateway import eventually, gateway, keys, wait_in_service  # noqa: F401
 from tests.unit.test_dashboard import DASHBOARD, substitute
 
 pytestmark = pytest.mark.fleet
 
-PROMETHEUS = f"http://{GATEWAY_ADDRESS}:9090"
+ENDPOINT = {"url": ""}  # the gateway's Prometheus as the controller reaches it (the fixture's tunnel)
 SCRAPE_S = 2
 REQUESTS, MAX_TOKENS = 20, 16  # the stand-in engine answers "hi" with max_tokens words
 # May be empty on a fleet where no owner claimed a host.
@@ -33,31 +32,24 @@ MAY_BE_EMPTY = {"Hours yielded by reason (dashboard range)"}
 
 
 def query(expr: str) -> list:
-    answer = requests.get(PROMETHEUS + "/api/v1/query", params={"query": expr}, timeout=30).json()
+    answer = requests.get(ENDPOINT["url"] + "/api/v1/query", params={"query": expr}, timeout=30).json()
     assert answer["status"] == "success", f"{answer.get('error')} in {expr}"
     return answer["data"]["result"]
 
 
 @pytest.fixture(scope="module")
 def prometheus(gateway):
+    """The gateway's Prometheus (its deploy's, `alerting_enabled`, on the shared gateway fleet),
+    which listens on the gateway's loopback only: reached from the controller through an SSH
+    tunnel, as an operator reads it from elsewhere."""
     fleet = gateway["fleet"]
-    install = fleet.run(
-        GATEWAY_NAME,
-        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus",
-        timeout=900,
-    )
-    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
-    config = yaml.safe_load(fleet.run(GATEWAY_NAME, f"cat {GATEWAY_SCRAPE_CONFIG}", check=True).stdout)
-    config["global"] = {"scrape_interval": f"{SCRAPE_S}s", "scrape_timeout": "1500ms"}
-    text = base64.b64encode(yaml.safe_dump(config).encode()).decode()
-    fleet.run(
-        GATEWAY_NAME,
-        "install -m 600 -o prometheus -g prometheus /dev/null /etc/prometheus/freetoken-gateway.key "
-        f"&& printf %s {METRICS_KEY} > /etc/prometheus/freetoken-gateway.key "
-        f"&& echo {text} | base64 -d > /etc/prometheus/prometheus.yml "
-        "&& promtool check config /etc/prometheus/prometheus.yml && systemctl restart prometheus",
-        check=True,
-    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ssh = fleet.ssh_argv(GATEWAY_NAME)
+    forward = ["-N", "-o", "ExitOnForwardFailure=yes", "-L", f"127.0.0.1:{port}:127.0.0.1:9090"]
+    tunnel = subprocess.Popen([*ssh[:-1], *forward, ssh[-1]], stdin=subprocess.DEVNULL)
+    ENDPOINT["url"] = f"http://127.0.0.1:{port}"
     try:
 
         def agents_scraped() -> bool:
@@ -68,9 +60,10 @@ def prometheus(gateway):
             return {"ws1", "ws2"} <= hosts
 
         assert eventually(agents_scraped, timeout=120), "no engine counters of ws1 and ws2 in Prometheus"
-        yield
+        yield ENDPOINT["url"]
     finally:
-        fleet.run(GATEWAY_NAME, "systemctl disable --now prometheus")
+        tunnel.terminate()
+        tunnel.wait(timeout=30)
 
 
 def test_the_ledger_counts_the_requests_and_tokens_of_a_known_load(gateway, prometheus):
@@ -85,7 +78,7 @@ def test_the_ledger_counts_the_requests_and_tokens_of_a_known_load(gateway, prom
         code = ledger.main(
             [
                 "--prometheus",
-                PROMETHEUS,
+                prometheus,
                 "--since",
                 f"{int(time.time() - start) + 2 * SCRAPE_S}s",
                 "--step",

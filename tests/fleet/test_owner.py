@@ -26,26 +26,25 @@ import pytest
 from tests.fleet import client, harness
 from tests.fleet.gateway_load import (
     CLIENT_KEY,
+    OWNER_APP,
+    OWNER_QUIET_S,
+    OWNER_WINDOWS_INTERVAL_S,
     PORT,
     Load,
     Watcher,
-    converge_behind_gateway,
-    data_args,
     pyinfra,
     summary,
-    write_keys,
 )
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME, PROFILES
 
 pytestmark = pytest.mark.fleet
 
-QUIET_S = 5
 GAME = "/.sim/gpu-memory-used-mib"
 # The Windows stand-ins' state (tests/fleet/standins/bin/tasklist.exe, reg.exe) on the C: drive.
 PROCESSES = "/mnt/c/.sim/windows-processes"
 REBOOT = "/mnt/c/.sim/reboot-pending"
-APP = "eldenring.exe"
-WINDOWS_INTERVAL_S = 1
+# The shared gateway fleet's owner settings (tests/fleet/gateway_load.py, SHARED_SETTINGS).
+QUIET_S, APP, WINDOWS_INTERVAL_S = OWNER_QUIET_S, OWNER_APP, OWNER_WINDOWS_INTERVAL_S
 ENGINE = "freetoken.service"
 
 
@@ -53,26 +52,16 @@ DEPLOY_ARGS: list[str] = []  # the workstations' deploy arguments behind the gat
 
 
 @pytest.fixture(scope="module")
-def gateway(sim_fleet, tmp_path_factory):
-    keys = write_keys(tmp_path_factory.mktemp("owner") / "keys")
-    harness.start_gateway()
+def gateway(gateway_fleet):
+    """The shared gateway fleet (tests/fleet/conftest.py); the owner's stand-in state of ws1 is
+    cleared afterwards, for the modules that follow."""
+    shared = gateway_fleet.up()
+    DEPLOY_ARGS[:] = gateway_fleet.args()
+    fleet = shared["fleet"]
     try:
-        settings = [
-            f"owner_quiet_s={QUIET_S}",
-            f'owner_apps=["{APP}"]',
-            f"owner_windows_interval_s={WINDOWS_INTERVAL_S}",
-        ]
-        extra = [a for s in settings for a in ("--data", s)]
-        DEPLOY_ARGS[:] = [*data_args(keys), *extra]
-        hosts, first = converge_behind_gateway(keys, extra)
-        assert hosts.returncode == 0, "the workstations did not converge behind the gateway"
-        assert first.returncode == 0, "the gateway did not converge"
-        yield sim_fleet
+        yield fleet
     finally:
-        sim_fleet.run("ws1", f"rm -f {GAME} {PROCESSES} {REBOOT}; freetoken-owner resume")
-        harness.stop_gateway()
-        # Back to the default settings (engines on loopback), as the other modules expect them.
-        client.deploy("--limit", "ws1", "--limit", "ws2")
+        fleet.run("ws1", f"rm -f {GAME} {PROCESSES} {REBOOT}; freetoken-owner resume")
 
 
 def engine_active(fleet, host: str) -> bool:

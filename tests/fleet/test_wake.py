@@ -1,8 +1,8 @@
 """Wake-on-LAN under a policy: the gateway host's waker wakes a
 sleeping workstation when the gateway's queue builds, and only one its owner has not taken back.
 
-ws1 and ws2 converge behind the gateway host, ws2 with `wake_on_lan_mac` (its eth0's MAC, given to
-the inventory by the harness). ws2 is powered off (its container stopped: a sleeping PC), and the
+ws1 and ws2 behind the gateway host (the shared gateway fleet), ws2 with `wake_on_lan_mac` (its
+eth0's MAC, given to the inventory by the harness). ws2 is powered off (its container stopped: a sleeping PC), and the
 harness's listener on the bridge (STAND-IN for its network card, tests/fleet/harness.py
 WakeListener) boots it when a magic packet for its MAC arrives. A load through the gateway with
 more clients than ws1's slots builds a queue; measured and printed: the time from the queue
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from tests.fleet import client, harness
-from tests.fleet.gateway_load import CLIENT_KEY, PORT, Load, Watcher, data_args, pyinfra, summary, write_keys
+from tests.fleet import harness
+from tests.fleet.gateway_load import CLIENT_KEY, PORT, Load, Watcher, pyinfra, summary
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME
 
 pytestmark = pytest.mark.fleet
@@ -26,31 +26,16 @@ COOLDOWN_S = 20  # short here, so the second test sees the drain, not the cooldo
 
 
 @pytest.fixture(scope="module")
-def fleet(sim_fleet, tmp_path_factory):
-    keys = write_keys(tmp_path_factory.mktemp("wake") / "keys")
-    harness.start_gateway()
+def fleet(gateway_fleet):
+    """The shared gateway fleet (tests/fleet/conftest.py), ws2 with `wake_on_lan_mac` and the
+    gateway converged again for it (its waker's targets, a short cooldown); afterwards ws2 is
+    awake and resumed, and the gateway converged back without it."""
+    sim_fleet = gateway_fleet.up()["fleet"]
+    gateway = ["inventories/sim.py", "deploys/gateway.py", "--limit", "gateway"]
     mac = harness.set_wake_on_lan("ws2")
     try:
-        hosts = pyinfra(
-            *data_args(keys, shared=False),
-            "inventories/sim.py",
-            "deploys/freetoken.py",
-            "--limit",
-            "ws1",
-            "--limit",
-            "ws2",
-        )
-        assert hosts.returncode == 0, "the workstations did not converge behind the gateway"
-        gw = pyinfra(
-            *data_args(keys, shared=False),
-            "--data",
-            f"wake_on_lan_cooldown_s={COOLDOWN_S}",
-            "inventories/sim.py",
-            "deploys/gateway.py",
-            "--limit",
-            "gateway",
-        )
-        assert gw.returncode == 0, "the gateway did not converge"
+        gw = pyinfra(*gateway_fleet.args(), "--data", f"wake_on_lan_cooldown_s={COOLDOWN_S}", *gateway)
+        assert gw.returncode == 0, "the gateway did not converge with ws2's waking"
         yield sim_fleet, mac
     finally:
         state = sim_fleet.state["hosts"]["ws2"]
@@ -58,8 +43,8 @@ def fleet(sim_fleet, tmp_path_factory):
             sim_fleet.power_on("ws2")
         sim_fleet.run("ws2", "freetoken-owner resume")
         harness.set_wake_on_lan("ws2", False)
-        harness.stop_gateway()
-        client.deploy("--limit", "ws1", "--limit", "ws2")  # back to the defaults the other modules expect
+        back = pyinfra(*gateway_fleet.args(), *gateway)
+        assert back.returncode == 0, "the gateway did not converge back without ws2's waking"
 
 
 def wait_until(what: str, check, timeout: float, poll: float = 0.2) -> float:
