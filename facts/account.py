@@ -8,6 +8,7 @@ from typing import TypedDict
 
 from pyinfra.api import FactBase
 
+from ._declare import ACCOUNT_FILES, NAME, Inputs
 from ._output import quote
 
 
@@ -24,6 +25,9 @@ class Account(FactBase[PasswdEntry | None]):
     Returns the account's passwd entry (``getent passwd NAME``: local files or NSS), or None
     when there is no such account.
     """
+
+    argument_shapes = {"account": NAME}
+    fast_check_inputs = Inputs(paths=set(ACCOUNT_FILES))
 
     def command(self, account: str) -> str:
         return f"getent passwd {quote(account)} || true"

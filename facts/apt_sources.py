@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from pyinfra.api import FactBase
 
+from ._declare import Inputs
 from ._output import MARKER
+
+APT_SOURCES_DIR = "/etc/apt/sources.list.d"
 
 
 class AptSourceFiles(FactBase[dict]):
     """
     Returns ``{path: content}`` for every file in ``/etc/apt/sources.list.d``.
     """
+
+    fast_check_inputs = Inputs(paths={APT_SOURCES_DIR}, trees={APT_SOURCES_DIR})
 
     def command(self) -> str:
         return (

@@ -54,12 +54,11 @@ import copy
 import functools
 import hashlib
 import importlib
-import ipaddress
 import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +69,9 @@ from pyinfra.api.facts import FactBase, ShortFactBase
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.facts.server import Command
 
+from facts import registry
+from facts._declare import Shape
+from facts.pyinfra_reads import PYINFRA_READS
 from freetoken_infra.core import pyinfra_internals
 
 BATCH_MARKER = "@@ftbatch:"
@@ -89,70 +91,29 @@ _MISSING = "__pyinfra_missing_command__"
 
 # --------------------------------------------------------------------------- the allow-list
 # What a learned list may name. An argument's shape is checked by its name; a fact argument
-# whose name is not here makes the request one that is never written down nor replayed.
-_PATH_RE = re.compile(r"/[A-Za-z0-9 ._+@:,=~/-]{0,4095}")
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+# whose name has no shape makes the request one that is never written down nor replayed.
+# Each fact declares its arguments' shapes beside itself (``argument_shapes``, facts/_declare.py);
+# this is their union over the facts package and facts/pyinfra_reads.py (facts/registry.py).
 
 
-def _path(v: Any) -> bool:
-    return isinstance(v, str) and bool(_PATH_RE.fullmatch(v))
+class _ArgumentShapes(Mapping[str, Shape]):
+    """``argument name -> shape``, derived from the facts' declarations on first use (the
+    registry imports every fact module, this one included, so it cannot at import)."""
+
+    def __getitem__(self, name: str) -> Shape:
+        return registry.argument_shapes()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.argument_shapes())
+
+    def __len__(self) -> int:
+        return len(registry.argument_shapes())
 
 
-def _name(v: Any) -> bool:
-    return isinstance(v, str) and bool(_NAME_RE.fullmatch(v))
-
-
-def _address(v: Any) -> bool:
-    try:
-        ipaddress.ip_address(v)
-    except ValueError:
-        return False
-    return isinstance(v, str)
-
-
-def _port(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536
-
-
-ARGUMENT_SHAPES: dict[str, Callable[[Any], bool]] = {
-    "path": _path,
-    "base_dir": _path,
-    "state_file": _path,
-    "model_dir": _path,
-    "drive_root": _path,
-    "cuda_home": lambda v: v is None or _path(v),
-    "paths": lambda v: isinstance(v, list) and all(_path(p) for p in v),
-    "account": _name,
-    "task_name": _name,
-    "command": _name,  # pyinfra's Which: a program's name, nothing to run
-    "host": _address,
-    "port": _port,
-    "services": lambda v: isinstance(v, list) and all(_name(u) for u in v),
-    "user_mode": lambda v: v is False,
-    "machine": lambda v: v is None,
-    "user_name": lambda v: v is None,
-    "adopt_from": lambda v: v is None or _name(v),  # facts.ownership: an account's name
-}
-# The pyinfra facts the deploy's operations read (files.*, server.user/group, systemd.service,
-# apt): reads of a path, a program's name or unit names. Not Command, not any fact that runs
-# what it is given.
-PYINFRA_FACTS = frozenset(
-    {
-        "pyinfra.facts.files:File",
-        "pyinfra.facts.files:Directory",
-        "pyinfra.facts.files:Link",
-        "pyinfra.facts.files:Sha1File",
-        "pyinfra.facts.files:Sha256File",
-        "pyinfra.facts.deb:DebPackages",
-        "pyinfra.facts.server:Os",
-        "pyinfra.facts.server:TmpDir",
-        "pyinfra.facts.server:Users",
-        "pyinfra.facts.server:Groups",
-        "pyinfra.facts.server:Which",
-        "pyinfra.facts.systemd:SystemdStatus",
-        "pyinfra.facts.systemd:SystemdEnabled",
-    }
-)
+ARGUMENT_SHAPES: Mapping[str, Shape] = _ArgumentShapes()
+# The pyinfra facts the deploy's operations read (facts/pyinfra_reads.py): reads of a path, a
+# program's name or unit names. Not Command, not any fact that runs what it is given.
+PYINFRA_FACTS = frozenset(PYINFRA_READS)
 _OUR_FACT_RE = re.compile(r"facts\.[a-z][a-z0-9_]*:[A-Z][A-Za-z0-9]*")
 # Connector arguments that may differ from the run's own between runs: whether the run went
 # through sudo, and the run's private upload folder (operations/host_lock.py).

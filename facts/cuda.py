@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pyinfra.api import FactBase
 
+from ._declare import DPKG_STATUS, PATH_OR_NONE, Inputs
 from ._output import MARKER, quote, sections
 
 
@@ -83,6 +84,14 @@ def parse_toolchain_output(lines: list[str]) -> CudaToolchainInfo:
     return CudaToolchainInfo(tuple(nvccs), cuda_home, ninja)
 
 
+def _inputs(kwargs: dict[str, Any]) -> Inputs:
+    home = kwargs.get("cuda_home")
+    paths = {DPKG_STATUS, "/usr/local/cuda", "/usr/local/cuda/bin/nvcc"}
+    if isinstance(home, str) and home.startswith("/"):
+        paths |= {home, f"{home}/bin", f"{home}/bin/nvcc"}
+    return Inputs(paths=paths, globs={"/usr/local/cuda-*/bin/nvcc"})
+
+
 class CudaToolchain(FactBase[CudaToolchainInfo]):
     """
     Returns ``CudaToolchainInfo``: every nvcc FreeToken could pick, in its search order
@@ -91,6 +100,9 @@ class CudaToolchain(FactBase[CudaToolchainInfo]):
 
     + cuda_home: the CUDA_HOME the engine will run with (default: the target's ``$CUDA_HOME``)
     """
+
+    argument_shapes = {"cuda_home": PATH_OR_NONE}
+    fast_check_inputs = _inputs
 
     def command(self, cuda_home: str | None = None) -> str:
         home = quote(cuda_home) if cuda_home else '"${CUDA_HOME:-}"'

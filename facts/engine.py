@@ -10,6 +10,7 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
+from ._declare import ADDRESS, PATH, PORT, Inputs, path_arg
 from ._output import MARKER, b64decode_lines, parse_int, quote, sections
 
 # --------------------------------------------------------------------------- install
@@ -46,6 +47,21 @@ def parse_engine_install_output(base_dir: str, lines: list[str]) -> EngineInstal
     return EngineInstallInfo(base_dir, versions, active, active_target)
 
 
+def _install_inputs(kwargs: dict[str, Any]) -> Inputs | None:
+    base = path_arg(kwargs, "base_dir")
+    if base is None:
+        return None
+    return Inputs(
+        paths={base, f"{base}/active"},
+        globs={
+            f"{base}/*",
+            f"{base}/*/pyvenv.cfg",
+            f"{base}/*/lib/python3*/site-packages",
+            f"{base}/*/lib/python3*/site-packages/freetoken-*.dist-info/METADATA",
+        },
+    )
+
+
 class EngineInstall(FactBase[EngineInstallInfo]):
     """
     Returns ``EngineInstallInfo``: for each venv under ``base_dir`` (``/opt/freetoken/0.2.1``),
@@ -54,6 +70,9 @@ class EngineInstall(FactBase[EngineInstallInfo]):
 
     + base_dir: e.g. ``/opt/freetoken``
     """
+
+    argument_shapes = {"base_dir": PATH}
+    fast_check_inputs = _install_inputs
 
     def command(self, base_dir: str) -> str:
         self._base_dir = base_dir
@@ -185,6 +204,14 @@ def parse_health_output(lines: list[str]) -> EngineHealthInfo:
     return EngineHealthInfo.not_reached("no output")
 
 
+def _health_inputs(kwargs: dict[str, Any]) -> Inputs | None:
+    host, port = kwargs.get("host", "127.0.0.1"), kwargs.get("port", 8000)
+    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool):
+        return None
+    netloc = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return Inputs(health={f"http://{netloc}:{port}/health"})
+
+
 class EngineHealth(FactBase[EngineHealthInfo]):
     """
     Returns ``EngineHealthInfo`` from ``GET http://HOST:PORT/health``: ``reachable`` False when
@@ -193,6 +220,9 @@ class EngineHealth(FactBase[EngineHealthInfo]):
     + host: address the engine listens on (default 127.0.0.1)
     + port: engine port (default 8000)
     """
+
+    argument_shapes = {"host": ADDRESS, "port": PORT}
+    fast_check_inputs = _health_inputs
 
     def command(self, host: str = "127.0.0.1", port: int = 8000) -> str:
         port = int(port)

@@ -6,6 +6,7 @@ import base64
 
 from pyinfra.api import FactBase
 
+from ._declare import PATH, one_path
 from ._output import MARKER, quote
 
 
@@ -13,6 +14,9 @@ class FileBytes(FactBase[bytes | None]):
     """
     Returns the file's exact bytes (any encoding, CRLF kept), or None when it does not exist.
     """
+
+    argument_shapes = {"path": PATH}
+    fast_check_inputs = one_path("path")
 
     def command(self, path: str) -> str:
         p = quote(path)
@@ -28,6 +32,9 @@ class FileText(FactBase[str | None]):
     """
     Returns a small text file's UTF-8 contents, or None when it does not exist.
     """
+
+    argument_shapes = {"path": PATH}
+    fast_check_inputs = one_path("path")
 
     def command(self, path: str) -> str:
         return FileBytes().command(path)

@@ -9,6 +9,7 @@ from pyinfra.api import FactBase
 
 from freetoken_infra.core.layout import FIREWALL_LOADED, FIREWALL_NFT, FIREWALL_TABLE
 
+from ._declare import Inputs
 from ._output import b64decode_lines, section_map
 
 
@@ -36,6 +37,9 @@ class FirewallTable(FactBase[FirewallTableInfo]):
     its unit listed it right after loading it. A ``oneshot`` unit stays ``active`` after
     ``nft flush ruleset``; this is what notices.
     """
+
+    # The live table (a flush leaves its oneshot unit `active`) and its loaded listing.
+    fast_check_inputs = Inputs(paths={FIREWALL_LOADED}, nft={f"inet {FIREWALL_TABLE}"})
 
     def command(self) -> str:
         return (

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pyinfra.api import FactBase
 
+from ._declare import BOOT_ONLY
 from ._output import b64decode_lines, parse_int, section_map
 
 WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"
@@ -277,6 +278,9 @@ class NvidiaGpus(FactBase[GpuReport]):
     Returns ``GpuReport``: each GPU's name, compute capability and memory, the driver's CUDA
     version, or the error nvidia-smi printed (no driver, no device, GPU access blocked).
     """
+
+    # The GPU's answer: a new GPU or driver needs a restart of the WSL VM.
+    fast_check_inputs = BOOT_ONLY
 
     def command(self) -> str:
         return (

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pyinfra.api import FactBase
 
+from ._declare import BOOT_ONLY
 from ._output import MARKER, quote
 
 SMALL_ALLOC_BYTES = 32 * 1024 * 1024
@@ -186,6 +187,10 @@ class GpuMemoryProbe(FactBase[GpuMemoryProbeResult]):
 
     # Never folded into a batch of facts (facts/batch.py): it runs only when asked for.
     batchable = False
+
+    # Read only while the engine does not serve (a serving engine proves allocations work): the
+    # engine's /health and unit state are inputs of the same run, and its answer is the card's.
+    fast_check_inputs = BOOT_ONLY
 
     def command(self) -> str:
         return (

@@ -7,6 +7,7 @@ import json
 
 from pyinfra.api import FactBase
 
+from ._declare import PATH, one_path
 from ._output import MARKER, b64decode_lines, quote, section_map
 
 
@@ -43,6 +44,9 @@ class GuardState(FactBase[dict | None]):
 
     + state_file: e.g. ``/var/lib/freetoken-deploy/guard-state.json``
     """
+
+    argument_shapes = {"state_file": PATH}
+    fast_check_inputs = one_path("state_file")
 
     def command(self, state_file: str) -> str:
         # The contents travel base64-encoded: a broken file may hold any bytes.

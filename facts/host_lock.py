@@ -14,6 +14,7 @@ from pyinfra.api import FactBase
 
 from freetoken_infra.core.layout import HOST_LOCK_FILE
 
+from ._declare import PATH, Unknown
 from ._output import MARKER, quote
 
 # The holder's session is the process recorded when the lock was taken (pid and start time, so
@@ -94,6 +95,9 @@ class HostLock(FactBase[HostLockInfo]):
 
     + path: the lock file (default ``layout.HOST_LOCK_FILE``)
     """
+
+    argument_shapes = {"path": PATH}
+    fast_check_inputs = Unknown("the doctor's: never read by a converge")
 
     def command(self, path: str = HOST_LOCK_FILE) -> str:
         return (

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pyinfra.api import FactBase
 
+from ._declare import BOOT_ONLY
 from ._output import section_map
 
 # ``degraded`` is normal on healthy WSL systems (microsoft/WSL#9012).
@@ -42,6 +43,9 @@ class InitSystem(FactBase[InitInfo]):
     Returns ``InitInfo``: PID 1's name and ``systemctl is-system-running``'s state (None when
     systemctl is missing).
     """
+
+    # The kernel's init: changes only with a restart of the WSL VM.
+    fast_check_inputs = BOOT_ONLY
 
     def command(self) -> str:
         return (

@@ -20,6 +20,7 @@ from pyinfra.api import FactBase
 from freetoken_infra.core import hostio
 from freetoken_infra.core.quant import QuantSummary, summarize_quant
 
+from ._declare import PATH, tree
 from ._hostread import parse_read_output, read_command
 from ._output import MARKER, nul_records, parse_int, quote, sections
 
@@ -106,6 +107,9 @@ class ModelDirectory(FactBase[ModelDirInfo]):
 
     + path: the model directory
     """
+
+    argument_shapes = {"path": PATH}
+    fast_check_inputs = tree("path")
 
     def command(self, path: str) -> str:
         self._path = path

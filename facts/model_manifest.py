@@ -22,6 +22,7 @@ from pyinfra.api import FactBase
 
 from freetoken_infra.core import hostio, manifest
 
+from ._declare import PATH, tree
 from ._hostread import parse_read_output, read_command
 from ._output import MARKER, nul_records, quote, sections
 
@@ -89,6 +90,9 @@ class ModelManifest(FactBase[ModelManifestInfo]):
 
     + model_dir: e.g. ``/var/lib/freetoken/models/Qwen3.6-35B-A3B-NVFP4-nvidia``
     """
+
+    argument_shapes = {"model_dir": PATH}
+    fast_check_inputs = tree("model_dir")
 
     def command(self, model_dir: str) -> str:
         self._path = model_dir

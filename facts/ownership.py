@@ -6,10 +6,11 @@ without following links, whatever this read saw."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from pyinfra.api import FactBase
 
+from ._declare import NAME_OR_NONE, PATH, Inputs, path_arg
 from ._output import quote
 
 
@@ -32,11 +33,23 @@ def components(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+def _inputs(kwargs: dict[str, Any]) -> Inputs | None:
+    path = path_arg(kwargs, "path")
+    if path is None:
+        return None
+    # Adopting asks whether anything below is still the old user's: every entry's owner.
+    return Inputs(dirs=set(components(path)), trees={path} if kwargs.get("adopt_from") else set())
+
+
 class DirOwnership(FactBase[DirTree]):
     """
     Returns ``{"components": {path: {"user", "group", "mode", "kind"}}, "adopt": bool}`` for
     ``path`` and each folder above it.
     """
+
+    # adopt_from: an account's name
+    argument_shapes = {"path": PATH, "adopt_from": NAME_OR_NONE}
+    fast_check_inputs = _inputs
 
     def command(self, path: str, adopt_from: str | None = None) -> str:
         paths = " ".join(quote(p) for p in components(path))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pyinfra.api import FactBase
 
+from ._declare import BOOT_ONLY, PATH
 from ._output import parse_int, quote, section_map
 
 
@@ -76,6 +77,11 @@ class HostResources(FactBase[ResourcesInfo]):
 
     + path: where models / engines will be stored
     """
+
+    argument_shapes = {"path": PATH}
+    # Memory, cores and the model disk's free space: the preflight's findings only, which the
+    # no-op run does not repeat (the doctor does).
+    fast_check_inputs = BOOT_ONLY
 
     def command(self, path: str) -> str:
         self._path = path

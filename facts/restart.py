@@ -8,13 +8,23 @@ is not reported although the VM still runs with the old one (the fact cannot see
 
 from __future__ import annotations
 
+from typing import Any
+
 from pyinfra.api import FactBase
 
+from ._declare import PATHS, Inputs
 from ._output import MARKER, quote
 
 
 def parse_restart_pending_output(lines: list[str]) -> list[str]:
     return [line[len(MARKER + "newer ") :] for line in lines if line.startswith(MARKER + "newer ")]
+
+
+def _inputs(kwargs: dict[str, Any]) -> Inputs | None:
+    paths = kwargs.get("paths")
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p.startswith("/") for p in paths):
+        return None
+    return Inputs(paths=set(paths))
 
 
 class RestartPending(FactBase[list]):
@@ -25,6 +35,9 @@ class RestartPending(FactBase[list]):
     + paths: files whose changes need a WSL restart, e.g. ``["/etc/wsl.conf",
       "/mnt/c/Users/dev/.wslconfig"]``
     """
+
+    argument_shapes = {"paths": PATHS}
+    fast_check_inputs = _inputs
 
     def command(self, paths: list) -> str:
         # /proc/1/stat: field 22 is the start time in clock ticks after boot (btime in

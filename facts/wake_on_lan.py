@@ -17,6 +17,7 @@ from pyinfra.api import FactBase
 
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, drive_path
 
+from ._declare import BOOT_ONLY, PATH
 from ._output import b64decode_lines, parse_int, quote, section_map
 from .windows import interop, interop_timed_out, system32, windows_exe
 
@@ -102,6 +103,11 @@ class WakeOnLanReadiness(FactBase[WakeOnLanInfo]):
     ``WakeOnMagicPacket``, and the devices armed to wake the PC; asked only of hosts with
     ``wake_on_lan_mac`` (PowerShell starts in about a second).
     """
+
+    argument_shapes = {"drive_root": PATH}
+    # Windows' adapters, powercfg: a warning of the preflight only, which the no-op run does not
+    # repeat (the doctor does).
+    fast_check_inputs = BOOT_ONLY
 
     def command(self, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
         """+ drive_root: wsl.conf's ``[automount] root`` (where C: and System32 are)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyinfra.api import FactBase
 
@@ -13,6 +14,7 @@ from freetoken_infra.core import owner, wsl_ini
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, WSL_CONF, drive_path
 from freetoken_infra.core.wsl_ini import WslIniFile
 
+from ._declare import BOOT_ONLY, PATH, Inputs, fixed_paths, one_path, path_arg
 from ._hostread import ReadFile, parse_read_output, read_command
 from ._output import b64decode_lines, parse_int, quote, section_map
 
@@ -128,6 +130,10 @@ class WindowsUserProfile(FactBase[WindowsProfileInfo]):
     distro's path, so no ``/mnt/c`` is assumed.
     """
 
+    argument_shapes = {"drive_root": PATH}
+    # Windows' answer: changes only with a restart of the WSL VM.
+    fast_check_inputs = BOOT_ONLY
+
     def command(self, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
         drive_c = quote(drive_path(drive_root))
         return (
@@ -177,6 +183,12 @@ class WindowsFile(FactBase[WindowsFileBytes]):
 
     + path: the file's WSL path (``/mnt/c/Users/dev/.wslconfig``)
     """
+
+    argument_shapes = {"path": PATH}
+    # The same file as WslConfigFile, as bytes for the merge. A folder on the way swapped for a
+    # link shows in the file's lstat (another inode); and a run the fast check skips reads and
+    # writes nothing there at all.
+    fast_check_inputs = one_path("path")
 
     def command(self, path: str) -> str:
         self._name = os.path.basename(path)
@@ -265,6 +277,9 @@ class WslConfigFile(FactBase[IniFileInfo]):
     it: no link followed, only a regular file under the cap (else ``refused``).
     """
 
+    argument_shapes = {"path": PATH}
+    fast_check_inputs = one_path("path")
+
     def command(self, path: str) -> str:
         self._path = path
         return WindowsFile().command(path)
@@ -289,6 +304,8 @@ class WslConfFile(FactBase[IniFileInfo]):
     """
 
     path = WSL_CONF
+
+    fast_check_inputs = fixed_paths("/etc/wsl.conf")
 
     def command(self) -> str:
         return _ini_command(self.path)
@@ -322,6 +339,14 @@ RESUME_SHORTCUT = "FreeToken - serve again.cmd"
 OWNER_SHORTCUTS = (SNOOZE_SHORTCUT, RESUME_SHORTCUT)
 
 
+def _shortcuts_inputs(kwargs: dict[str, Any]) -> Inputs | None:
+    desktop = path_arg(kwargs, "path")
+    if desktop is None:
+        return None
+    # The Desktop's own times move with every file the owner saves there: its owner and mode only.
+    return Inputs(dirs={desktop}, paths={f"{desktop}/{name}" for name in OWNER_SHORTCUTS})
+
+
 class OwnerShortcuts(FactBase[DesktopShortcuts]):
     """
     Returns ``DesktopShortcuts``: whether ``path`` is a folder, the distro's Windows name
@@ -331,6 +356,10 @@ class OwnerShortcuts(FactBase[DesktopShortcuts]):
 
     + path: the owner's Desktop as a WSL path (``/mnt/c/Users/dev/Desktop``)
     """
+
+    argument_shapes = {"path": PATH}
+    # The Desktop and its two shortcuts; the distro's name changes only with a boot.
+    fast_check_inputs = _shortcuts_inputs
 
     def command(self, path: str) -> str:
         return (

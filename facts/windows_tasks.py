@@ -6,6 +6,7 @@ from pyinfra.api import FactBase
 
 from freetoken_infra.core.layout import DEFAULT_DRIVE_ROOT, drive_path
 
+from ._declare import NAME, PATH, Unknown
 from ._output import MARKER, quote
 from .windows import interop, system32, windows_exe
 
@@ -16,6 +17,9 @@ class ScheduledTaskExists(FactBase[bool]):
     schtasks.exe to ask, or it did not answer within ``INTEROP_TIMEOUT_S``: the task is then
     created, and that call, bounded the same way, says it timed out).
     """
+
+    argument_shapes = {"task_name": NAME, "drive_root": PATH}
+    fast_check_inputs = Unknown("Windows' Task Scheduler: not visible from WSL")
 
     def command(self, task_name: str, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
         """+ drive_root: wsl.conf's ``[automount] root`` (where C: and System32 are)."""
@@ -33,6 +37,9 @@ class WslDistroName(FactBase[str]):
     """
     Returns the distro's name as Windows knows it (`$WSL_DISTRO_NAME`, else from `wslpath -w /`).
     """
+
+    # Read with the Task Scheduler's fact, for the logon task: not known either.
+    fast_check_inputs = Unknown("read with ScheduledTaskExists, whose Windows' Task Scheduler WSL cannot see")
 
     def command(self) -> str:
         return (

@@ -16,6 +16,7 @@ from pyinfra.api import FactBase
 from freetoken_infra.core import owner
 from freetoken_infra.core.layout import BINFMT_DIR, DEFAULT_DRIVE_ROOT, INTEROP_BINFMT_NAMES, drive_path
 
+from ._declare import BOOT_ONLY, PATH, Inputs
 from ._output import b64decode_lines, parse_int, quote, section_map, sections
 from .windows import INTEROP_TIMEOUT_S, interop, interop_timed_out, system32, windows_exe
 
@@ -53,6 +54,9 @@ class WslKernel(FactBase[WslKernelInfo]):
 
     Reads ``/proc/version`` rather than ``uname -r``: it is what a test container can fake.
     """
+
+    # The kernel's answer: changes only with a restart of the WSL VM.
+    fast_check_inputs = BOOT_ONLY
 
     def command(self) -> str:
         return "cat /proc/version 2>/dev/null || echo '@@ft:missing'"
@@ -199,6 +203,10 @@ class WslVersion(FactBase[WslVersionInfo]):
     an inbox WSL too old to know ``--version``; ``unavailable`` means neither tool answered.
     """
 
+    argument_shapes = {"drive_root": PATH}
+    # A new WSL version needs a restart of the WSL VM.
+    fast_check_inputs = BOOT_ONLY
+
     def command(self, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
         """+ drive_root: wsl.conf's ``[automount] root`` (where System32's wsl.exe is)."""
         return (
@@ -270,6 +278,11 @@ class InteropRegistration(FactBase[InteropBinfmt]):
     claim Windows programs (``MZ``). Read only; the entries are the kernel's, a few lines each.
     """
 
+    # The binfmt_misc table's entries: one gone, re-registered or added (another `MZ` handler).
+    fast_check_inputs = Inputs(
+        paths={f"{BINFMT_DIR}/{name}" for name in INTEROP_BINFMT_NAMES}, globs={f"{BINFMT_DIR}/*"}
+    )
+
     def command(self) -> str:
         d = BINFMT_DIR
         return (
@@ -327,6 +340,10 @@ class InteropAsService(FactBase[InteropProbe]):
     dead interop server, a Windows side that hangs), while a login shell may still work. Runs
     ``cmd.exe /c echo`` once under one deadline; the doctor reads it, the deploy does not.
     """
+
+    argument_shapes = {"drive_root": PATH}
+    # Interop as a service sees it: read by the doctor only, never by a converge.
+    fast_check_inputs = BOOT_ONLY
 
     def command(self, drive_root: str = DEFAULT_DRIVE_ROOT) -> str:
         cmd = f"{system32(drive_root)}/cmd.exe"
