@@ -383,9 +383,10 @@ def test_the_allow_list_takes_what_a_real_run_learns_and_nothing_that_runs_a_com
         assert batch.allowed(fact, kwargs) is not None, (fact, kwargs)
 
 
-def test_every_argument_of_our_own_facts_has_a_shape_in_the_allow_list():
-    """A fact of ours whose argument has no shape is never learned: every no-op run would read it
-    in a round trip of its own (the allow-list and a new fact must grow together)."""
+def _argument_declarations() -> list[tuple[str, list[str], dict]]:
+    """``(fact, its command's argument names, its declared argument_shapes)`` for every fact of
+    the facts package (found by walking it here, not through the registry) and every pyinfra
+    fact of facts/pyinfra_reads.py."""
     import importlib
     import inspect
     import pkgutil
@@ -393,17 +394,46 @@ def test_every_argument_of_our_own_facts_has_a_shape_in_the_allow_list():
     from pyinfra.api import FactBase
 
     import facts
-    from facts.batch import ARGUMENT_SHAPES
+    from facts.pyinfra_reads import PYINFRA_READS
 
-    missing = []
+    found = []
     for info in pkgutil.iter_modules(facts.__path__):
         module = importlib.import_module(f"facts.{info.name}")
         for cls in vars(module).values():
             if isinstance(cls, type) and issubclass(cls, FactBase) and cls.__module__ == module.__name__:
-                for name in list(inspect.signature(cls.command).parameters)[1:]:
-                    if name not in ARGUMENT_SHAPES:
-                        missing.append(f"{module.__name__}:{cls.__name__}({name})")
-    assert not missing, missing
+                arguments = list(inspect.signature(cls.command).parameters)[1:]
+                found.append((f"{module.__name__}:{cls.__name__}", arguments, getattr(cls, "argument_shapes", {})))
+    for fact, read in PYINFRA_READS.items():
+        module_name, _, name = fact.partition(":")
+        cls = getattr(importlib.import_module(module_name), name)
+        found.append((fact, list(inspect.signature(cls.command).parameters)[1:], read.argument_shapes))
+    return found
+
+
+def test_every_argument_of_our_own_facts_has_a_shape_in_the_allow_list():
+    """A fact whose argument has no shape is never learned: every no-op run would read it in a
+    round trip of its own. Each fact declares its arguments' shapes beside itself
+    (``argument_shapes``), and the allow-list holds each of them."""
+    missing, stray = [], []
+    for fact, arguments, shapes in _argument_declarations():
+        for name in arguments:
+            if name not in shapes or batch.ARGUMENT_SHAPES.get(name) is not shapes[name]:
+                missing.append(f"{fact}({name})")
+        stray += [f"{fact}({name})" for name in shapes if name not in arguments]
+    assert not missing, f"arguments without a declared shape: {missing}"
+    assert not stray, f"shapes declared for arguments the fact does not have: {stray}"
+
+
+def test_two_facts_that_give_one_argument_two_shapes_are_refused_naming_both():
+    from types import SimpleNamespace
+
+    from facts import registry
+    from facts._declare import NAME, PATH
+
+    one, other = SimpleNamespace(argument_shapes={"path": PATH}), SimpleNamespace(argument_shapes={"path": NAME})
+    assert registry.union_of_shapes({"facts.a:One": one, "facts.b:Same": one}) == {"path": PATH}
+    with pytest.raises(ValueError, match=r"facts\.b:Other declares its argument 'path' .* than facts\.a:One"):
+        registry.union_of_shapes({"facts.a:One": one, "facts.b:Other": other})
 
 
 def test_a_fact_that_never_ends_is_cut_at_the_deadline_naming_it_and_the_lock_is_released(

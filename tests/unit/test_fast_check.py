@@ -26,8 +26,10 @@ import pytest
 from pyinfra.api import FactBase
 
 import facts
-from facts import batch
+from facts import batch, registry
+from facts._declare import Unknown
 from facts.inputs import Inputs, inputs_of, inputs_of_run
+from facts.pyinfra_reads import PYINFRA_READS
 from freetoken_infra import plan
 from operations import host_lock
 from tests.unit.test_host_lock import b64, holder, lock
@@ -381,32 +383,60 @@ def test_an_engine_that_drips_its_health_answer_holds_the_check_at_most_its_time
 
 
 # --------------------------------------------------------------------------- facts/inputs.py
-def _fact_classes() -> set[str]:
-    found = set()
+def _fact_classes_by_name() -> dict[str, type]:
+    found = {}
     for info in pkgutil.iter_modules(facts.__path__):
         module = importlib.import_module(f"facts.{info.name}")
         for value in vars(module).values():
             if isinstance(value, type) and issubclass(value, FactBase) and value.__module__ == module.__name__:
-                found.add(f"{module.__name__}:{value.__qualname__}")
+                found[f"{module.__name__}:{value.__qualname__}"] = value
     return found
 
 
-# Facts whose inputs are not known on purpose: a run that reads one records nothing.
-UNKNOWN_ON_PURPOSE = {
-    "facts.windows_tasks:ScheduledTaskExists",  # Windows' Task Scheduler: not visible from WSL
-    "facts.windows_tasks:WslDistroName",
-    "facts.host_lock:HostLock",  # the doctor's
-}
+def _declared_inputs() -> dict[str, object]:
+    """Every fact's ``fast_check_inputs`` (None: it declares none), found by walking the facts
+    package here, not through the registry, and the pyinfra facts' (facts/pyinfra_reads.py)."""
+    declared = {name: getattr(cls, "fast_check_inputs", None) for name, cls in _fact_classes_by_name().items()}
+    return declared | {name: read.fast_check_inputs for name, read in PYINFRA_READS.items()}
 
 
 def test_every_fact_the_deploy_may_read_has_its_inputs_declared():
-    """A new fact must say what it depends on, or be listed here as not known (its runs then
-    record nothing): the fast check never trusts a fact it knows nothing of."""
-    for fact in sorted(_fact_classes() | batch.PYINFRA_FACTS):
-        kwargs = {"path": "/x", "paths": ["/x"], "base_dir": "/x", "state_file": "/x", "model_dir": "/x"}
-        kwargs |= {"services": ["u.service"], "account": "a", "cuda_home": "/x", "host": "127.0.0.1", "port": 1}
-        known = inputs_of(fact, kwargs) is not None
-        assert known != (fact in UNKNOWN_ON_PURPOSE), fact
+    """A new fact must say beside itself what it depends on (``fast_check_inputs``), or declare
+    ``Unknown(why)`` (its runs then record nothing): the fast check never trusts a fact it knows
+    nothing of."""
+    declared = _declared_inputs()
+    assert set(batch.PYINFRA_FACTS) == set(PYINFRA_READS)
+    missing = sorted(name for name, value in declared.items() if value is None)
+    assert not missing, f"facts that declare no fast_check_inputs: {missing}"
+    kwargs = {"path": "/x", "paths": ["/x"], "base_dir": "/x", "state_file": "/x", "model_dir": "/x"}
+    kwargs |= {"services": ["u.service"], "account": "a", "cuda_home": "/x", "host": "127.0.0.1", "port": 1}
+    for fact, value in sorted(declared.items()):
+        if isinstance(value, Unknown):
+            assert value.why.strip(), f"{fact}: Unknown inputs without a reason"
+        assert (inputs_of(fact, kwargs) is None) == isinstance(value, Unknown), fact
+
+
+def test_a_fact_without_a_declaration_is_named_and_its_inputs_are_unknown(monkeypatch):
+    """A fact class added to a facts module without ``fast_check_inputs``: the check above names
+    it, and the registry (walking the package) knows no inputs for it."""
+
+    class Undeclared(FactBase):
+        def command(self, path: str) -> str:
+            return "true"
+
+    Undeclared.__module__, Undeclared.__qualname__ = "facts.files", "Undeclared"
+    monkeypatch.setattr(importlib.import_module("facts.files"), "Undeclared", Undeclared, raising=False)
+    registry.fact_classes.cache_clear()
+    registry.fast_check_inputs.cache_clear()
+    try:
+        assert [n for n, v in _declared_inputs().items() if v is None] == ["facts.files:Undeclared"]
+        assert "facts.files:Undeclared" in registry.fact_classes()
+        assert inputs_of("facts.files:Undeclared", {"path": "/a"}) is None
+        assert inputs_of("facts.files:FileText", {"path": "/a"}) is not None
+    finally:
+        monkeypatch.undo()
+        registry.fact_classes.cache_clear()
+        registry.fast_check_inputs.cache_clear()
 
 
 def test_a_run_that_read_an_unknown_fact_has_no_inputs():
