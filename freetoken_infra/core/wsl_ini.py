@@ -442,69 +442,98 @@ def merge_parsed(
         raw = b"" if ini.error else encode(ini.text, ini.encoding, dialect)
     if ini.error:
         return MergeResult(raw, problem=IniProblem(1, ini.error))
-    text, nl = ini.text, ini.newline
-    # (offset, order, end, replacement); applied back to front.
-    edits: list[tuple[int, int, int, str]] = []
-    changed: list[str] = []
-    notes: list[str] = []
-    appended: list[str] = []
-    target = next((h for h in ini.headers if h.name.lower() == section.lower()), None)
-
-    def comment_out(entry: IniEntry, why: str) -> None:
-        if entry.continued:
-            raise _Unsafe(IniProblem(entry.line, f"{entry.key} continues over lines: edit it by hand"))
-        edits.append((entry.line_start, 0, entry.line_start, "# "))
-        notes.append(f"line {entry.line}: commented out [{entry.section}] {entry.key} ({why})")
-
-    def insert_point() -> int | None:
-        if target is None:
-            return None
-        last = target.line_end
-        for entry in ini.entries:
-            if entry.section.lower() == section.lower() and entry.line_start >= target.line_end:
-                following = [h for h in ini.headers if target.line_end <= h.line_start < entry.line_start]
-                if following:
-                    break
-                last = entry.line_end
-        return last
-
     try:
-        for order, (key, want) in enumerate(values.items(), start=1):
-            found = ini.duplicates(section, key)
-            if found and same_value(found[0].value, want):
-                continue
-            changed.append(key)
-            in_place = [e for e in found if e.name == f"{section}.{key}".lower()]
-            keep = in_place[0] if in_place else None
-            if keep is not None and keep.continued:
-                raise _Unsafe(IniProblem(keep.line, f"{key} continues over lines: edit it by hand"))
-            for entry in found:
-                if entry is not keep:
-                    comment_out(entry, f"superseded by [{section}] {key}")
-            if keep is not None:
-                edits.append((keep.value_start, order, keep.value_end, format_value(want)))
-                continue
-            point = insert_point()
-            if point is None:
-                appended.append(f"{key}={format_value(want)}{nl}")
-                continue
-            prefix = "" if point == 0 or text[point - 1] in "\r\n" else nl
-            edits.append((point, order, point, f"{prefix}{key}={format_value(want)}{nl}"))
+        plan = _plan_edits(ini, section, values)
     except _Unsafe as unsafe:
         return MergeResult(raw, problem=unsafe.problem)
-
-    if not changed:
+    if not plan.changed:
         return MergeResult(raw)
+    out = _apply_edits(ini.text, plan, section, ini.newline)
+    problem = _unread_after_merge(ini, out, section, values, plan.changed)
+    if problem is not None:
+        return MergeResult(raw, problem=problem)
+    return MergeResult(encode(out, ini.encoding, dialect), tuple(plan.changed), None, tuple(plan.notes))
+
+
+@dataclass
+class _EditPlan:
+    """What a merge changes in the text: ``edits`` are (offset, order, end, replacement), applied
+    back to front; ``appended`` are lines for a new ``[section]`` at the end."""
+
+    edits: list[tuple[int, int, int, str]] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    appended: list[str] = field(default_factory=list)
+
+    def comment_out(self, entry: IniEntry, why: str) -> None:
+        if entry.continued:
+            raise _Unsafe(IniProblem(entry.line, f"{entry.key} continues over lines: edit it by hand"))
+        self.edits.append((entry.line_start, 0, entry.line_start, "# "))
+        self.notes.append(f"line {entry.line}: commented out [{entry.section}] {entry.key} ({why})")
+
+
+def _insert_point(ini: WslIniFile, section: str) -> int | None:
+    """Where a new key of ``[section]`` goes: after the section's last entry before the next
+    header (None: the file has no such section)."""
+    target = next((h for h in ini.headers if h.name.lower() == section.lower()), None)
+    if target is None:
+        return None
+    last = target.line_end
+    for entry in ini.entries:
+        if entry.section.lower() == section.lower() and entry.line_start >= target.line_end:
+            following = [h for h in ini.headers if target.line_end <= h.line_start < entry.line_start]
+            if following:
+                break
+            last = entry.line_end
+    return last
+
+
+def _plan_edits(ini: WslIniFile, section: str, values: Mapping[str, str]) -> _EditPlan:
+    """The edits that make WSL read ``values``; raises :class:`_Unsafe` where it cannot be done safely."""
+    plan = _EditPlan()
+    text, nl = ini.text, ini.newline
+    for order, (key, want) in enumerate(values.items(), start=1):
+        found = ini.duplicates(section, key)
+        if found and same_value(found[0].value, want):
+            continue
+        plan.changed.append(key)
+        in_place = [e for e in found if e.name == f"{section}.{key}".lower()]
+        keep = in_place[0] if in_place else None
+        if keep is not None and keep.continued:
+            raise _Unsafe(IniProblem(keep.line, f"{key} continues over lines: edit it by hand"))
+        for entry in found:
+            if entry is not keep:
+                plan.comment_out(entry, f"superseded by [{section}] {key}")
+        if keep is not None:
+            plan.edits.append((keep.value_start, order, keep.value_end, format_value(want)))
+            continue
+        point = _insert_point(ini, section)
+        if point is None:
+            plan.appended.append(f"{key}={format_value(want)}{nl}")
+            continue
+        prefix = "" if point == 0 or text[point - 1] in "\r\n" else nl
+        plan.edits.append((point, order, point, f"{prefix}{key}={format_value(want)}{nl}"))
+    return plan
+
+
+def _apply_edits(text: str, plan: _EditPlan, section: str, nl: str) -> str:
     out = text
-    for start, _, end, replacement in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+    for start, _, end, replacement in sorted(plan.edits, key=lambda e: (e[0], e[1]), reverse=True):
         out = out[:start] + replacement + out[end:]
-    if appended:
+    if plan.appended:
         if out and not out.endswith(("\n", "\r")):
             out += nl
         if out.strip():
             out += nl
-        out += f"[{section}]{nl}" + "".join(appended)
+        out += f"[{section}]{nl}" + "".join(plan.appended)
+    return out
 
+
+def _unread_after_merge(
+    ini: WslIniFile, out: str, section: str, values: Mapping[str, str], changed: list[str]
+) -> IniProblem | None:
+    """Why WSL would not read ``values`` from the merged text ``out`` (None: it would)."""
+    dialect = ini.dialect
     if ini.stopped_at is not None:
         # wsl.conf: WSL ignores everything from its first invalid line on.
         problem = IniProblem(
@@ -512,21 +541,17 @@ def merge_parsed(
         )
         check = parse(encode(out, ini.encoding, dialect), dialect)
         if any(not same_value(check.value(section, k), v) for k, v in values.items()):
-            return MergeResult(
-                raw,
-                problem=IniProblem(
-                    problem.line,
-                    f"{problem.message}; WSL stops reading the file there, so "
-                    f"[{section}] {', '.join(changed)} added after it would be ignored: fix that line",
-                ),
+            return IniProblem(
+                problem.line,
+                f"{problem.message}; WSL stops reading the file there, so "
+                f"[{section}] {', '.join(changed)} added after it would be ignored: fix that line",
             )
-    data = encode(out, ini.encoding, dialect)
-    check = parse(data, dialect)
+    check = parse(encode(out, ini.encoding, dialect), dialect)
     wrong = [k for k, v in values.items() if not same_value(check.value(section, k), v)]
     if wrong:  # never write a file WSL would not read as asked
         line = check.stopped_at or 1
-        return MergeResult(raw, problem=IniProblem(line, f"after the merge WSL would not read {', '.join(wrong)}"))
-    return MergeResult(data, tuple(changed), None, tuple(notes))
+        return IniProblem(line, f"after the merge WSL would not read {', '.join(wrong)}")
+    return None
 
 
 class _Unsafe(Exception):
