@@ -229,42 +229,40 @@ def record_host(host_name: str, pre: HostPreflight) -> None:
     record(host_name, observed=observed)
 
 
-def host_row(
-    name: str,
-    records: Sequence[RunRecord | Mapping[str, Any]],
-    *,
-    batch: int | None = None,
-    not_run: str | None = None,
-    unreachable: str | None = None,
-    no_result: str = "no result from the deploy",
-) -> HostRow:
-    """One report row from a host's records (``read_records``; a JSON document is read as one).
-    `not_run`: why the rollout never got to it; `unreachable`: pyinfra's connection error when
-    the deploy recorded nothing (the host is parked); `no_result`: the reason when it recorded
-    nothing and no connection error was seen."""
-    entries = [r if isinstance(r, RunRecord) else RunRecord.from_dict(r) for r in records]
+@dataclass(frozen=True)
+class _HostRun:
+    """What a host's records say together: the last of each kind, every op error, every file
+    that needs a restart."""
+
     seen: Observed | None = None
     gate: GateResult | None = None
     rollback: Rollback | None = None
     finished: Finished | None = None
     lost: Lost | None = None
-    op_errors: list[str] = []
-    restart_files: list[str] = []
-    # pyinfra's connection error, recorded (core.records.RunRecords) or read from its output by the caller
-    unreachable = next((r.unreachable for r in entries if r.unreachable), None) or unreachable
-    entries = [r for r in entries if not r.unreachable]
-    for r in entries:
-        seen = r.observed or seen
-        gate = r.gate or gate
-        rollback = r.rollback or rollback
-        finished = r.finished or finished
-        lost = r.lost or lost
-        if r.op_error:
-            op_errors.append(r.op_error)
-        restart_files += r.restart_pending
-    observed = seen or Observed()
-    restart_files = sorted(set(restart_files) | set(observed.restart_pending))
+    op_errors: tuple[str, ...] = ()
+    restart_files: tuple[str, ...] = ()
 
+    @classmethod
+    def of(cls, entries: Sequence[RunRecord]) -> _HostRun:
+        run = cls()
+        for r in entries:
+            run = replace(
+                run,
+                seen=r.observed or run.seen,
+                gate=r.gate or run.gate,
+                rollback=r.rollback or run.rollback,
+                finished=r.finished or run.finished,
+                lost=r.lost or run.lost,
+                op_errors=run.op_errors + ((r.op_error,) if r.op_error else ()),
+                restart_files=run.restart_files + tuple(r.restart_pending),
+            )
+        return run
+
+
+def _health_and_engine(
+    observed: Observed, gate: GateResult | None, rollback: Rollback | None
+) -> tuple[str, float | None, str | None, str | None]:
+    """(health, tokens/s, where the tokens/s come from, engine version) for a host's row."""
     last_gate = observed.last_gate
     before = observed.health or HealthSeen()
     if gate is not None and gate.cut_off:
@@ -281,42 +279,76 @@ def host_row(
         engine = before.version or observed.engine_active
     if rollback is not None:
         engine = rollback.to if rollback.ok else engine
+    return health, tps, tps_source, engine
 
+
+def _rollback_reason(rollback: Rollback) -> str:
+    if rollback.ok:
+        return f"rolled back to {rollback.to}: {_first_line(rollback.reason)}"
+    return (
+        f"rollback to {rollback.to} failed too: {_first_line(rollback.error)} "
+        f"(upgrade failed: {_first_line(rollback.reason)})"
+    )
+
+
+def _result_and_reason(
+    run: _HostRun, observed: Observed, *, recorded: bool, not_run: str | None, unreachable: str | None, no_result: str
+) -> tuple[str, str]:
+    """The host's result word and its reason, the first that applies of: not run, parked, no
+    record, refused, connection lost, rolled back, gate failed, op failed, stopped, ok."""
+    gate, finished = run.gate, run.finished
     if not_run:
-        result, reason = RESULT_NOT_RUN, not_run
-    elif not entries and unreachable:
-        result, reason = RESULT_PARKED, f"unreachable: {_first_line(unreachable)}"
-    elif not entries:
-        result, reason = RESULT_FAILED, no_result
-    elif observed.blockers and observed.restart_only:
-        result, reason = RESULT_FAILED, f"{RESTART_MESSAGE}, then re-run"
-    elif observed.blockers:
-        result, reason = RESULT_REFUSED, "refused at preflight: " + ", ".join(observed.blockers)
-    elif lost is not None:
-        result, reason = RESULT_FAILED, f"connection lost during {lost.step}; re-run to finish"
-    elif rollback is not None:
-        result = RESULT_FAILED
-        if rollback.ok:
-            reason = f"rolled back to {rollback.to}: {_first_line(rollback.reason)}"
-        else:
-            reason = (
-                f"rollback to {rollback.to} failed too: {_first_line(rollback.error)} "
-                f"(upgrade failed: {_first_line(rollback.reason)})"
-            )
-    elif gate is not None and not gate.ok:
-        result = RESULT_FAILED
-        reason = f"health gate failed in the {gate.phase or '?'} phase: {_first_line(gate.error)}"
-    elif op_errors:
-        result, reason = RESULT_FAILED, "failed at: " + "; ".join(op_errors)
-    elif finished is None:
-        result, reason = RESULT_FAILED, "the deploy stopped before this host finished"
-    elif finished.failed:
-        result, reason = RESULT_FAILED, "pyinfra failed the host (see the log above)"
-    else:
-        result = RESULT_OK
-        reason = f"{finished.changes} change(s)" if finished.changes else "no change"
-        if observed.engine_active and engine and observed.engine_active != engine:
-            reason += f", upgraded from {observed.engine_active}"
+        return RESULT_NOT_RUN, not_run
+    if not recorded:
+        if unreachable:
+            return RESULT_PARKED, f"unreachable: {_first_line(unreachable)}"
+        return RESULT_FAILED, no_result
+    if observed.blockers and observed.restart_only:
+        return RESULT_FAILED, f"{RESTART_MESSAGE}, then re-run"
+    if observed.blockers:
+        return RESULT_REFUSED, "refused at preflight: " + ", ".join(observed.blockers)
+    if run.lost is not None:
+        return RESULT_FAILED, f"connection lost during {run.lost.step}; re-run to finish"
+    if run.rollback is not None:
+        return RESULT_FAILED, _rollback_reason(run.rollback)
+    if gate is not None and not gate.ok:
+        return RESULT_FAILED, f"health gate failed in the {gate.phase or '?'} phase: {_first_line(gate.error)}"
+    if run.op_errors:
+        return RESULT_FAILED, "failed at: " + "; ".join(run.op_errors)
+    if finished is None:
+        return RESULT_FAILED, "the deploy stopped before this host finished"
+    if finished.failed:
+        return RESULT_FAILED, "pyinfra failed the host (see the log above)"
+    return RESULT_OK, f"{finished.changes} change(s)" if finished.changes else "no change"
+
+
+def host_row(
+    name: str,
+    records: Sequence[RunRecord | Mapping[str, Any]],
+    *,
+    batch: int | None = None,
+    not_run: str | None = None,
+    unreachable: str | None = None,
+    no_result: str = "no result from the deploy",
+) -> HostRow:
+    """One report row from a host's records (``read_records``; a JSON document is read as one).
+    `not_run`: why the rollout never got to it; `unreachable`: pyinfra's connection error when
+    the deploy recorded nothing (the host is parked); `no_result`: the reason when it recorded
+    nothing and no connection error was seen."""
+    entries = [r if isinstance(r, RunRecord) else RunRecord.from_dict(r) for r in records]
+    # pyinfra's connection error, recorded (core.records.RunRecords) or read from its output by the caller
+    unreachable = next((r.unreachable for r in entries if r.unreachable), None) or unreachable
+    entries = [r for r in entries if not r.unreachable]
+    run = _HostRun.of(entries)
+    seen, finished = run.seen, run.finished
+    observed = seen or Observed()
+    restart_files = sorted(set(run.restart_files) | set(observed.restart_pending))
+    health, tps, tps_source, engine = _health_and_engine(observed, run.gate, run.rollback)
+    result, reason = _result_and_reason(
+        run, observed, recorded=bool(entries), not_run=not_run, unreachable=unreachable, no_result=no_result
+    )
+    if result == RESULT_OK and observed.engine_active and engine and observed.engine_active != engine:
+        reason += f", upgraded from {observed.engine_active}"
     vram = observed.vram_mib
     untouched = result in UNTOUCHED
     return HostRow(
