@@ -259,49 +259,74 @@ def step(state: AgentState, obs: Observation, policy: Policy) -> tuple[AgentStat
     others = others_mib(obs, state.engine_mib, state.idle_used_mib)
     state = replace(state, others_mib=others if others is not None else state.others_mib)
     if state.mode in (SERVING, HELD):
-        if c is None:
-            if state.mode == HELD:
-                return _serving(state, now, "the pending reboot is gone"), None
-            return state, None
-        if not c.stops_engine:  # a pending reboot: no new work, the engine left as it is
-            if state.mode == HELD:
-                return replace(state, reason=c.reason, word=c.word), None
-            return _owned(state, HELD, c, now), None
-        if obs.engine_active:  # drain first; the engine stops once the gateway has read it
-            return _owned(state, YIELDING, c, now), None
-        # Not running (the guard, the operator): nothing to stop, but it is the owner's now.
-        return replace(_owned(state, YIELDED, c, now), stopped=False), None
+        return _step_serving(state, obs, c)
     if state.mode == YIELDING:
-        if c is None:  # gone before the engine stopped: undo the drain
-            return _serving(state, now, "the owner's claim ended before the engine stopped"), None
-        if not c.stops_engine:
-            return _owned(state, HELD, c, now), None
-        if obs.drain_answered or now - state.since >= GATEWAY_NOTICE_S:
-            return replace(state, mode=YIELDED, reason=c.reason, word=c.word, stopped=True), STOP
-        return replace(state, reason=c.reason, word=c.word), None
+        return _step_yielding(state, obs, c)
     if state.mode == YIELDED:
-        if c is not None:
-            return replace(state, reason=c.reason, word=c.word, clear_since=None), None
-        if others is None:  # cannot tell: wait
-            return state, None
-        clear = state.clear_since if state.clear_since is not None else now
-        if now - clear >= policy.quiet_s:
-            if not state.stopped:  # someone else stopped it: theirs to start
-                return _serving(state, now, "the owner's claim is gone (the engine was not ours to start)"), None
-            reason = f"the owner's claim gone for {now - clear:.0f} s: starting the engine"
-            return replace(state, mode=STARTING, reason=reason, word="", since=now, clear_since=None), START
-        return replace(state, clear_since=clear), None
+        return _step_yielded(state, now, c, others, policy)
     if state.mode == STARTING:
-        # A claim that does not hang on VRAM (the engine's own grows while it loads) stops it again.
-        hard = next((x for x in found if x.stops_engine and x.kind != VRAM), None)
-        if hard is not None:
-            return replace(_owned(state, YIELDED, hard, now), stopped=True), STOP
-        if obs.engine_active and obs.health_ok:
-            return _serving(state, now, "back in service after a yield"), None
-        if now - state.since >= START_TIMEOUT_S:
-            return _serving(state, now, f"the engine was not healthy {START_TIMEOUT_S:.0f} s after its start"), None
-        return state, None
+        return _step_starting(state, obs, found)
     return _serving(state, now, f"unknown mode {state.mode!r} reset"), None
+
+
+def _step_serving(state: AgentState, obs: Observation, c: Claim | None) -> tuple[AgentState, str | None]:
+    """Serving, or held for a pending reboot: the owner's claim, if any, takes the host."""
+    now = obs.now
+    if c is None:
+        if state.mode == HELD:
+            return _serving(state, now, "the pending reboot is gone"), None
+        return state, None
+    if not c.stops_engine:  # a pending reboot: no new work, the engine left as it is
+        if state.mode == HELD:
+            return replace(state, reason=c.reason, word=c.word), None
+        return _owned(state, HELD, c, now), None
+    if obs.engine_active:  # drain first; the engine stops once the gateway has read it
+        return _owned(state, YIELDING, c, now), None
+    # Not running (the guard, the operator): nothing to stop, but it is the owner's now.
+    return replace(_owned(state, YIELDED, c, now), stopped=False), None
+
+
+def _step_yielding(state: AgentState, obs: Observation, c: Claim | None) -> tuple[AgentState, str | None]:
+    """Draining: the engine stops once the gateway has read the drain (or after its notice)."""
+    now = obs.now
+    if c is None:  # gone before the engine stopped: undo the drain
+        return _serving(state, now, "the owner's claim ended before the engine stopped"), None
+    if not c.stops_engine:
+        return _owned(state, HELD, c, now), None
+    if obs.drain_answered or now - state.since >= GATEWAY_NOTICE_S:
+        return replace(state, mode=YIELDED, reason=c.reason, word=c.word, stopped=True), STOP
+    return replace(state, reason=c.reason, word=c.word), None
+
+
+def _step_yielded(
+    state: AgentState, now: float, c: Claim | None, others: int | None, policy: Policy
+) -> tuple[AgentState, str | None]:
+    """The owner's: the engine starts again once the claim has been gone for ``quiet_s``."""
+    if c is not None:
+        return replace(state, reason=c.reason, word=c.word, clear_since=None), None
+    if others is None:  # cannot tell: wait
+        return state, None
+    clear = state.clear_since if state.clear_since is not None else now
+    if now - clear >= policy.quiet_s:
+        if not state.stopped:  # someone else stopped it: theirs to start
+            return _serving(state, now, "the owner's claim is gone (the engine was not ours to start)"), None
+        reason = f"the owner's claim gone for {now - clear:.0f} s: starting the engine"
+        return replace(state, mode=STARTING, reason=reason, word="", since=now, clear_since=None), START
+    return replace(state, clear_since=clear), None
+
+
+def _step_starting(state: AgentState, obs: Observation, found: list[Claim]) -> tuple[AgentState, str | None]:
+    """Starting: back in service once healthy, or after ``START_TIMEOUT_S`` whatever it says."""
+    now = obs.now
+    # A claim that does not hang on VRAM (the engine's own grows while it loads) stops it again.
+    hard = next((x for x in found if x.stops_engine and x.kind != VRAM), None)
+    if hard is not None:
+        return replace(_owned(state, YIELDED, hard, now), stopped=True), STOP
+    if obs.engine_active and obs.health_ok:
+        return _serving(state, now, "back in service after a yield"), None
+    if now - state.since >= START_TIMEOUT_S:
+        return _serving(state, now, f"the engine was not healthy {START_TIMEOUT_S:.0f} s after its start"), None
+    return state, None
 
 
 def _owned(state: AgentState, mode: str, c: Claim, now: float) -> AgentState:
