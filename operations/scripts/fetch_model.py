@@ -607,34 +607,21 @@ class Fetcher:
             )
 
     # ---------------------------------------------------------------- main
-    def run(self) -> None:
-        st = self.status
-        os.makedirs(self.dest, exist_ok=True)
-        log(f"{self.repo}@{self.args.revision}: listing on {self.endpoint}")
+    def list_files(self) -> None:
+        """The revision's commit and files, retried with backoff while the hub answers transiently."""
         for attempt in range(self.args.retries + 1):
             try:
                 self.commit, self.files = list_revision(self.http, self.endpoint, self.repo, self.args.revision)
-                break
+                return
             except Transient as exc:
                 if attempt == self.args.retries:
                     raise Failed(f"cannot list {self.repo}: {exc}") from None
                 time.sleep(min(self.args.backoff_s * 2**attempt, 30.0))
-        total = sum(f.size for f in self.files)
-        st.set(commit=self.commit, bytes_total=total, files_total=len(self.files))
 
-        old = self.load_manifest()
-        old_files = old.get("files", {}) if isinstance(old.get("files"), dict) else {}
-        listed = {f.name for f in self.files}
-        self.manifest = {
-            "repo": self.repo,
-            "revision": self.args.revision,
-            "commit": self.commit,
-            "complete": False,
-            "files": {k: v for k, v in old_files.items() if k in listed},
-        }
-
-        # Sort out what is already here: trusted (manifest), verified now (hash), or missing.
-        ok: set[str] = set()
+    def sort_out(self, config_first: list[RemoteFile], old_files: dict, ok: set[str]) -> int:
+        """Sort out what is already here: trusted (manifest), verified now (hash), or missing.
+        Adds the names that need no download to ``ok``; returns how many the manifest vouched for."""
+        st = self.status
         trusted = 0
         for f in self.files:
             if self.trusted(f, old_files):
@@ -643,7 +630,6 @@ class Fetcher:
                 continue
             self.manifest["files"].pop(f.name, None)
         st.set(files_trusted=trusted, bytes_done=sum(f.size for f in self.files if f.name in ok))
-        config_first = sorted(self.files, key=lambda f: (f.name not in CONFIG_FILES, f.name))
         for f in config_first:
             if f.name in ok:
                 continue
@@ -659,16 +645,11 @@ class Fetcher:
                     log(f"{f.name}: on disk but corrupt (hash mismatch); fetching it again")
             elif os.path.exists(path):
                 log(f"{f.name}: on disk with the wrong size; fetching it again")
-        self.save_manifest()
+        return trusted
 
-        missing_files = [f for f in config_first if f.name not in ok]
-        missing = sum(f.size - self.partial_size(f) for f in missing_files)
-        st.set(
-            bytes_missing_at_start=missing,
-            bytes_done=total - sum(f.size for f in missing_files) + (sum(f.size for f in missing_files) - missing),
-        )
-
-        # Quantisation first, from the small config files, before any weight (pitfall 2).
+    def fetch_configs(self, config_first: list[RemoteFile], ok: set[str]) -> None:
+        """Quantisation first, from the small config files, before any weight (pitfall 2)."""
+        st = self.status
         docs: dict[str, dict | None] = {}
         pending: list[tuple[RemoteFile, str]] = []
         for f in config_first:
@@ -690,6 +671,48 @@ class Fetcher:
             self.finalize(f, path)
             ok.add(f.name)
 
+    def remove_unlisted(self, old_files: dict, listed: set[str]) -> None:
+        """Files of an older revision that this manifest once vouched for are ours to remove."""
+        for name in sorted(set(old_files) - listed):
+            try:
+                os.unlink(os.path.join(self.dest, name))
+                log(f"{name}: not in {self.commit[:12]}, removed")
+            except OSError:
+                pass
+
+    def run(self) -> None:
+        st = self.status
+        os.makedirs(self.dest, exist_ok=True)
+        log(f"{self.repo}@{self.args.revision}: listing on {self.endpoint}")
+        self.list_files()
+        total = sum(f.size for f in self.files)
+        st.set(commit=self.commit, bytes_total=total, files_total=len(self.files))
+
+        old = self.load_manifest()
+        old_files = old.get("files", {}) if isinstance(old.get("files"), dict) else {}
+        listed = {f.name for f in self.files}
+        self.manifest = {
+            "repo": self.repo,
+            "revision": self.args.revision,
+            "commit": self.commit,
+            "complete": False,
+            "files": {k: v for k, v in old_files.items() if k in listed},
+        }
+
+        ok: set[str] = set()
+        config_first = sorted(self.files, key=lambda f: (f.name not in CONFIG_FILES, f.name))
+        trusted = self.sort_out(config_first, old_files, ok)
+        self.save_manifest()
+
+        missing_files = [f for f in config_first if f.name not in ok]
+        missing = sum(f.size - self.partial_size(f) for f in missing_files)
+        st.set(
+            bytes_missing_at_start=missing,
+            bytes_done=total - sum(f.size for f in missing_files) + (sum(f.size for f in missing_files) - missing),
+        )
+
+        self.fetch_configs(config_first, ok)
+
         rest = [f for f in missing_files if f.name not in ok]
         self.check_disk(sum(f.size - self.partial_size(f) for f in rest))
 
@@ -699,13 +722,7 @@ class Fetcher:
             self.finalize(f, part)
             ok.add(f.name)
 
-        # Files of an older revision that this manifest once vouched for are ours to remove.
-        for name in sorted(set(old_files) - listed):
-            try:
-                os.unlink(os.path.join(self.dest, name))
-                log(f"{name}: not in {self.commit[:12]}, removed")
-            except OSError:
-                pass
+        self.remove_unlisted(old_files, listed)
         self.manifest["complete"] = True
         self.manifest["completed_at"] = now_iso()
         self.save_manifest()
