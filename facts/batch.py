@@ -587,6 +587,38 @@ def _memo_for(state, host) -> _Memo:
     return memo
 
 
+def _run_first_alone(state, host, first: tuple[str, str | None]) -> FirstResult:
+    """``first`` run on its own, as a plain command (batching is off)."""
+    executor = dict(_plain_executor(state, host))
+    if first[1] is not None:
+        executor["_stdin"] = first[1]
+    status, output = host.run_shell_command(StringCommand(first[0]), print_output=False, print_input=False, **executor)
+    return status, list(output.output_lines)
+
+
+def _add_learned(state, host, memo: _Memo, requests: dict[str, FactRequest]) -> None:
+    """Add what this host's last run asked for to ``requests``; entries that no longer make a
+    request are dropped from the memo's list, with one warning per host."""
+    plain = _plain_executor(state, host)
+    dropped = []
+    for doc in memo.learned:
+        learned = FactRequest.from_json(doc, plain)
+        if isinstance(learned, str):
+            dropped.append(learned)
+        else:
+            requests.setdefault(learned.key, learned)
+    if dropped:
+        memo.learned = [d for d in memo.learned if not isinstance(FactRequest.from_json(d, plain), str)]
+        if not memo.warned:
+            memo.warned = True
+            click.echo(
+                f"    [{host.name}] warning: {len(dropped)} entr{'y' if len(dropped) == 1 else 'ies'} of "
+                f"the learned fact list {memo.path} dropped (not run): {'; '.join(dropped[:3])}"
+                + (" ..." if len(dropped) > 3 else ""),
+                err=True,
+            )
+
+
 def prefetch(
     state, host, wanted: Iterable[tuple[type, dict]] = (), first: tuple[str, str | None] | None = None
 ) -> FirstResult | None:
@@ -602,15 +634,7 @@ def prefetch(
     host = pyinfra_internals.unwrap_context(host)
     state = host.state
     if not enabled():
-        if first is None:
-            return None
-        executor = dict(_plain_executor(state, host))
-        if first[1] is not None:
-            executor["_stdin"] = first[1]
-        status, output = host.run_shell_command(
-            StringCommand(first[0]), print_output=False, print_input=False, **executor
-        )
-        return status, list(output.output_lines)
+        return _run_first_alone(state, host, first) if first is not None else None
     install()
     memo = _memo_for(state, host)
     _Forget.of(state)
@@ -622,24 +646,7 @@ def prefetch(
     was_primed = memo.primed
     if not memo.primed:
         memo.primed = True
-        plain = _plain_executor(state, host)
-        dropped = []
-        for doc in memo.learned:
-            learned = FactRequest.from_json(doc, plain)
-            if isinstance(learned, str):
-                dropped.append(learned)
-            else:
-                requests.setdefault(learned.key, learned)
-        if dropped:
-            memo.learned = [d for d in memo.learned if not isinstance(FactRequest.from_json(d, plain), str)]
-            if not memo.warned:
-                memo.warned = True
-                click.echo(
-                    f"    [{host.name}] warning: {len(dropped)} entr{'y' if len(dropped) == 1 else 'ies'} of "
-                    f"the learned fact list {memo.path} dropped (not run): {'; '.join(dropped[:3])}"
-                    + (" ..." if len(dropped) > 3 else ""),
-                    err=True,
-                )
+        _add_learned(state, host, memo, requests)
     groups: dict[str, list[FactRequest]] = {}
     plain_key = json.dumps(list(_plain_executor(state, host)), sort_keys=True, default=repr)
     if first is not None:
