@@ -847,6 +847,42 @@ def masked_secret(text: str | None, before: str | None = None) -> list[str] | No
     return [preview.MASK + (" (changed)" if before and before != text else "") + "\n"]
 
 
+def _alerting_secret(path: str, text: str, unit: str, reload: set[str]):
+    """One secret file of the alerting services (root's, group prometheus, 0640); ``unit`` is
+    added to ``reload`` when it changes."""
+    if host.get_fact(Sha256File, path=path) == _sha256(text):
+        yield from files.file._inner(path=path, user="root", group=PROMETHEUS_USER, mode="640")
+        return
+    if preview.diff_wanted():
+        current = host.get_fact(FileText, path=path)
+        preview.log_diff(path, masked_secret(current), masked_secret(text, current or "") or [])
+    if host.get_fact(Sha256File, path=path) is None:
+        # Created 0640 first: the upload writes into it, never a world-readable copy.
+        yield f"install -m 640 -o root -g {PROMETHEUS_USER} /dev/null {shlex.quote(path)}"
+    yield from preview.put_without_pyinfra_diff(
+        src=io.StringIO(text), dest=path, user="root", group=PROMETHEUS_USER, mode="640"
+    )
+    reload.add(unit)
+
+
+def _alerting_configs(prometheus: str, alertmanager: str, reload: set[str]):
+    """prometheus.yml and alertmanager.yml, each checked by its tool before it replaces the
+    running one; the unit of each that changes is added to ``reload``."""
+    # (path, text, mode, group, check, unit)
+    for path, text, mode, group, check, unit in (
+        (PROMETHEUS_CONFIG, prometheus, "644", "root", "promtool check config", PROMETHEUS_UNIT),
+        (ALERTMANAGER_CONFIG, alertmanager, "640", PROMETHEUS_USER, "amtool check-config", ALERTMANAGER_UNIT),
+    ):
+        if host.get_fact(Sha256File, path=path) != _sha256(text):
+            new = path + ".new"
+            if mode == "640" and host.get_fact(Sha256File, path=new) is None:
+                yield f"install -m 640 -o root -g {group} /dev/null {shlex.quote(new)}"
+            yield from files.put._inner(src=io.StringIO(text), dest=new, user="root", group=group, mode=mode)
+            # Checked before it replaces the running config: a bad one fails here, the old one runs on.
+            yield f"{check} {shlex.quote(new)} && mv -f {shlex.quote(new)} {shlex.quote(path)}"
+            reload.add(unit)
+
+
 @operation()
 def alerting(
     prometheus: str,
@@ -886,19 +922,7 @@ def alerting(
     restart: set[str] = set()
     reload: set[str] = set()
     for path, text, unit in secrets:
-        if host.get_fact(Sha256File, path=path) != _sha256(text):
-            if preview.diff_wanted():
-                current = host.get_fact(FileText, path=path)
-                preview.log_diff(path, masked_secret(current), masked_secret(text, current or "") or [])
-            if host.get_fact(Sha256File, path=path) is None:
-                # Created 0640 first: the upload writes into it, never a world-readable copy.
-                yield f"install -m 640 -o root -g {PROMETHEUS_USER} /dev/null {shlex.quote(path)}"
-            yield from preview.put_without_pyinfra_diff(
-                src=io.StringIO(text), dest=path, user="root", group=PROMETHEUS_USER, mode="640"
-            )
-            reload.add(unit)
-        else:
-            yield from files.file._inner(path=path, user="root", group=PROMETHEUS_USER, mode="640")
+        yield from _alerting_secret(path, text, unit, reload)
     if smtp_password is None:
         yield from files.file._inner(path=ALERTMANAGER_SMTP_PASSWORD, present=False)
     for path, args, unit in (
@@ -909,19 +933,7 @@ def alerting(
         if host.get_fact(Sha256File, path=path) != _sha256(text):
             yield from files.put._inner(src=io.StringIO(text), dest=path, user="root", group="root", mode="644")
             restart.add(unit)
-    # (path, text, mode, group, check, unit)
-    for path, text, mode, group, check, unit in (
-        (PROMETHEUS_CONFIG, prometheus, "644", "root", "promtool check config", PROMETHEUS_UNIT),
-        (ALERTMANAGER_CONFIG, alertmanager, "640", PROMETHEUS_USER, "amtool check-config", ALERTMANAGER_UNIT),
-    ):
-        if host.get_fact(Sha256File, path=path) != _sha256(text):
-            new = path + ".new"
-            if mode == "640" and host.get_fact(Sha256File, path=new) is None:
-                yield f"install -m 640 -o root -g {group} /dev/null {shlex.quote(new)}"
-            yield from files.put._inner(src=io.StringIO(text), dest=new, user="root", group=group, mode=mode)
-            # Checked before it replaces the running config: a bad one fails here, the old one runs on.
-            yield f"{check} {shlex.quote(new)} && mv -f {shlex.quote(new)} {shlex.quote(path)}"
-            reload.add(unit)
+    yield from _alerting_configs(prometheus, alertmanager, reload)
     if PROMETHEUS_UNIT not in reload and host.get_fact(Sha256File, path=GATEWAY_ALERT_RULES) != _sha256(rules):
         # The gateway operation (before this one) wrote them: checked before Prometheus reads them.
         yield f"promtool check rules {shlex.quote(GATEWAY_ALERT_RULES)}"

@@ -20,6 +20,10 @@ from facts.engine import EngineInstallInfo
 from freetoken_infra.core.gate_record import Gated, GateResult
 from freetoken_infra.core.launch import derive_plan
 from freetoken_infra.core.layout import (
+    ALERTMANAGER_CONFIG,
+    ALERTMANAGER_DEFAULTS,
+    ALERTMANAGER_SMTP_PASSWORD,
+    ALERTMANAGER_UNIT,
     CACHE_NGINX_CONF,
     CACHE_SCRIPT,
     CACHE_UNIT,
@@ -34,6 +38,7 @@ from freetoken_infra.core.layout import (
     GATE_RECORD_FILE,
     GATE_RECORD_MODULE,
     GATE_SCRIPT,
+    GATEWAY_ALERT_RULES,
     GATEWAY_CONFIG,
     GATEWAY_ENGINE_KEY_MAP,
     GATEWAY_KEYS_MAP,
@@ -46,6 +51,11 @@ from freetoken_infra.core.layout import (
     LIB_DIR,
     MANIFEST_MODULE,
     OWN_DIR_SCRIPT,
+    PROMETHEUS_CONFIG,
+    PROMETHEUS_DEFAULTS,
+    PROMETHEUS_SCRAPE_KEY,
+    PROMETHEUS_UNIT,
+    PROMETHEUS_USER,
     QUANT_MODULE,
     UNIT_DIR,
 )
@@ -249,6 +259,54 @@ def test_gateway_converged_then_each_drift():
         "systemctl start haproxy.service",
         "systemctl enable haproxy.service",
     ]
+
+
+ALERTING_ARGS = dict(prometheus="p\n", alertmanager="a\n", rules="r\n", scrape_key="k", smtp_password="pw")
+
+
+def alerting_host(**changed) -> FakeHost:
+    files = {
+        PROMETHEUS_SCRAPE_KEY: ("k\n", 640),
+        ALERTMANAGER_SMTP_PASSWORD: ("pw\n", 640),
+        PROMETHEUS_DEFAULTS: gw.service_defaults(gw.PROMETHEUS_ARGS),
+        ALERTMANAGER_DEFAULTS: gw.service_defaults(gw.ALERTMANAGER_ARGS),
+        PROMETHEUS_CONFIG: "p\n",
+        ALERTMANAGER_CONFIG: ("a\n", 640),
+        GATEWAY_ALERT_RULES: "r\n",
+    }
+    units = {f"{PROMETHEUS_UNIT}.service", f"{ALERTMANAGER_UNIT}.service"}
+    return FakeHost(files={**files, **changed}, running=units, enabled=units)
+
+
+def test_alerting_converged_then_each_drift():
+    # The fake host's files are root:root, so the secrets get their group back, and nothing else.
+    regroup = [f"chown root:{PROMETHEUS_USER} {p}" for p in (PROMETHEUS_SCRAPE_KEY, ALERTMANAGER_SMTP_PASSWORD)]
+    assert alerting_host().commands(gw.alerting, **ALERTING_ARGS) == regroup
+    # A new secret file is made 0640 before anything is written into it.
+    cmds = FakeHost().commands(gw.alerting, **ALERTING_ARGS)
+    assert cmds[0] == f"install -m 640 -o root -g {PROMETHEUS_USER} /dev/null {PROMETHEUS_SCRAPE_KEY}"
+    assert cmds.index(f"upload {PROMETHEUS_SCRAPE_KEY}") > 0
+    # A changed secret: uploaded, Prometheus reloaded.
+    cmds = alerting_host().commands(gw.alerting, **{**ALERTING_ARGS, "scrape_key": "k2"})
+    assert cmds[0] == f"upload {PROMETHEUS_SCRAPE_KEY}" and cmds[-1].startswith(
+        f"if systemctl is-active -q {PROMETHEUS_UNIT}; then systemctl reload {PROMETHEUS_UNIT};"
+    )
+    # No smarthost password: its file goes.
+    cmds = alerting_host().commands(gw.alerting, **{**ALERTING_ARGS, "smtp_password": None})
+    assert cmds == [regroup[0], f"rm -f {ALERTMANAGER_SMTP_PASSWORD}"]
+    # A changed alertmanager.yml is made 0640, checked, then replaces the running one.
+    cmds = alerting_host().commands(gw.alerting, **{**ALERTING_ARGS, "alertmanager": "b\n"})
+    new = f"{ALERTMANAGER_CONFIG}.new"
+    assert cmds[2:4] == [f"install -m 640 -o root -g {PROMETHEUS_USER} /dev/null {new}", f"upload {new}"]
+    assert cmds[-2] == f"amtool check-config {new} && mv -f {new} {ALERTMANAGER_CONFIG}"
+    assert f"systemctl reload {ALERTMANAGER_UNIT}" in cmds[-1]
+    # Changed rules (written by the gateway operation) are checked before Prometheus reloads.
+    cmds = alerting_host(**{GATEWAY_ALERT_RULES: "old\n"}).commands(gw.alerting, **ALERTING_ARGS)
+    assert cmds[2] == f"promtool check rules {GATEWAY_ALERT_RULES}"
+    assert f"systemctl reload {PROMETHEUS_UNIT}" in cmds[3]
+    # Changed service defaults (the listen address): a restart, not a reload.
+    cmds = alerting_host(**{PROMETHEUS_DEFAULTS: "x"}).commands(gw.alerting, **ALERTING_ARGS)
+    assert cmds[2] == f"upload {PROMETHEUS_DEFAULTS}" and cmds[-1] == f"systemctl restart {PROMETHEUS_UNIT}"
 
 
 # --------------------------------------------------------------------------- model
