@@ -59,19 +59,16 @@ import urllib.request
 from typing import TYPE_CHECKING, Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-if TYPE_CHECKING:  # the same modules, as the type checker finds them in the checkout
+# The core modules: uploaded beside this script on the target, else the package of a checkout.
+BESIDE = os.path.isfile(os.path.join(HERE, "hostio.py"))
+sys.path.insert(0, HERE if BESIDE else os.path.abspath(os.path.join(HERE, "..", "..")))
+if TYPE_CHECKING or not BESIDE:  # as the type checker finds them, and a checkout imports them
     from freetoken_infra.core import hostio, quant
     from freetoken_infra.core import manifest as manifest_rules
 else:
-    try:  # uploaded beside this script on the target
-        import hostio
-        import manifest as manifest_rules
-        import quant
-    except ImportError:  # run from a checkout of the project
-        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-        from freetoken_infra.core import hostio, quant
-        from freetoken_infra.core import manifest as manifest_rules
+    import hostio
+    import manifest as manifest_rules
+    import quant
 
 MANIFEST = manifest_rules.MANIFEST_NAME
 PARTIAL_DIR = manifest_rules.PARTIAL_DIR

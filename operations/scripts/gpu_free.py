@@ -24,15 +24,13 @@ import sys
 from typing import TYPE_CHECKING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-if TYPE_CHECKING:  # the same module, as the type checker finds it in the checkout
+# The core modules: uploaded beside this script on the target, else the package of a checkout.
+BESIDE = os.path.isfile(os.path.join(HERE, "gpu_room.py"))
+sys.path.insert(0, HERE if BESIDE else os.path.abspath(os.path.join(HERE, "..", "..")))
+if TYPE_CHECKING or not BESIDE:  # as the type checker finds them, and a checkout imports them
     from freetoken_infra.core import gpu_room
 else:
-    try:  # uploaded beside this script on the target
-        import gpu_room
-    except ImportError:  # run from a checkout of the project
-        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-        from freetoken_infra.core import gpu_room
+    import gpu_room
 
 # Under WSL nvidia-smi comes from the Windows driver, often not on PATH (facts/gpu.py).
 WSL_NVIDIA_SMI = "/usr/lib/wsl/lib/nvidia-smi"

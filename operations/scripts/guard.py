@@ -35,15 +35,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-if TYPE_CHECKING:  # the same module, as the type checker finds it in the checkout
+# The core modules: uploaded beside this script on the target, else the package of a checkout.
+BESIDE = os.path.isfile(os.path.join(HERE, "hostio.py"))
+sys.path.insert(0, HERE if BESIDE else os.path.abspath(os.path.join(HERE, "..", "..")))
+if TYPE_CHECKING or not BESIDE:  # as the type checker finds them, and a checkout imports them
     from freetoken_infra.core import hostio
 else:
-    try:  # uploaded beside this script on the target
-        import hostio
-    except ImportError:  # run from a checkout of the project
-        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-        from freetoken_infra.core import hostio
+    import hostio
 
 PREFIX = "freetoken-guard:"
 # "GB" as in .wslconfig (swap=4GB is 4 GiB) and in `free -h`, which the field report read.

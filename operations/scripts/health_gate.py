@@ -57,15 +57,13 @@ import urllib.request
 from typing import TYPE_CHECKING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-if TYPE_CHECKING:  # the same module, as the type checker finds it in the checkout
+# The core modules: uploaded beside this script on the target, else the package of a checkout.
+BESIDE = os.path.isfile(os.path.join(HERE, "gate_record.py"))
+sys.path.insert(0, HERE if BESIDE else os.path.abspath(os.path.join(HERE, "..", "..")))
+if TYPE_CHECKING or not BESIDE:  # as the type checker finds them, and a checkout imports them
     from freetoken_infra.core import gate_record
 else:
-    try:  # uploaded beside this script on the target
-        import gate_record
-    except ImportError:  # run from a checkout of the project
-        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-        from freetoken_infra.core import gate_record
+    import gate_record
 
 KEY_VARIABLE = "FREETOKEN_API_KEY"
 POLL_INTERVAL_S = 0.5

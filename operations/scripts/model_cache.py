@@ -38,15 +38,13 @@ import sys
 from typing import TYPE_CHECKING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-if TYPE_CHECKING:  # the same module, as the type checker finds it in the checkout
+# The core modules: uploaded beside this script on the target, else the package of a checkout.
+BESIDE = os.path.isfile(os.path.join(HERE, "manifest.py"))
+sys.path.insert(0, HERE if BESIDE else os.path.abspath(os.path.join(HERE, "..", "..")))
+if TYPE_CHECKING or not BESIDE:  # as the type checker finds them, and a checkout imports them
     from freetoken_infra.core import manifest as manifest_rules
 else:
-    try:  # uploaded beside this script on the target
-        import manifest as manifest_rules
-    except ImportError:  # run from a checkout of the project
-        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-        from freetoken_infra.core import manifest as manifest_rules
+    import manifest as manifest_rules
 
 
 TOKEN_HEADER = "X-FreeToken-Cache-Token"

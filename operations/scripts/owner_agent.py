@@ -60,17 +60,15 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-if TYPE_CHECKING:  # the same modules, as the type checker finds them in the checkout
+# The core modules: uploaded beside this script on the target, else the package of a checkout.
+BESIDE = os.path.isfile(os.path.join(HERE, "agent_metrics.py"))
+sys.path.insert(0, HERE if BESIDE else os.path.abspath(os.path.join(HERE, "..", "..")))
+if TYPE_CHECKING or not BESIDE:  # as the type checker finds them, and a checkout imports them
     from freetoken_infra.core import agent_metrics, hostio, owner
 else:
-    try:  # uploaded beside this script on the target
-        import agent_metrics
-        import hostio
-        import owner
-    except ImportError:  # run from a checkout of the project
-        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-        from freetoken_infra.core import agent_metrics, hostio, owner
+    import agent_metrics
+    import hostio
+    import owner
 
 PREFIX = "freetoken-agent:"
 # nvidia-smi is not on systemd's PATH inside WSL: the Windows driver provides it here.

@@ -31,18 +31,15 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-if TYPE_CHECKING:  # the same modules, as the type checker finds them in the checkout
+# The core modules: uploaded beside this script on the target, else the package of a checkout.
+BESIDE = os.path.isfile(os.path.join(HERE, "owner.py"))
+sys.path.insert(0, HERE if BESIDE else os.path.abspath(os.path.join(HERE, "..", "..")))
+if TYPE_CHECKING or not BESIDE:  # as the type checker finds them, and a checkout imports them
     from freetoken_infra.core import owner
     from freetoken_infra.core import wol as waker
 else:
-    try:  # uploaded beside this script on the target
-        import owner
-        import wol as waker
-    except ImportError:  # run from a checkout of the project
-        sys.path.insert(0, os.path.abspath(os.path.join(HERE, "..", "..")))
-        from freetoken_infra.core import owner
-        from freetoken_infra.core import wol as waker
+    import owner
+    import wol as waker
 
 PREFIX = "freetoken-waker:"
 READ_LIMIT = 1 << 20  # show stat of a fleet is a few KB
