@@ -422,6 +422,26 @@ REPORT_KEY_NAME = ".report-key"
 SIGNATURE = "signature"
 
 
+def _read_own_file(path: Path, what: str, remedy: str, *, encoding: str, limit: int = -1) -> str | None:
+    """The text of `path` (at most `limit` characters), a file that only this user may read or
+    write (None: there is none). RolloutError naming `what` when it cannot be read or is not
+    this user's alone; `remedy` says what comes of removing it. No link is followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RolloutError(f"{what} {path} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, encoding=encoding, errors="replace") as f:
+        info = os.fstat(f.fileno())
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise RolloutError(
+                f"{what} {path} is not this user's alone (owner uid {info.st_uid}, mode "
+                f"{info.st_mode & 0o777:o}); remove it: {remedy}"
+            )
+        return f.read(limit)
+
+
 def report_key(create: bool) -> bytes:
     """This controller's report key (``reports_dir()/.report-key``); made (0600, in a 0700
     folder) when `create` and missing. RolloutError when it is missing (not `create`), not ours,
@@ -437,20 +457,10 @@ def report_key(create: bool) -> bytes:
         else:
             with os.fdopen(fd, "w", encoding="ascii") as f:
                 f.write(os.urandom(32).hex() + "\n")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise RolloutError(f"no report key at {path}: no rollout of this controller signed a report yet") from None
-    except OSError as exc:
-        raise RolloutError(f"the report key {path} cannot be read: {exc.strerror}") from None
-    with os.fdopen(fd, encoding="ascii", errors="replace") as f:
-        info = os.fstat(f.fileno())
-        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
-            raise RolloutError(
-                f"the report key {path} is not this user's alone (owner uid {info.st_uid}, mode "
-                f"{info.st_mode & 0o777:o}); remove it: the next rollout makes a new one"
-            )
-        text = f.read().strip()
+    text = _read_own_file(path, "the report key", "the next rollout makes a new one", encoding="ascii")
+    if text is None:
+        raise RolloutError(f"no report key at {path}: no rollout of this controller signed a report yet")
+    text = text.strip()
     if len(text) < 32:
         raise RolloutError(f"the report key {path} is damaged; remove it: the next rollout makes a new one")
     return text.encode("ascii", "replace")
@@ -529,20 +539,10 @@ def newest_applied() -> Applied | None:
     """The record of the newest report this controller applied (None: none yet). RolloutError
     when it is not this user's alone or damaged (remove it: the next rollout writes a new one)."""
     path = reports_dir() / APPLIED_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
+    what = "the record of the newest applied report"
+    text = _read_own_file(path, what, "the next rollout writes a new one", encoding="utf-8", limit=4096)
+    if text is None:
         return None
-    except OSError as exc:
-        raise RolloutError(f"the record of the newest applied report {path} cannot be read: {exc.strerror}") from None
-    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
-        info = os.fstat(f.fileno())
-        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
-            raise RolloutError(
-                f"the record of the newest applied report {path} is not this user's alone (owner uid "
-                f"{info.st_uid}, mode {info.st_mode & 0o777:o}); remove it: the next rollout writes a new one"
-            )
-        text = f.read(4096)
     try:
         doc = json.loads(text)
     except ValueError:
