@@ -725,8 +725,7 @@ class _Forget(BaseStateCallback):
 
     @classmethod
     def of(cls, state) -> None:
-        if not any(isinstance(handler, cls) for handler in state.callback_handlers):
-            state.add_callback_handler(cls())
+        pyinfra_internals.callback_handler(state, cls)
 
     def host_disconnect(self, state, host) -> None:  # type: ignore[override]  # pyinfra's is static
         memo = _memos.get((id(state), host.name))

@@ -39,6 +39,7 @@ from facts import batch
 from facts.inputs import inputs_of_run
 from freetoken_infra.core.layout import CONVERGE_RECORD_FILE, HOST_LOCK_FILE, HOST_LOCK_MUTEX
 from freetoken_infra.core.pyinfra_internals import (
+    callback_handler,
     changed_operations,
     connection_lost,
     is_active,
@@ -173,12 +174,7 @@ class HostLockKeeper(BaseStateCallback):
 
     @classmethod
     def of(cls, state) -> HostLockKeeper:
-        for handler in state.callback_handlers:
-            if isinstance(handler, cls):
-                return handler
-        keeper = cls()
-        state.add_callback_handler(keeper)
-        return keeper
+        return callback_handler(state, cls)
 
     def hold(self, host, token: str, elevation: Mapping[str, Any], lease_s: float) -> None:
         self.tokens[host.name] = token

@@ -22,7 +22,7 @@ import functools
 import inspect
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from pyinfra.api import Inventory
@@ -337,6 +337,20 @@ def _check_load_inventory() -> None:
 
 
 # --- the run's hosts and operations, as pyinfra's State keeps them ------------------------
+
+
+_Handler = TypeVar("_Handler")
+
+
+def callback_handler(state: State, cls: type[_Handler]) -> _Handler:
+    """The run's one ``cls`` callback handler (``State.add_callback_handler``, public API),
+    created and registered on the first call."""
+    for handler in state.callback_handlers:
+        if isinstance(handler, cls):
+            return handler
+    made = cls()
+    state.add_callback_handler(made)  # type: ignore[no-untyped-call]
+    return made
 
 
 def reached_host_names(state: State) -> set[str]:

@@ -30,7 +30,13 @@ import click
 from pyinfra.api.state import BaseStateCallback
 
 from freetoken_infra.core.gate_record import GateResult
-from freetoken_infra.core.pyinfra_internals import changed_operations, connection_lost, is_active, reached_host_names
+from freetoken_infra.core.pyinfra_internals import (
+    callback_handler,
+    changed_operations,
+    connection_lost,
+    is_active,
+    reached_host_names,
+)
 
 RECORD_ENV = "FREETOKEN_RUN_RECORD"
 
@@ -332,12 +338,7 @@ class RunRecords(BaseStateCallback):
     @classmethod
     def of(cls, state: Any) -> RunRecords:
         """This run's records (created and registered on the first call)."""
-        for handler in state.callback_handlers:
-            if isinstance(handler, cls):
-                return handler
-        run = cls()
-        state.add_callback_handler(run)
-        return run
+        return callback_handler(state, cls)
 
     def when_done(self, report: Callable[[RunRecords, Any], None]) -> None:
         """Call ``report(self, state)`` once every host of the run is done (once per function)."""
