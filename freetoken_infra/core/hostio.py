@@ -102,6 +102,16 @@ def _what(mode: int) -> tuple[str, str]:
     return "not a regular file", "device"
 
 
+def _what_failed(name: str, dir_fd: int, shown: str, error: OSError) -> tuple[str, str]:
+    """What ``name`` in ``dir_fd`` is (``_what``), after opening it as a folder failed with
+    ``error``; Refused (``shown``: the path as the user reads it) when even that cannot be told."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        raise Refused(f"{shown}: {error.strerror}", "error") from None
+    return _what(st.st_mode)
+
+
 def size_text(n: int) -> str:
     """``5.0 MiB``, ``70000 bytes``, ``64 KiB`` (binary units, as the cap is)."""
     if n >= 1024**2:
@@ -129,11 +139,7 @@ def open_folder(path: str) -> int:
             except FileNotFoundError:
                 raise
             except OSError as exc:
-                try:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    raise Refused(f"{shown}: {exc.strerror}", "error") from None
-                what, kind = _what(st.st_mode)
+                what, kind = _what_failed(name, fd, shown, exc)
                 if kind == "folder":
                     raise Refused(f"{shown}: {exc.strerror}", "error") from None
                 raise Refused(f"{shown} is {what}, not a folder", "file" if kind == "file" else kind) from None
@@ -221,11 +227,7 @@ def open_below(folder_fd: int, rel: str, shown: str) -> int | None:
             except FileNotFoundError:
                 return None
             except OSError as exc:
-                try:
-                    st = os.stat(part, dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    raise Refused(f"{shown}: {exc.strerror}", "error") from None
-                what, kind = _what(st.st_mode)
+                what, kind = _what_failed(part, fd, shown, exc)
                 raise Refused(f"{shown}: a folder on the way is {what}", kind) from None
             os.close(fd)
             fd = child
