@@ -9,7 +9,7 @@ import shutil
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -25,10 +25,8 @@ from freetoken_infra.core.records import (  # the results are re-exported: the r
     RESULT_REFUSED,
     RESULTS,
     UNTOUCHED,
-    Finished,
     HealthSeen,
     HostRow,
-    Lost,
     Observed,
     Rollback,
     RunRecord,
@@ -229,34 +227,29 @@ def record_host(host_name: str, pre: HostPreflight) -> None:
     record(host_name, observed=observed)
 
 
-@dataclass(frozen=True)
+_T = TypeVar("_T")
+
+
+def _latest(values: Iterable[_T | None]) -> _T | None:
+    """The last value that is set (a later record is the more recent)."""
+    found = None
+    for value in values:
+        found = value or found
+    return found
+
+
 class _HostRun:
-    """What a host's records say together: the last of each kind, every op error, every file
-    that needs a restart."""
+    """What a host's records say together: the latest of each kind, every op error, every file
+    that waits for a WSL restart."""
 
-    seen: Observed | None = None
-    gate: GateResult | None = None
-    rollback: Rollback | None = None
-    finished: Finished | None = None
-    lost: Lost | None = None
-    op_errors: tuple[str, ...] = ()
-    restart_files: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, entries: Sequence[RunRecord]) -> _HostRun:
-        run = cls()
-        for r in entries:
-            run = replace(
-                run,
-                seen=r.observed or run.seen,
-                gate=r.gate or run.gate,
-                rollback=r.rollback or run.rollback,
-                finished=r.finished or run.finished,
-                lost=r.lost or run.lost,
-                op_errors=run.op_errors + ((r.op_error,) if r.op_error else ()),
-                restart_files=run.restart_files + tuple(r.restart_pending),
-            )
-        return run
+    def __init__(self, entries: Sequence[RunRecord]) -> None:
+        self.seen = _latest(r.observed for r in entries)
+        self.gate = _latest(r.gate for r in entries)
+        self.rollback = _latest(r.rollback for r in entries)
+        self.finished = _latest(r.finished for r in entries)
+        self.lost = _latest(r.lost for r in entries)
+        self.op_errors = [r.op_error for r in entries if r.op_error]
+        self.restart_files = [f for r in entries for f in r.restart_pending]
 
 
 def _health_and_engine(
@@ -339,7 +332,7 @@ def host_row(
     # pyinfra's connection error, recorded (core.records.RunRecords) or read from its output by the caller
     unreachable = next((r.unreachable for r in entries if r.unreachable), None) or unreachable
     entries = [r for r in entries if not r.unreachable]
-    run = _HostRun.of(entries)
+    run = _HostRun(entries)
     seen, finished = run.seen, run.finished
     observed = seen or Observed()
     restart_files = sorted(set(run.restart_files) | set(observed.restart_pending))
