@@ -24,10 +24,9 @@ import sys
 from typing import TYPE_CHECKING
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The core modules: uploaded beside this script on the target, else the package of a checkout.
-BESIDE = os.path.isfile(os.path.join(HERE, "gpu_room.py"))
-sys.path.insert(0, HERE if BESIDE else os.path.abspath(os.path.join(HERE, "..", "..")))
-if TYPE_CHECKING or not BESIDE:  # as the type checker finds them, and a checkout imports them
+# The core modules: uploaded beside this script on the target, else the package of its checkout.
+sys.path.insert(0, HERE if os.path.isfile(f"{HERE}/gpu_room.py") else os.path.dirname(os.path.dirname(HERE)))
+if TYPE_CHECKING or sys.path[0] != HERE:  # the type checker, or a checkout
     from freetoken_infra.core import gpu_room
 else:
     import gpu_room
