@@ -29,8 +29,6 @@ from freetoken_infra.core.units import Section, UnitFile, managed_by, no_windows
 from operations import managed
 from operations.managed import ManagedFile
 
-_LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "guard.py")
-
 
 def guard_state_file(settings: Settings) -> str:
     """Written by the guard when it stops the engine; read by the ``GuardState`` fact. In root's
@@ -135,7 +133,7 @@ def guard(settings: Settings, drive_root: str = DEFAULT_DRIVE_ROOT):
     changed = yield from managed.put(
         # the module first: the timer may run the new script between two uploads
         ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
-        ManagedFile(GUARD_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
+        ManagedFile(GUARD_SCRIPT, local=managed.script_source("guard.py"), mode="755"),
         ManagedFile(f"{UNIT_DIR}/{GUARD_SERVICE}", text=guard_service_unit(settings, drive_root), unit=True),
         ManagedFile(timer, text=guard_timer_unit(settings), unit=True),
     )

@@ -35,6 +35,7 @@ tests/fleet/test_drift.py, make one world-writable).
 from __future__ import annotations
 
 import io
+import os
 import shlex
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -45,6 +46,14 @@ from pyinfra.operations import files, systemd
 
 from facts.files import FileText
 from operations import preview
+
+# This checkout's host scripts (operations/scripts/): what the operations upload.
+SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+
+def script_source(name: str) -> str:
+    """The local copy of the host script ``name`` (``operations/scripts/NAME``), to upload."""
+    return os.path.join(SCRIPTS_DIR, name)
 
 
 @dataclass(frozen=True)

@@ -55,10 +55,8 @@ TOKEN_CREDENTIAL = "hub-token"
 JOURNAL_LINES = 20
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_LOCAL_SCRIPT = os.path.join(_HERE, "scripts", "fetch_model.py")
 _LOCAL_QUANT = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "core", "quant.py")
 _LOCAL_MANIFEST = os.path.join(os.path.dirname(_HERE), "freetoken_infra", "core", "manifest.py")
-_LOCAL_CACHE_SCRIPT = os.path.join(_HERE, "scripts", "model_cache.py")
 
 
 def fetch_status_dir(settings: Settings) -> str:
@@ -364,7 +362,7 @@ def model_fetcher(settings: Settings, sources: Sequence[str] = (), drive_root: s
                 (_LOCAL_QUANT, QUANT_MODULE),
                 (_LOCAL_MANIFEST, MANIFEST_MODULE),
                 (hostio.__file__, HOSTIO_MODULE),
-                (_LOCAL_SCRIPT, FETCH_SCRIPT),
+                (managed.script_source("fetch_model.py"), FETCH_SCRIPT),
             )
         )
     )
@@ -441,7 +439,7 @@ def model_cache(
     # The workers' own account: the engine's user can neither signal nor trace them.
     yield from ownership.system_account(settings.cache_user, home="/nonexistent")
     changed = yield from managed.put(
-        ManagedFile(CACHE_SCRIPT, local=_LOCAL_CACHE_SCRIPT),
+        ManagedFile(CACHE_SCRIPT, local=managed.script_source("model_cache.py")),
         ManagedFile(CACHE_NGINX_CONF, text=cache_nginx_conf(settings, bind)),
         ManagedFile(unit_path, text=cache_unit(settings, bind, drive_root), unit=True),
     )

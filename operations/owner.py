@@ -17,7 +17,6 @@ read-only system, its one writable folder root's state folder, no new privileges
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 
 from pyinfra import host
@@ -57,7 +56,6 @@ from freetoken_infra.core.units import Section, UnitFile, managed_by, render, un
 from operations import managed, windows
 from operations.managed import ManagedFile
 
-_LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "owner_agent.py")
 UNIT_PATH = f"{UNIT_DIR}/{AGENT_UNIT}"
 SOCKET_PATH = f"{UNIT_DIR}/{AGENT_SOCKET}"
 REBOOT_LOOKS = 12
@@ -300,7 +298,7 @@ def agent(settings: Settings, firewall: bool = False):
         ManagedFile(HOSTIO_MODULE, local=hostio.__file__),
         ManagedFile(OWNER_MODULE, local=owner.__file__),
         ManagedFile(AGENT_METRICS_MODULE, local=agent_metrics.__file__),
-        ManagedFile(AGENT_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
+        ManagedFile(AGENT_SCRIPT, local=managed.script_source("owner_agent.py"), mode="755"),
         ManagedFile(OWNER_COMMAND, text=owner_command(), mode="755"),
         ManagedFile(UNIT_PATH, text=agent_unit(settings, system32(root), firewall), unit=True),
     )

@@ -9,7 +9,6 @@ folders above the leaf that the deploy did not create keep their owner and mode.
 
 from __future__ import annotations
 
-import os
 import shlex
 from collections.abc import Iterable
 
@@ -19,15 +18,20 @@ from pyinfra.operations import files, server
 from facts.account import Account
 from facts.ownership import DirOwnership, DirTree, components
 from freetoken_infra.core.layout import OWN_DIR_SCRIPT
+from operations.managed import script_source
 
-_LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "own_dir.py")
 SYSTEM_SHELL = "/usr/sbin/nologin"
 
 
 def upload_script():
     """``own_dir.py`` under ``/usr/local/lib/freetoken`` (root's, 0644); nothing when in place."""
     yield from files.put._inner(
-        src=_LOCAL_SCRIPT, dest=OWN_DIR_SCRIPT, user="root", group="root", mode="644", add_deploy_dir=False
+        src=script_source("own_dir.py"),
+        dest=OWN_DIR_SCRIPT,
+        user="root",
+        group="root",
+        mode="644",
+        add_deploy_dir=False,
     )
 
 

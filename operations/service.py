@@ -5,8 +5,6 @@ so it depends on no `wsl.exe` session - pitfall 4A).
 
 from __future__ import annotations
 
-import os
-
 from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.api.exceptions import OperationError
@@ -31,7 +29,6 @@ from operations.managed import ManagedFile
 from operations.model import check_argv
 
 UNIT_PATH = f"{UNIT_DIR}/{ENGINE_UNIT}"
-_LOCAL_GPU_FREE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "gpu_free.py")
 
 
 def env_path(settings: Settings) -> str:
@@ -218,7 +215,7 @@ def unit(settings: Settings, plan: LaunchPlan, drive_root: str = DEFAULT_DRIVE_R
     yield from managed.put(
         # the start-time GPU check and its formula, before the unit that runs them
         ManagedFile(GPU_ROOM_MODULE, local=gpu_room.__file__),
-        ManagedFile(GPU_FREE_SCRIPT, local=_LOCAL_GPU_FREE),
+        ManagedFile(GPU_FREE_SCRIPT, local=managed.script_source("gpu_free.py")),
         ManagedFile(env_path(settings), text=engine_environment(settings), mode="600", atomic=True, secret=True),
         ManagedFile(UNIT_PATH, text=engine_unit(settings, plan, drive_root), atomic=True, unit=True),
     )

@@ -15,7 +15,6 @@ nothing. Without any host with ``wake_on_lan_mac`` the service is stopped and di
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 
 from pyinfra import host
@@ -40,7 +39,6 @@ from freetoken_infra.core.units import Section, UnitFile, managed_by, render, un
 from operations import managed
 from operations.managed import ManagedFile
 
-_LOCAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "waker.py")
 UNIT_PATH = f"{UNIT_DIR}/{WAKER_UNIT}"
 
 
@@ -152,7 +150,7 @@ def waker(gw: Settings, hosts: list[dict]):
     changed = yield from managed.put(
         ManagedFile(WOL_MODULE, local=wol.__file__),
         ManagedFile(OWNER_MODULE, local=owner.__file__),  # serve_hours: parsed and read as the agent does
-        ManagedFile(WAKER_SCRIPT, local=_LOCAL_SCRIPT, mode="755"),
+        ManagedFile(WAKER_SCRIPT, local=managed.script_source("waker.py"), mode="755"),
         ManagedFile(WAKER_CONFIG, text=waker_config(gw, hosts)),
         ManagedFile(UNIT_PATH, text=waker_unit(), unit=True),
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import re
 import shlex
 from collections.abc import Generator, Mapping
@@ -40,7 +39,7 @@ from freetoken_infra.core.units import managed_by
 from operations import managed, preview
 from operations.managed import ManagedFile
 
-_WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "windows_file.py")
+_WRITER = managed.script_source("windows_file.py")
 
 
 def upload_writer() -> Generator[Any, None, None]:
