@@ -17,7 +17,7 @@ Each run:
     starts the engine again). A tripped state is otherwise left alone;
   * always writes the samples for node_exporter's textfile collector.
 
-Runs on the target with the system python3; standard library only.
+Runs on the target with the system python3: the standard library and ``hostio.py``, uploaded beside it.
 """
 
 from __future__ import annotations

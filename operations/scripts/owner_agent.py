@@ -38,7 +38,8 @@ mode, reason, a signal or the firewall changes, else every ``METRICS_EVERY_S``.
 
 ``owner snooze 2h | resume | status``: the owner's override (snooze and resume as root).
 
-Runs on the target with the system python3; standard library only.
+Runs on the target with the system python3: the standard library and the core modules uploaded
+beside it (``owner.py``, ``agent_metrics.py``, ``hostio.py``).
 """
 
 from __future__ import annotations

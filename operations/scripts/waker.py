@@ -15,7 +15,8 @@ to install on the gateway, and the same function the unit tests check.
 
     python3 waker.py --config /etc/freetoken/waker.json
 
-Runs on the gateway with the system python3; standard library only.
+Runs on the gateway with the system python3: the standard library, and ``wol.py`` and ``owner.py``
+uploaded beside it.
 """
 
 from __future__ import annotations
