@@ -128,8 +128,14 @@ def user():
     The waker's system user (no login, no home): it must exist before HAProxy's config names it
     for the waker's stats socket.
     """
+    # ensure_home=False: pyinfra would otherwise make /nonexistent, the home that must not exist.
     yield from server.user._inner(
-        user=WAKER_USER, system=True, shell="/usr/sbin/nologin", home="/nonexistent", create_home=False
+        user=WAKER_USER,
+        system=True,
+        shell="/usr/sbin/nologin",
+        home="/nonexistent",
+        create_home=False,
+        ensure_home=False,
     )
 
 

@@ -743,3 +743,59 @@ def test_a_no_op_run_yields_nothing_and_reads_no_more_facts_than_before(name):
     host, op, args, kwargs = _noop_hosts()[name]
     assert host.commands(op, *args, **kwargs) == []
     assert Counter(fact for fact, _ in host.asked) == NOOP_FACTS[name]
+
+
+# --------------------------------------------------------------------------- the waker (gateway host)
+def waker_host(gw: Settings, hosts: list[dict], **changed) -> FakeHost:
+    from freetoken_infra.core.layout import OWNER_MODULE, WAKER_CONFIG, WAKER_SCRIPT, WAKER_UNIT, WOL_MODULE
+    from operations import waker
+
+    files = {
+        WOL_MODULE: source("freetoken_infra", "core", "wol.py"),
+        OWNER_MODULE: source("freetoken_infra", "core", "owner.py"),
+        WAKER_SCRIPT: (source("operations", "scripts", "waker.py"), 755),
+        WAKER_CONFIG: waker.waker_config(gw, hosts),
+        waker.UNIT_PATH: waker.waker_unit(),
+    }
+    return FakeHost(files={**files, **changed}, running={WAKER_UNIT}, enabled={WAKER_UNIT})
+
+
+def test_waker_converged_then_each_drift_and_gone_with_no_host_to_wake():
+    from freetoken_infra.core.layout import WAKER_CONFIG, WAKER_SCRIPT, WAKER_UNIT
+    from operations import waker
+
+    gw = Settings(wake_on_lan_broadcast="10.213.0.255")
+    hosts = waker.targets({"ws2": Settings(wake_on_lan_mac="52:54:00:12:34:56")})
+    assert waker_host(gw, hosts).commands(waker.waker, gw, hosts) == []
+    # A bare gateway: every file, then systemd reloaded and the unit enabled and started.
+    bare = FakeHost().commands(waker.waker, gw, hosts)
+    for path in (WAKER_SCRIPT, WAKER_CONFIG, waker.UNIT_PATH):
+        assert f"upload {path}" in bare, bare
+    assert "systemctl daemon-reload" in bare
+    assert any(WAKER_UNIT in c and "start" in c for c in bare), bare
+    # A new cooldown: only the config, and the waker restarted to read it.
+    slower = Settings(wake_on_lan_broadcast="10.213.0.255", wake_on_lan_cooldown_s=1800)
+    cmds = waker_host(gw, hosts).commands(waker.waker, slower, hosts)
+    assert cmds[0] == f"upload {WAKER_CONFIG}" and not [c for c in cmds if c.startswith("upload") and c != cmds[0]]
+    assert any(WAKER_UNIT in c and "restart" in c for c in cmds), cmds
+    # A script changed on the host (by hand, or an older release): put back, the waker restarted.
+    cmds = waker_host(gw, hosts, **{WAKER_SCRIPT: ("# edited\n", 755)}).commands(waker.waker, gw, hosts)
+    assert cmds[0] == f"upload {WAKER_SCRIPT}" and any(WAKER_UNIT in c and "restart" in c for c in cmds), cmds
+    # No host to wake: the unit is stopped and disabled, and nothing is uploaded.
+    cmds = waker_host(gw, hosts).commands(waker.waker, gw, [])
+    assert cmds and not [c for c in cmds if c.startswith("upload")]
+    assert any("stop" in c and WAKER_UNIT in c for c in cmds) and any("disable" in c for c in cmds), cmds
+    # ...and on a gateway that never had it, nothing at all.
+    assert FakeHost().commands(waker.waker, gw, []) == []
+
+
+def test_waker_user_is_a_system_account_without_login_made_once():
+    from freetoken_infra.core.layout import WAKER_USER
+    from operations import waker
+
+    made = FakeHost(facts={"Users": {}, "Groups": set()}).commands(waker.user)
+    (useradd,) = made  # the account alone: no home made for it (pyinfra's default would make /nonexistent)
+    assert "-r" in useradd.split() or "--system" in useradd, useradd
+    assert "/usr/sbin/nologin" in useradd and WAKER_USER in useradd, useradd
+    account = {"home": "/nonexistent", "shell": "/usr/sbin/nologin", "group": WAKER_USER, "groups": []}
+    assert FakeHost(facts={"Users": {WAKER_USER: account}, "Groups": {WAKER_USER}}).commands(waker.user) == []
