@@ -217,6 +217,7 @@ COMMANDS: list[Command] = [
     Command("rollout", module("freetoken_infra.rollout")),
     Command("fleet", module("freetoken_infra.fleet")),
     Command("ledger", module("freetoken_infra.ledger")),
+    Command("dashboard", module("freetoken_infra.dashboard")),
     Command(
         "enrol",
         enrol_script,

@@ -12,10 +12,11 @@ if [ "$(id -u)" = 0 ]; then
                dpkg-dev apt-utils gnupg; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
     done
-    # Prometheus' and Alertmanager's own checkers (promtool, amtool) and a real Prometheus for the
-    # ledger's and the dashboard's tests: without their recommends (node_exporter), and not started.
+    # Prometheus' and Alertmanager's own checkers (promtool, amtool), a real Prometheus for the
+    # ledger's and the dashboard's tests and a real headless browser for the dashboard page's:
+    # without their recommends (node_exporter, fonts), and not started.
     lean=()
-    for pkg in prometheus prometheus-alertmanager; do
+    for pkg in prometheus prometheus-alertmanager chromium; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || lean+=("$pkg")
     done
     if [ ${#need[@]} -gt 0 ] || [ ${#lean[@]} -gt 0 ]; then

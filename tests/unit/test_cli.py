@@ -16,7 +16,7 @@ from freetoken_infra.rollout import pyinfra_executable
 
 ROOT = Path(__file__).resolve().parents[2]
 PIN = "SHA256:" + "A" * 43
-COMMANDS = ["doctor", "deploy", "rollout", "fleet", "ledger", "enrol", "completion"]
+COMMANDS = ["doctor", "deploy", "rollout", "fleet", "ledger", "dashboard", "enrol", "completion"]
 FLEET_COMMANDS = ["drain", "ready", "status", "add", "remove"]
 # A few options each help page must show, written out here so that a parser that lost them fails
 # (the test also checks every option the module's own parser declares).
@@ -31,6 +31,7 @@ SAMPLE_OPTIONS = {
     ("fleet", "add"): ["--host-key", "--class", "--port", "--user", "--ssh-key", "--known-hosts", "--skip-doctor"],
     ("fleet", "remove"): ["--wait", "--no-gateway"],
     ("ledger",): ["--prometheus", "--since", "--until", "--step", "--host", "--token-file", "--json", "--csv"],
+    ("dashboard",): ["--prometheus", "--since", "--until", "--host", "--dashboard", "--out", "--token-file"],
     ("enrol",): ["--key", "--key-file", "--allow", "--name", "--port", "--bundle"],
     ("completion",): ["bash", "zsh", "tcsh"],
 }
