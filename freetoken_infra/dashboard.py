@@ -37,14 +37,13 @@ from pathlib import Path
 
 from freetoken_infra.core.text import printable
 from freetoken_infra.ledger import (
-    TOKEN_ENV,
     LedgerError,
     Prometheus,
     _labels,
     _token,
     _ts,
     parse_duration,
-    parse_time,
+    prometheus_arguments,
 )
 
 PROG = "python -m freetoken_infra.dashboard"
@@ -515,13 +514,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         description="The fleet's dashboard (the panels of dashboards/freetoken.json) as one static HTML page, "
         "from the gateway's Prometheus: no Grafana needed.",
     )
-    ap.add_argument("--prometheus", required=True, metavar="URL", help="the Prometheus that scrapes the fleet")
-    ap.add_argument(
-        "--since", type=parse_duration, default=parse_duration("6h"), metavar="DURATION", help="the window (default 6h)"
-    )
-    ap.add_argument(
-        "--until", type=parse_time, metavar="TIME", help="the window's end: unix seconds or ISO 8601 (default now)"
-    )
+    prometheus_arguments(ap, since="6h")
     ap.add_argument(
         "--host", action="append", default=[], metavar="NAME", help="only this host (repeatable; default all)"
     )
@@ -536,12 +529,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--dashboard", type=Path, default=DASHBOARD, metavar="JSON", help="the Grafana dashboard JSON to draw"
     )
     ap.add_argument("--out", metavar="PATH", help="write the page here (default: standard output)")
-    ap.add_argument(
-        "--token-file",
-        metavar="PATH",
-        help=f"a bearer token for Prometheus, read from this file (or ${TOKEN_ENV}); never give it on the command line",
-    )
-    ap.add_argument("--timeout", type=float, default=30.0, metavar="S", help="seconds per query (default 30)")
     return ap
 
 

@@ -546,19 +546,35 @@ def format_csv(ledger: Mapping[str, HostLedger]) -> str:
 
 
 # --------------------------------------------------------------------------- command line
+def prometheus_arguments(ap: argparse.ArgumentParser, since: str) -> None:
+    """The options every reader of the gateway's Prometheus takes (the ledger, the dashboard page):
+    where it is, the window, the bearer token (from a file or the environment, never argv)."""
+    ap.add_argument("--prometheus", required=True, metavar="URL", help="the Prometheus that scrapes the fleet")
+    ap.add_argument(
+        "--since",
+        type=parse_duration,
+        default=parse_duration(since),
+        metavar="DURATION",
+        help=f"the window (default {since})",
+    )
+    ap.add_argument(
+        "--until", type=parse_time, metavar="TIME", help="the window's end: unix seconds or ISO 8601 (default now)"
+    )
+    ap.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"a bearer token for Prometheus, read from this file (or ${TOKEN_ENV}); never give it on the command line",
+    )
+    ap.add_argument("--timeout", type=float, default=30.0, metavar="S", help="seconds per query (default 30)")
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=prog,
         description="Per host: hours serving, yielded (by reason), asleep and down; requests, tokens and GPU energy, "
         "from the gateway's Prometheus.",
     )
-    ap.add_argument("--prometheus", required=True, metavar="URL", help="the Prometheus that scrapes the fleet")
-    ap.add_argument(
-        "--since", type=parse_duration, default=parse_duration("7d"), metavar="DURATION", help="the window (default 7d)"
-    )
-    ap.add_argument(
-        "--until", type=parse_time, metavar="TIME", help="the window's end: unix seconds or ISO 8601 (default now)"
-    )
+    prometheus_arguments(ap, since="7d")
     ap.add_argument(
         "--step",
         type=parse_duration,
@@ -569,12 +585,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ap.add_argument(
         "--host", action="append", default=[], metavar="NAME", help="only this host (repeatable); each gets a row"
     )
-    ap.add_argument(
-        "--token-file",
-        metavar="PATH",
-        help=f"a bearer token for Prometheus, read from this file (or ${TOKEN_ENV}); never give it on the command line",
-    )
-    ap.add_argument("--timeout", type=float, default=30.0, metavar="S", help="seconds per query (default 30)")
     form = ap.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="one JSON document")
     form.add_argument("--csv", action="store_true", help="one CSV row per host")

@@ -79,6 +79,17 @@ def wait_healthy(fleet, host, timeout: float = 120) -> dict:
     raise AssertionError(f"{host} not healthy after {timeout}s: {last}")
 
 
+def wait_until(what: str, check, timeout: float, poll: float = 0.2) -> float:
+    """The time `check()` first held; fails naming `what` after `timeout` (a bound on a hang only:
+    what the time itself is worth, a bench prints)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return time.time()
+        time.sleep(poll)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
 def engine_pid(fleet, host) -> int:
     return int(fleet.run(host, "systemctl show -p MainPID --value freetoken.service", check=True).stdout)
 

@@ -20,6 +20,7 @@ import pytest
 
 from operations import gateway as gw
 from tests.fleet import client
+from tests.fleet.client import wait_until as _wait_until
 from tests.fleet.gateway_load import ALERT_HOST_DOWN_FOR_S, pyinfra
 from tests.fleet.profiles import GATEWAY_NAME
 
@@ -55,6 +56,11 @@ def query(fleet, promql: str) -> list[dict]:
     return doc["data"]["result"] if doc else []
 
 
+def wait_until(what: str, check, timeout: float) -> float:
+    """client.wait_until, polling Prometheus and Alertmanager once a second."""
+    return _wait_until(what, check, timeout, poll=1.0)
+
+
 def firing(fleet, host: str, alertname: str = gw.HOST_DOWN) -> list[dict]:
     """Alertmanager's active alerts named `alertname` for `host`."""
     alerts = fetch(fleet, ALERTMANAGER + "alerts") or []
@@ -65,16 +71,6 @@ def firing(fleet, host: str, alertname: str = gw.HOST_DOWN) -> list[dict]:
         and a["labels"].get("host") == host
         and a["status"]["state"] == "active"
     ]
-
-
-def wait_until(what: str, check, timeout: float, poll: float = 1.0) -> float:
-    """The time `check()` first held; fails naming `what` after `timeout`."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return time.time()
-        time.sleep(poll)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 def test_prometheus_and_alertmanager_run_on_loopback_with_the_rules(alerting):

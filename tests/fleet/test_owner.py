@@ -24,6 +24,7 @@ import time
 import pytest
 
 from tests.fleet import client, harness
+from tests.fleet.client import wait_until
 from tests.fleet.gateway_load import (
     CLIENT_KEY,
     OWNER_APP,
@@ -66,16 +67,6 @@ def gateway(gateway_fleet):
 
 def engine_active(fleet, host: str) -> bool:
     return fleet.run(host, f"systemctl is-active --quiet {ENGINE}").returncode == 0
-
-
-def wait_until(what: str, check, timeout: float, poll: float = 0.2) -> float:
-    """The time `check()` first held; fails naming `what` after `timeout`."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return time.time()
-        time.sleep(poll)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 def in_service(watcher: Watcher, *hosts: str) -> bool:

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.fleet import harness
+from tests.fleet.client import wait_until
 from tests.fleet.gateway_load import CLIENT_KEY, PORT, Load, Watcher, pyinfra, summary
 from tests.fleet.profiles import GATEWAY_ADDRESS, GATEWAY_NAME
 
@@ -45,15 +46,6 @@ def fleet(gateway_fleet):
         harness.set_wake_on_lan("ws2", False)
         back = pyinfra(*gateway_fleet.args(), *gateway)
         assert back.returncode == 0, "the gateway did not converge back without ws2's waking"
-
-
-def wait_until(what: str, check, timeout: float, poll: float = 0.2) -> float:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return time.time()
-        time.sleep(poll)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 def waker_journal(fleet) -> str:
