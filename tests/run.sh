@@ -60,10 +60,11 @@ part=$(mktemp -d)
 trap 'rm -rf "$part"' EXIT
 # Its own XDG folders: nothing of the two runs meets on the controller.
 XDG_STATE_HOME="$part/state" XDG_CACHE_HOME="$part/cache" \
-    .venv/bin/pytest -m "not fleet" -p no:cacheprovider --durations=20 >"$part/nofleet.log" 2>&1 &
+    .venv/bin/pytest -m "not fleet" -p no:cacheprovider --durations=20 --junitxml="$part/nofleet.xml" \
+    >"$part/nofleet.log" 2>&1 &
 nofleet=$!
 set +e
-.venv/bin/pytest -m fleet -p no:cacheprovider --durations=20 2>&1 | tee "$part/fleet.log"
+.venv/bin/pytest -m fleet -p no:cacheprovider --durations=20 --junitxml="$part/fleet.xml" 2>&1 | tee "$part/fleet.log"
 fleet_rc=${PIPESTATUS[0]}
 wait "$nofleet"
 nofleet_rc=$?
@@ -83,6 +84,8 @@ for log in "$part/fleet.log" "$part/nofleet.log"; do
     passed=$((passed + $(count "$log" passed)))
     failed=$((failed + $(count "$log" failed) + $(count "$log" error)))
 done
+echo "--> time per part (bench/suite_times.py; the fleet's modules run one after another, the others beside them)"
+.venv/bin/python bench/suite_times.py "$part"/*.xml || true
 echo "--> fleet tests: exit $fleet_rc; the others: exit $nofleet_rc"
 echo "$passed passed, $failed failed"
 if [ "$fleet_rc" -ne 0 ] || [ "$nofleet_rc" -ne 0 ]; then
