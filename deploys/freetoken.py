@@ -3,11 +3,10 @@
 
 0. The host lock: one run per host at a time, taken before this run reads what it acts on
    (a run that finds another one's lock waits, saying who holds it, up to host_lock_timeout_s).
-1. Preflight (the doctor's rules): a host with a blocker is stopped before any
-   change, with its findings printed; the other hosts go on.
-2. Windows side: .wslconfig [wsl2] and /etc/wsl.conf [boot] systemd=true, merged
-   into the user's files. A change needs `wsl.exe --shutdown`; when systemd is not
-   up yet, everything after this step waits for that restart.
+1. Preflight (the doctor's rules): a host with a blocker is stopped before any change, with
+   its findings printed; the other hosts go on.
+2. Windows side: .wslconfig [wsl2] and /etc/wsl.conf [boot] systemd=true, merged into the
+   user's files. A change needs `wsl.exe --shutdown`; without systemd up, later steps wait.
 3. CUDA 13 toolchain from NVIDIA's repository, with driver packages pinned out.
 4. The engine in its own environment, the model (downloaded and verified by a
    systemd unit), the service, the guard timer, node_exporter reading the guard's samples.
