@@ -1272,7 +1272,8 @@ import json, os, subprocess
 # scheduled tasks), apt keyrings, users' homes, caches.
 ROOTS = ["/etc", "/opt", "/usr/local", "/var/lib", "/var/cache", "/usr/share/keyrings", "/home",
          "/mnt/c"]
-# Changed by the system or by a mere look, never by a deploy alone. The Windows stand-ins' call
+# Changed by the system, by a mere look or by a running service's own data (Prometheus' and
+# Alertmanager's under /var/lib/prometheus), never by a deploy alone. The Windows stand-ins' call
 # log is not Windows state: the calls that change Windows are listed on their own below.
 VOLATILE = ("/var/lib/apt/lists", "/var/lib/systemd/timers", "/var/lib/systemd/random-seed",
             "/var/lib/systemd/coredump", "/var/lib/systemd/catalog", "/var/lib/dhcp",
@@ -1280,7 +1281,7 @@ VOLATILE = ("/var/lib/apt/lists", "/var/lib/systemd/timers", "/var/lib/systemd/r
             "/var/lib/dpkg/triggers/Lock", "/etc/ld.so.cache", "/var/lib/dbus/machine-id",
             "/var/lib/systemd/deb-systemd-user-helper-enabled", "/var/lib/systemd/linger",
             "/var/lib/systemd/pstore", "/var/lib/systemd/backlight", "/var/lib/ucf/cache",
-            "/mnt/c/.sim/calls.jsonl")
+            "/var/lib/prometheus", "/mnt/c/.sim/calls.jsonl")
 QUERIES = ("wsl.exe --version", "wsl.exe --status", "wsl.exe --list", "wsl.exe -l",
            "cmd.exe /c echo", "schtasks.exe /Query", "wslinfo", "wslpath",
            "powershell.exe -NoProfile -NonInteractive -Command Get-", "powercfg.exe /devicequery")
