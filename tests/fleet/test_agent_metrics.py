@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import time
 import urllib.parse
 
 import pytest
 
+from tests.fleet.client import wait_until
 from tests.fleet.gateway_load import OWNER_QUIET_S
 from tests.fleet.profiles import GATEWAY_NAME, PROFILES
 
@@ -49,15 +49,6 @@ def query(fleet, promql: str) -> dict[str, float]:
     return out
 
 
-def until(check, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return True
-        time.sleep(1)
-    return False
-
-
 def test_prometheus_reads_the_agents_mode_and_the_yield_with_its_reason(prometheus):
     fleet = prometheus
 
@@ -65,28 +56,39 @@ def test_prometheus_reads_the_agents_mode_and_the_yield_with_its_reason(promethe
         return query(fleet, f'{metric}{{host="ws1"}}')
 
     # Serving: the mode, no reason, the engine's counters (it has answered /v1/stats), the card, the firewall.
-    assert until(lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=serving") == 1, 90), ws1("freetoken_agent_mode")
+    wait_until(
+        "ws1 serving in Prometheus", lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=serving") == 1, 90, poll=1.0
+    )
     assert sum(ws1("freetoken_agent_mode").values()) == 1
     assert set(ws1("freetoken_agent_yield_reason").values()) == {0}
-    assert until(lambda: ws1("freetoken_engine_requests_total") != {}, 30)
+    wait_until(
+        "ws1's engine counters in Prometheus", lambda: ws1("freetoken_engine_requests_total") != {}, 30, poll=1.0
+    )
     assert ws1("freetoken_gpu_memory_total_bytes") == {"host=ws1": PROFILES["ws1"].gpu.memory_total_mib * 2**20}
     assert ws1("freetoken_firewall_table_loaded") == {"host=ws1": 1}
     assert ws1("freetoken_agent_signal_up").get("host=ws1,signal=gpu") == 1
 
     # The owner's game: ws1 yields (drain, then its engine stopped), and says why.
     fleet.run("ws1", f"echo {PROFILES['ws1'].gpu.memory_total_mib - 1024} > {GAME}", check=True)
-    assert until(lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=yielded") == 1, 60), ws1("freetoken_agent_mode")
+    wait_until(
+        "ws1 yielded in Prometheus", lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=yielded") == 1, 60, poll=1.0
+    )
     assert ws1("freetoken_agent_yield_reason") == {
         f"host=ws1,reason={r}": float(r == "game")
         for r in ("game", "app", "full_screen", "snoozed", "off_schedule", "reboot_pending")
     }
     # The stopped engine's counters are left out (stale at once in Prometheus), never 0.
-    assert until(lambda: ws1("freetoken_engine_requests_total") == {}, 30)
+    wait_until(
+        "ws1's counters gone from Prometheus", lambda: ws1("freetoken_engine_requests_total") == {}, 30, poll=1.0
+    )
     assert ws1("freetoken_gpu_power_watts") == {"host=ws1": 142.31}  # the NVML stand-in's busy card
 
     # The game ends: after the quiet time the agent starts the engine and ws1 serves again.
     fleet.run("ws1", f"rm -f {GAME}", check=True)
-    assert until(lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=serving") == 1, 120), ws1(
-        "freetoken_agent_mode"
+    wait_until(
+        "ws1 serving again in Prometheus",
+        lambda: ws1("freetoken_agent_mode").get("host=ws1,mode=serving") == 1,
+        120,
+        poll=1.0,
     )
     assert set(ws1("freetoken_agent_yield_reason").values()) == {0}
